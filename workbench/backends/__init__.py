@@ -1,0 +1,30 @@
+"""The three training paths, each a function from the job config to a torchtitan `ModelSpec`.
+
+    native          torchtitan's Qwen3 (dense and MoE)                          backends/native.py
+    huggingface_v5  transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM        backends/huggingface_v5.py
+    nki_moe         native Qwen3-MoE with experts computed blockwise (NKI)      backends/nki_moe.py
+
+Everything else (launcher, TOML, data, optimizer, checkpoints, HF export) is shared.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from workbench.config import BACKENDS, JobConfig
+
+_MODULES = {"native": "native", "huggingface_v5": "huggingface_v5", "nki_moe": "nki_moe"}
+
+
+def get(name: str):
+    """The backend module for `name` (has `model_spec(job, shape)`)."""
+    if name not in _MODULES:
+        raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+    return importlib.import_module(f"workbench.backends.{_MODULES[name]}")
+
+
+def model_spec(job: JobConfig):
+    """torchtitan ModelSpec of the job's backend and flavor."""
+    from workbench import flavors
+
+    return get(job.model.backend).model_spec(job, flavors.get_shape(job.model.flavor))

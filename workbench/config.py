@@ -1,0 +1,457 @@
+"""The workbench's job config: one TOML file, typed sections, `--section.key value` overrides, validation.
+
+torchtitan 0.3.0 configures jobs with Python registries instead of TOML, so this module is our own layer:
+it reads the TOML the article shows (its field names accepted as written), lets every field be overridden on
+the command line, validates everything *before* any process group starts, and `workbench.trainer`
+translates the result into torchtitan's `Trainer.Config`.
+
+Layout::
+
+    [job] [model] [optimizer] [lr_scheduler] [training] [parallelism] [checkpoint] [profiling] [metrics]
+
+The article's spellings map onto canonical fields (see `ALIASES`): `job.model_parallel_size` is the FSDP
+shard degree (`parallelism.dp_shard`), `job.enable_checkpoint` -> `checkpoint.enable`,
+`job.checkpoint_folder` -> `checkpoint.folder`, `training.batch_size` -> `training.local_batch_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+BACKENDS = ("huggingface_v5", "native", "nki_moe")
+
+
+class ConfigError(ValueError):
+    """Bad job configuration. The message says what is wrong and how to fix it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections. Each field's docstring is its one-line documentation (shown by `--help`).
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Root folder; the run folder is <dump_folder>/<experiment_name>/."""
+    experiment_name: str = "qwen3_run"
+    """Name of the run folder under dump_folder."""
+    device: Literal["auto", "cpu", "cuda", "neuron"] = "auto"
+    """Accelerator: auto picks neuron (torch_neuronx importable) > cuda > cpu."""
+    seed: int = 42
+    """Seed for model init and data order (identical runs give identical losses)."""
+    verbose: bool = False
+    """Show torchtitan's own INFO logs (otherwise only the workbench's progress lines)."""
+    config_file: str = ""
+    """The TOML this config was read from (set by --job.config_file)."""
+
+
+@dataclass
+class Model:
+    name: str = "qwen3"
+    """Model family; only qwen3 (dense and MoE) is supported."""
+    flavor: str = ""
+    """Qwen3 flavor: 0.6B 1.7B 4B 8B 14B 32B 30B-A3B 235B-A22B, tiny / tiny-moe (CPU); empty = from hf_checkpoint."""
+    backend: Literal["huggingface_v5", "native", "nki_moe"] = "native"
+    """Training path: huggingface_v5 (transformers' modeling), native (torchtitan), nki_moe (NKI experts)."""
+    norm_type: str = "RMSNorm"
+    """Normalisation layer; Qwen3 uses RMSNorm (accepted for the article's config; nothing else is valid)."""
+    tokenizer_path: str = ""
+    """Directory with tokenizer.json; empty = the bundled real Qwen3 tokenizer."""
+    hf_checkpoint: str = ""
+    """Directory with config.json + *.safetensors to start from (published Qwen3 weights)."""
+    attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
+    """Attention kernel for native/nki_moe; sdpa runs everywhere (flex/varlen: CUDA only)."""
+    moe_load_balance_coeff: float = 1e-3
+    """torchtitan's aux-loss-free expert-bias update rate; 0 = off (Hugging Face semantics, for parity)."""
+    moe_block_size: int = 128
+    """nki_moe: tokens per expert block (each expert's tokens are padded to whole blocks)."""
+    hf_moe_implementation: Literal["hf", "titan"] = "hf"
+    """huggingface_v5 + MoE: keep transformers' own MoE block (hf) or swap in torchtitan's (titan)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    decay_ratio: float = -1.0
+    """Fraction of steps spent decaying at the end; -1 = decay over all post-warm-up steps."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak."""
+
+
+@dataclass
+class Training:
+    local_batch_size: int = 4
+    """Sequences per rank per micro-batch (the article's training.batch_size)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    steps: int = 1000
+    """Optimizer steps to train for."""
+    max_norm: float = 1.0
+    """Gradient clipping norm."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype for compute: auto = float32 on CPU (bf16 is ~40x slower there), bfloat16 elsewhere."""
+    compile: bool = False
+    """torch.compile the model (backend 'neuron' on Trainium, inductor on CUDA)."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward to save memory."""
+    dataset: str = "shakespeare"
+    """'shakespeare' (bundled corpus) or a path: a .txt/.md file or folder, .jsonl, or .parquet files."""
+    dataset_text_field: str = "text"
+    """Column / key holding the document text in JSONL and parquet files."""
+
+
+@dataclass
+class Parallelism:
+    dp_shard: int = -1
+    """FSDP shard degree (the article's job.model_parallel_size); -1 = all ranks not used elsewhere."""
+    dp_replicate: int = 1
+    """HSDP replicate degree."""
+    tp: int = 1
+    """Tensor-parallel degree (native / nki_moe)."""
+    ep: int = 1
+    """Expert-parallel degree (native MoE)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save DCP checkpoints every `interval` steps and resume from the latest on relaunch."""
+    folder: str = "checkpoint"
+    """Checkpoint folder inside the run folder."""
+    interval: int = 500
+    """Steps between checkpoints (a crash loses at most this many)."""
+    keep_latest_k: int = 3
+    """Keep only the newest k checkpoints (0 = keep all)."""
+    load_step: int = -1
+    """Resume from this step instead of the latest (-1 = latest)."""
+    export_hf: bool = False
+    """Write <run>/hf/ (safetensors + config.json + tokenizer) at the end of training."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """dtype of the exported safetensors."""
+
+
+@dataclass
+class Profiling:
+    enable: bool = False
+    """Record a torch.profiler trace."""
+    start_step: int = 3
+    """First profiled step (after warm-up)."""
+    steps: int = 2
+    """Number of profiled steps."""
+    folder: str = "profiling"
+    """Trace folder inside the run folder."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Log (and append to metrics.jsonl) every this many steps."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard scalars."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def run_dir(self) -> Path:
+        """<job.dump_folder>/<job.experiment_name>/"""
+        return Path(self.job.dump_folder) / self.job.experiment_name
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+
+# The article's field names -> canonical (section, key).
+ALIASES: dict[str, str] = {
+    "job.model_parallel_size": "parallelism.dp_shard",
+    "job.enable_checkpoint": "checkpoint.enable",
+    "job.checkpoint_folder": "checkpoint.folder",
+    "training.batch_size": "training.local_batch_size",
+    "parallelism.data_parallel_shard_degree": "parallelism.dp_shard",
+    "parallelism.data_parallel_replicate_degree": "parallelism.dp_replicate",
+    "parallelism.tensor_parallel_degree": "parallelism.tp",
+    "parallelism.expert_parallel_degree": "parallelism.ep",
+}
+
+
+SECTIONS: dict[str, type] = {
+    "job": Job, "model": Model, "optimizer": Optimizer, "lr_scheduler": LRScheduler, "training": Training,
+    "parallelism": Parallelism, "checkpoint": Checkpoint, "profiling": Profiling, "metrics": Metrics,
+}
+
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every 'section.key' -> (section, Field)."""
+    return {f"{name}.{f.name}": (name, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def valid_keys() -> list[str]:
+    return sorted(_fields()) + sorted(ALIASES)
+
+
+def _closest(key: str) -> str:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _field_type(section: str, f: dataclasses.Field) -> Any:
+    return typing.get_type_hints(SECTIONS[section])[f.name]
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Converts a TOML or command-line value to the field's type, or raises a ConfigError."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}.")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        return value
+    raise ConfigError(f"{key} expects {getattr(typ, '__name__', typ)}; got {value!r} ({type(value).__name__}).")
+
+
+def _set(cfg: JobConfig, key: str, value: Any) -> None:
+    canonical = ALIASES.get(key, key)
+    fields = _fields()
+    if canonical not in fields:
+        section = key.split(".", 1)[0]
+        sections = [f.name for f in dataclasses.fields(JobConfig)]
+        if "." not in key or section not in sections:
+            raise ConfigError(
+                f"Unknown config key {key!r}.{_closest(key)} Sections are: {', '.join(sections)}."
+            )
+        raise ConfigError(f"Unknown config key {key!r}.{_closest(key)}")
+    sec_name, f = fields[canonical]
+    setattr(getattr(cfg, sec_name), f.name, _coerce(key, value, _field_type(sec_name, f)))
+
+
+def _flatten(table: dict[str, Any], source: str) -> list[tuple[str, Any]]:
+    items = []
+    for section, body in table.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"{source}: top-level key {section!r} must be a [section] table.{_closest(section + '.x')}"
+            )
+        for key, value in body.items():
+            items.append((f"{section}.{key}", value))
+    return items
+
+
+def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
+    """`--section.key value`, `--section.key=value`, or a bare `--flag` (true) -> [(key, value)]."""
+    items, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"Unexpected argument {arg!r}: options look like --section.key value (e.g. --training.steps 30)."
+            )
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        else:
+            key, value = arg[2:], "true"
+            i += 1
+        items.append((key, value))
+    return items
+
+
+def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = None, **overrides: Any) -> JobConfig:
+    """Reads a TOML file, applies CLI-style `argv` and keyword overrides, and validates the result.
+
+    Args:
+        path: the TOML file (optional: defaults alone are the tiny CPU run).
+        argv: command-line overrides, e.g. ["--training.steps", "30"]; may include --job.config_file.
+        **overrides: Python overrides; use `section__key=value` or a dict per section
+            (`training={"steps": 30}`).
+
+    Raises:
+        ConfigError: with a message naming the bad key/value and the fix.
+    """
+    cli = parse_cli(list(argv or []))
+    for key, value in cli:
+        if key == "job.config_file":
+            path = value
+    cfg = JobConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {str(p)!r} does not exist (see configs/ for examples).")
+        try:
+            table = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from e
+        for key, value in _flatten(table, str(p)):
+            _set(cfg, key, value)
+        cfg.job.config_file = str(p)
+    for key, value in cli:
+        _set(cfg, key, value)
+    for name, value in overrides.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _set(cfg, f"{name}.{k}", v)
+        else:
+            _set(cfg, name.replace("__", "."), value)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Checks everything that can be checked before training starts.
+
+    Args:
+        cfg: the config.
+        world_size: total ranks; defaults to $WORLD_SIZE (1 when not launched by torchrun).
+    """
+    from workbench import flavors
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    m, t, par = cfg.model, cfg.training, cfg.parallelism
+    if m.name.lower() != "qwen3":
+        raise ConfigError(f"model.name={m.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
+    if m.norm_type != "RMSNorm":
+        raise ConfigError(f"model.norm_type={m.norm_type!r}: Qwen3 uses RMSNorm; set model.norm_type = \"RMSNorm\".")
+    if not m.flavor and not m.hf_checkpoint:
+        raise ConfigError(
+            f"model.flavor is not set. Choose one of {', '.join(flavors.FLAVORS)}, or set model.hf_checkpoint "
+            "to infer it from the checkpoint's config.json."
+        )
+    if m.flavor:
+        try:
+            shape = flavors.get_shape(m.flavor)
+        except flavors.FlavorError as e:
+            raise ConfigError(f"model.flavor: {e}") from None
+        if m.backend == "nki_moe" and not shape.is_moe:
+            moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
+            raise ConfigError(
+                f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor!r} is dense. "
+                f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
+            )
+        if t.seq_len > shape.max_seq_len:
+            raise ConfigError(f"training.seq_len={t.seq_len} exceeds flavor {m.flavor!r}'s max_seq_len {shape.max_seq_len}.")
+    if m.moe_block_size <= 0:
+        raise ConfigError(f"model.moe_block_size must be positive; got {m.moe_block_size}.")
+    for key, value in (("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),
+                       ("training.steps", t.steps), ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
+                       ("metrics.log_freq", cfg.metrics.log_freq), ("checkpoint.interval", cfg.checkpoint.interval)):
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive; got {value}.")
+    non_dp = par.tp * par.dp_replicate
+    shard = par.dp_shard if par.dp_shard != -1 else world_size // max(non_dp, 1)
+    if shard <= 0 or shard * non_dp != world_size:
+        raise ConfigError(
+            f"Parallel degrees do not fit {world_size} rank(s): dp_shard ({par.dp_shard}, the article's "
+            f"job.model_parallel_size) x dp_replicate ({par.dp_replicate}) x tp ({par.tp}) must equal the number "
+            f"of ranks (torchrun --nproc_per_node x --nnodes). Set --parallelism.dp_shard -1 to use all ranks."
+        )
+    if par.tp > 1 and t.seq_len % par.tp:
+        raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={par.tp}.")
+    if par.ep > 1 and m.backend != "native":
+        raise ConfigError(f"parallelism.ep={par.ep}: expert parallelism is only wired for the native backend.")
+    if m.backend == "huggingface_v5" and (par.tp > 1 or par.ep > 1):
+        raise ConfigError("huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; set tp = ep = 1.")
+    if m.attn_backend != "sdpa" and m.backend == "huggingface_v5":
+        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
+    if cfg.profiling.enable and cfg.profiling.steps <= 0:
+        raise ConfigError("profiling.steps must be positive when profiling.enable = true.")
+
+
+def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:
+    """training.dtype with 'auto' resolved for the device."""
+    if cfg.training.dtype != "auto":
+        return cfg.training.dtype
+    return "float32" if device_kind == "cpu" else "bfloat16"
+
+
+def help_text() -> str:
+    """All keys with their types, defaults and one-line docs."""
+    import ast
+    import inspect
+
+    lines = ["Options (TOML [section] key = value, or --section.key value):"]
+    for name, cls in SECTIONS.items():
+        docs, src = {}, ast.parse(inspect.getsource(cls))
+        body = src.body[0].body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                docs[a.target.id] = b.value.value
+        lines.append(f"  [{name}]")
+        for f in dataclasses.fields(cls):
+            lines.append(f"    --{name}.{f.name} (default {f.default!r}): {docs.get(f.name, '')}")
+    lines.append("  Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
+    return "\n".join(lines)

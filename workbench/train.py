@@ -1,0 +1,121 @@
+"""The one entry point for training: `python -m workbench.train` / `train.py`, under torchrun or alone.
+
+    torchrun --nproc_per_node=N train.py --job.config_file configs/X.toml --model.backend B [--section.key v ...]
+
+Order matters and is deliberate: parse and validate the whole config (a bad key, flavor or backend fails here,
+with exit code 2, before any process group or model exists) -> pick and pin the device -> write the resolved
+config into the run folder -> build torchtitan's Trainer -> train (resuming from the newest DCP checkpoint in
+the run folder if there is one) -> summary.
+
+`train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a subprocess,
+streams its output, and returns the run folder.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from workbench.config import ConfigError, JobConfig, help_text, load_config
+
+EXIT_CONFIG_ERROR = 2
+
+
+def run(job: JobConfig) -> Path:
+    """Trains in this process (one rank of a torchrun job, or a lone process = world size 1)."""
+    from workbench import device
+
+    info = device.detect(job.job.device)
+    device.prepare(info.kind)
+    # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    world_size = int(os.environ["WORLD_SIZE"])
+
+    import torch
+
+    from workbench import data
+    from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
+
+    data.document_sources(job.training.dataset, job.training.dataset_text_field)  # fail fast on bad paths
+    run_dir = job.run_dir
+    if int(os.environ["RANK"]) == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(job.to_toml())
+    quiet_titan_logs(job.job.verbose)
+    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
+        f"rank(s), run folder {run_dir}")
+    cfg = build_titan_config(job, info.kind, world_size)
+    if info.kind == "cpu":
+        cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
+    trainer = WorkbenchTrainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return run_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print(help_text())
+        return 0
+    try:
+        job = load_config(argv=argv)
+    except (ConfigError, FileNotFoundError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"workbench: config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    run(job)
+    return 0
+
+
+def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[str] | None = None,
+          stream=None) -> Path:
+    """Python API: trains `job` with `nproc` ranks (torchrun in a subprocess) and returns the run folder.
+
+    Args:
+        job: a JobConfig (from `workbench.load_config`) or the path of a TOML file.
+        nproc: processes (ranks) on this machine.
+        extra_args: more `--section.key value` overrides.
+        stream: a callable receiving each output line (default: print).
+
+    Raises:
+        subprocess.CalledProcessError: training failed (the output was streamed before).
+    """
+    if not isinstance(job, JobConfig):
+        job = load_config(job, argv=extra_args)
+        extra_args = None
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = job.run_dir / "launch.toml"
+    cfg_path.write_text(job.to_toml())
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", "-m", "workbench.train", "--job.config_file", str(cfg_path),
+           *(extra_args or [])]
+    stream = stream or (lambda line: print(line, end="", flush=True))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        stream(line)
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return job.run_dir
+
+
+if __name__ == "__main__":
+    sys.exit(main())

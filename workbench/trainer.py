@@ -1,0 +1,243 @@
+"""torchtitan's Trainer, extended through its seams for the workbench's run folder and progress output.
+
+`build_titan_config(job, device)` translates our `JobConfig` into torchtitan's `Trainer.Config` (with the
+backend's `ModelSpec`); `WorkbenchTrainer` adds, without touching torchtitan's loop:
+  * the run folder contract: `config.toml` (resolved config), `metrics.jsonl` (one object per logged step),
+    `checkpoint/` (DCP, torchtitan's checkpointer), `hf/` (export at the end when asked);
+  * a readable progress line per logged step on rank 0 and a summary at the end; other ranks stay quiet;
+  * an MFU against a peak that means something on the device (`workbench.profiling.peak_flops`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.tools.logging import logger as titan_logger
+from torchtitan.tools.profiler import Profiler
+from torchtitan.trainer import Trainer
+
+from workbench import data, profiling
+from workbench.config import JobConfig, resolved_dtype
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def say(msg: str) -> None:
+    """Prints on global rank 0 only (the workbench's user-facing output)."""
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+class WorkbenchMetrics(MetricsProcessor):
+    """torchtitan's metrics processor plus metrics.jsonl and a one-line progress report."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_path: str = ""
+        backend: str = ""
+        total_steps: int = 0
+        peak_flops: float = 0.0
+        """Peak FLOP/s of one device in the training dtype (replaces torchtitan's table lookup)."""
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        if config.peak_flops > 0:
+            self.gpu_peak_flops = config.peak_flops
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None):
+        cfg = self.config
+        time_delta = time.perf_counter() - self.time_last_log
+        steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
+        # tokens per second per device (torchtitan's definition)
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        mfu = self.num_flops_per_token * tps / self.gpu_peak_flops
+        mem = self.device_memory_monitor.get_peak_stats()
+        record = {
+            "step": step,
+            "loss": global_avg_loss,
+            "max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tps,
+            "mfu": mfu,
+            "tflops": self.num_flops_per_token * tps / 1e12,
+            "step_time_s": time_delta / max(step - getattr(self, "_last_step", step - 1), 1),
+            "data_time_s": sum(self.data_loading_times) / steps_in_window,
+            "peak_memory_bytes": int(mem.max_reserved_gib * 1024**3),
+            "backend": cfg.backend,
+            "time": time.time(),
+            **{k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))},
+        }
+        self._last_step = step
+        self.history.append(record)
+        self.logger.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step)
+        if _rank() == 0:
+            if cfg.jsonl_path:
+                with open(cfg.jsonl_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            width = len(str(cfg.total_steps))
+            say(
+                f"step {step:>{width}}/{cfg.total_steps}  loss {global_avg_loss:8.4f}  "
+                f"tok/s {tps:10,.0f}  mfu {100 * mfu:6.2f}%  mem {mem.max_reserved_gib:6.2f} GiB  "
+                f"step {record['step_time_s']:.3f}s"
+            )
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+
+class WorkbenchTrainer(Trainer):
+    """torchtitan's Trainer with the workbench's run folder, HF export and summary."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        job: dict = field(default_factory=dict)
+        """The resolved workbench JobConfig (as a dict)."""
+
+    def __init__(self, config: Config):
+        self.job = config.job
+        self._t0 = time.perf_counter()
+        super().__init__(config)
+        self.init_seconds = time.perf_counter() - self._t0
+
+    def train(self):
+        run_dir = Path(self.config.dump_folder)
+        start_step = None
+        t_start = time.perf_counter()
+        first_step_at = None
+        original_train_step = self.train_step
+
+        def timed_train_step(data_iterator):
+            nonlocal first_step_at, start_step
+            if start_step is None:
+                start_step = self.step
+            original_train_step(data_iterator)
+            if first_step_at is None:
+                first_step_at = time.perf_counter()
+
+        self.train_step = timed_train_step  # type: ignore[method-assign]
+        try:
+            super().train()
+        finally:
+            self.train_step = original_train_step  # type: ignore[method-assign]
+        if self.job["checkpoint"]["export_hf"]:
+            from workbench import hf
+
+            out = hf.export_trainer(self, run_dir / "hf")
+            say(f"exported Hugging Face weights to {out}")
+        hist = self.metrics_processor.history
+        if hist and _rank() == 0:
+            losses = [h["loss"] for h in hist]
+            tps = sorted(h["tokens_per_second"] for h in hist[1:] or hist)
+            summary = {
+                "backend": self.job["model"]["backend"],
+                "flavor": self.job["model"]["flavor"],
+                "steps": self.step,
+                "resumed_from": start_step or 0,
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                "median_tokens_per_second": tps[len(tps) // 2],
+                "init_seconds": self.init_seconds,
+                "time_to_first_step_s": (first_step_at - t_start) if first_step_at else None,
+                "train_seconds": time.perf_counter() - t_start,
+                "run_dir": str(run_dir),
+            }
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            say(
+                f"done: {summary['backend']} {summary['flavor']} steps {summary['resumed_from'] + 1}-{self.step}  "
+                f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}  "
+                f"median tok/s {summary['median_tokens_per_second']:,.0f}  run folder {run_dir}"
+            )
+
+
+def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) -> WorkbenchTrainer.Config:
+    """Translates the workbench config into torchtitan's Trainer.Config (with the backend's ModelSpec)."""
+    from workbench import backends
+
+    run_dir = job.run_dir
+    dtype = resolved_dtype(job, device_kind)
+    par = job.parallelism
+    dp = world_size // par.tp  # data-parallel ranks (tensor-parallel ranks share a batch)
+    spec = backends.model_spec(job)
+    opt = job.optimizer
+    ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[job.training.activation_checkpoint]
+    tcfg = WorkbenchTrainer.Config(
+        model_spec=spec,
+        hf_assets_path=str(data.tokenizer_dir(job.model.tokenizer_path)),
+        dump_folder=str(run_dir),
+        job=job.to_dict(),
+        metrics=WorkbenchMetrics.Config(
+            log_freq=job.metrics.log_freq, enable_tensorboard=job.metrics.enable_tensorboard,
+            disable_color_printing=True, jsonl_path=str(run_dir / "metrics.jsonl"), backend=job.model.backend,
+            total_steps=job.training.steps, peak_flops=profiling.peak_flops(device_kind, dtype),
+        ),
+        dataloader=data.PackedTextDataLoader.Config(
+            dataset=job.training.dataset, text_field=job.training.dataset_text_field,
+            tokenizer_path=job.model.tokenizer_path, seed=job.job.seed,
+        ),
+        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=r".*", optimizer_name=opt.name,
+            optimizer_kwargs={"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
+                              "weight_decay": opt.weight_decay},
+        )]),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=job.lr_scheduler.warmup_steps,
+            decay_ratio=None if job.lr_scheduler.decay_ratio < 0 else job.lr_scheduler.decay_ratio,
+            decay_type=job.lr_scheduler.decay_type, min_lr_factor=job.lr_scheduler.min_lr_factor,
+        ),
+        training=TrainingConfig(
+            local_batch_size=job.training.local_batch_size,
+            global_batch_size=job.training.local_batch_size * dp * job.training.gradient_accumulation_steps,
+            seq_len=job.training.seq_len, max_norm=job.training.max_norm, steps=job.training.steps,
+            dtype="float32", mixed_precision_param=dtype,
+            disable_cuda_graphs=True,
+        ),
+        parallelism=ParallelismConfig(
+            data_parallel_shard_degree=par.dp_shard, data_parallel_replicate_degree=par.dp_replicate,
+            tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep,
+        ),
+        checkpoint=CheckpointManager.Config(
+            enable=job.checkpoint.enable, folder=job.checkpoint.folder, interval=job.checkpoint.interval,
+            keep_latest_k=job.checkpoint.keep_latest_k, load_step=job.checkpoint.load_step,
+            last_save_model_only=False, export_dtype=job.checkpoint.export_dtype,
+        ),
+        activation_checkpoint=ac,
+        compile=CompileConfig(enable=job.training.compile,
+                              backend="neuron" if device_kind == "neuron" else "inductor"),
+        profiler=Profiler.Config(enable_profiling=False),
+        comm=CommConfig(init_timeout_seconds=300, train_timeout_seconds=300),
+        debug=DebugConfig(seed=job.job.seed, enable_structured_logging=False),
+        loss=CrossEntropyLoss.Config(),
+    )
+    return tcfg
+
+
+def quiet_titan_logs(verbose: bool) -> None:
+    """torchtitan logs INFO on every rank; keep only warnings unless verbose (and always on ranks > 0)."""
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    level = logging.INFO if (verbose and _rank() == 0) else logging.WARNING
+    titan_logger.setLevel(level)
+    for h in titan_logger.handlers:
+        h.setLevel(level)
+
+
+__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "say", "quiet_titan_logs"]
