@@ -391,19 +391,18 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             f"model.flavor is not set. Choose one of {', '.join(flavors.FLAVORS)}, or set model.hf_checkpoint "
             "to infer it from the checkpoint's config.json."
         )
-    if m.flavor:
-        try:
-            shape = flavors.get_shape(m.flavor)
-        except flavors.FlavorError as e:
-            raise ConfigError(f"model.flavor: {e}") from None
-        if m.backend == "nki_moe" and not shape.is_moe:
-            moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
-            raise ConfigError(
-                f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor!r} is dense. "
-                f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
-            )
-        if t.seq_len > shape.max_seq_len:
-            raise ConfigError(f"training.seq_len={t.seq_len} exceeds flavor {m.flavor!r}'s max_seq_len {shape.max_seq_len}.")
+    try:
+        _, shape = flavors.resolve(m.flavor, m.hf_checkpoint)
+    except (flavors.FlavorError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"model.flavor: {e}" if isinstance(e, flavors.FlavorError) else str(e)) from None
+    if m.backend == "nki_moe" and not shape.is_moe:
+        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
+        raise ConfigError(
+            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
+            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
+        )
+    if t.seq_len > shape.max_seq_len:
+        raise ConfigError(f"training.seq_len={t.seq_len} exceeds the model's max_seq_len {shape.max_seq_len}.")
     if m.moe_block_size <= 0:
         raise ConfigError(f"model.moe_block_size must be positive; got {m.moe_block_size}.")
     for key, value in (("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),

@@ -14,7 +14,9 @@ Two consumers read a shape:
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 QWEN3_VOCAB = 151936
@@ -258,9 +260,46 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> Qwen3Shape:
 def flavor_of(shape: Qwen3Shape) -> str | None:
     """The registered flavor name whose architecture equals `shape`, if any."""
     for name, known in FLAVORS.items():
-        if replace(known, official_params=0.0, max_seq_len=0) == replace(shape, official_params=0.0, max_seq_len=0):
+        if _same_arch(known, shape):
             return name
     return None
+
+
+def read_hf_shape(checkpoint_dir: str | Path) -> Qwen3Shape:
+    """The shape described by `<checkpoint_dir>/config.json` (clear errors for a missing/odd file)."""
+    d = Path(checkpoint_dir)
+    cfg_file = d / "config.json"
+    if not d.is_dir():
+        raise FileNotFoundError(f"model.hf_checkpoint={str(d)!r} is not a directory (expected config.json + *.safetensors).")
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{str(d)!r} has no config.json; a Hugging Face checkpoint directory needs one.")
+    return shape_from_hf_config(json.loads(cfg_file.read_text()))
+
+
+def resolve(flavor: str, hf_checkpoint: str = "") -> tuple[str, Qwen3Shape]:
+    """(flavor name, shape) for a job: from the flavor, from the checkpoint's config.json, or both (must agree).
+
+    A checkpoint whose shape is no registered flavor (e.g. a tiny test model) gets the name "custom".
+    """
+    if not hf_checkpoint:
+        return flavor, get_shape(flavor)
+    shape = read_hf_shape(hf_checkpoint)
+    if flavor:
+        expected = get_shape(flavor)
+        if not _same_arch(expected, shape):
+            diff = {k: (v, getattr(shape, k)) for k, v in describe(expected).items()
+                    if k != "max_seq_len" and getattr(shape, k) != v}
+            raise ValueError(
+                f"model.flavor={flavor!r} disagrees with {hf_checkpoint}/config.json on "
+                + ", ".join(f"{k} (flavor {a}, checkpoint {b})" for k, (a, b) in diff.items())
+                + ". Remove model.flavor to take the checkpoint's shape."
+            )
+        return flavor, replace(shape, official_params=expected.official_params)
+    return flavor_of(shape) or "custom", shape
+
+
+def _same_arch(a: Qwen3Shape, b: Qwen3Shape) -> bool:
+    return replace(a, official_params=0.0, max_seq_len=0) == replace(b, official_params=0.0, max_seq_len=0)
 
 
 def describe(shape: Qwen3Shape) -> dict[str, Any]:
@@ -270,5 +309,5 @@ def describe(shape: Qwen3Shape) -> dict[str, Any]:
 
 __all__ = [
     "FLAVORS", "Qwen3Shape", "FlavorError", "get_shape", "titan_model_config", "count_params",
-    "hf_config", "shape_from_hf_config", "flavor_of", "describe",
+    "hf_config", "shape_from_hf_config", "flavor_of", "describe", "read_hf_shape", "resolve",
 ]

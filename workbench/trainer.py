@@ -119,7 +119,7 @@ class WorkbenchTrainer(Trainer):
 
     def train(self):
         run_dir = Path(self.config.dump_folder)
-        start_step = None
+        start_step = None  # last step of a resumed run (0 = fresh)
         t_start = time.perf_counter()
         first_step_at = None
         original_train_step = self.train_step
@@ -127,12 +127,18 @@ class WorkbenchTrainer(Trainer):
         def timed_train_step(data_iterator):
             nonlocal first_step_at, start_step
             if start_step is None:
-                start_step = self.step
+                start_step = self.step - 1  # the loop increments step before calling train_step
             original_train_step(data_iterator)
             if first_step_at is None:
                 first_step_at = time.perf_counter()
 
         self.train_step = timed_train_step  # type: ignore[method-assign]
+        if self.job["model"]["hf_checkpoint"]:
+            # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
+            # super().train()) then overwrites them with the newer state, optimizer included.
+            from workbench import hf
+
+            hf.load_into_trainer(self, self.job["model"]["hf_checkpoint"])
         try:
             super().train()
         finally:
@@ -148,7 +154,7 @@ class WorkbenchTrainer(Trainer):
             tps = sorted(h["tokens_per_second"] for h in hist[1:] or hist)
             summary = {
                 "backend": self.job["model"]["backend"],
-                "flavor": self.job["model"]["flavor"],
+                "flavor": self.config.model_spec.flavor,
                 "steps": self.step,
                 "resumed_from": start_step or 0,
                 "first_loss": losses[0],

@@ -17,7 +17,7 @@ _MODULES = {"native": "native", "huggingface_v5": "huggingface_v5", "nki_moe": "
 
 
 def get(name: str):
-    """The backend module for `name` (has `model_spec(job, shape)`)."""
+    """The backend module for `name` (has `model_spec(job, flavor_name, shape)`)."""
     if name not in _MODULES:
         raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     return importlib.import_module(f"workbench.backends.{_MODULES[name]}")
@@ -27,4 +27,5 @@ def model_spec(job: JobConfig):
     """torchtitan ModelSpec of the job's backend and flavor."""
     from workbench import flavors
 
-    return get(job.model.backend).model_spec(job, flavors.get_shape(job.model.flavor))
+    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+    return get(job.model.backend).model_spec(job, name, shape)

@@ -18,10 +18,10 @@ def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
     )
 
 
-def model_spec(job: JobConfig, shape: flavors.Qwen3Shape) -> ModelSpec:
+def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelSpec:
     return ModelSpec(
         name="qwen3",
-        flavor=job.model.flavor,
+        flavor=flavor,
         model=model_config(job, shape),
         parallelize_fn=parallelize_qwen3,
         pipelining_fn=None,
