@@ -104,6 +104,8 @@ class LRScheduler:
     """Shape of the decay."""
     min_lr_factor: float = 0.0
     """Final lr as a fraction of the peak."""
+    total_steps: int = -1
+    """Length of the schedule; -1 = training.steps (set it to stop early on the same lr curve)."""
 
 
 @dataclass
@@ -114,6 +116,8 @@ class Training:
     """Tokens per sequence."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x DP ranks x gradient_accumulation_steps."""
     steps: int = 1000
     """Optimizer steps to train for."""
     max_norm: float = 1.0
@@ -418,6 +422,18 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
             f"job.model_parallel_size) x dp_replicate ({par.dp_replicate}) x tp ({par.tp}) must equal the number "
             f"of ranks (torchrun --nproc_per_node x --nnodes). Set --parallelism.dp_shard -1 to use all ranks."
         )
+    if t.global_batch_size != -1:
+        per_pass = t.local_batch_size * (world_size // par.tp)
+        if t.global_batch_size <= 0 or t.global_batch_size % per_pass:
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} must be a positive multiple of local_batch_size "
+                f"({t.local_batch_size}) x data-parallel ranks ({world_size // par.tp}) = {per_pass}."
+            )
+        if t.gradient_accumulation_steps not in (1, t.global_batch_size // per_pass):
+            raise ConfigError(
+                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps} contradicts global_batch_size="
+                f"{t.global_batch_size} ({t.global_batch_size // per_pass} accumulation steps); set only one of them."
+            )
     if par.tp > 1 and t.seq_len % par.tp:
         raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={par.tp}.")
     if par.ep > 1 and m.backend != "native":

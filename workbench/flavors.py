@@ -101,12 +101,12 @@ def get_shape(flavor: str) -> Qwen3Shape:
     if flavor in FLAVORS:
         return FLAVORS[flavor]
     known = ", ".join(FLAVORS)
-    hint = NOT_QWEN3.get(flavor.upper(), "")
-    close = difflib.get_close_matches(flavor, list(FLAVORS), n=1)
-    did_you_mean = f" Did you mean {close[0]!r}?" if close and not hint else ""
-    raise FlavorError(
-        f"Unknown Qwen3 flavor {flavor!r}. {hint}{did_you_mean} Valid flavors: {known}."
-    )
+    hint = NOT_QWEN3.get(flavor.upper())
+    if hint is None:
+        lowered = {name.lower(): name for name in FLAVORS}
+        close = difflib.get_close_matches(flavor.lower(), list(lowered), n=1)
+        hint = f"Did you mean {lowered[close[0]]!r}?" if close else ""
+    raise FlavorError(f"Unknown Qwen3 flavor {flavor!r}. {hint} Valid flavors: {known}.".replace("  ", " "))
 
 
 # --------------------------------------------------------------------------------------------

@@ -207,10 +207,12 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
             warmup_steps=job.lr_scheduler.warmup_steps,
             decay_ratio=None if job.lr_scheduler.decay_ratio < 0 else job.lr_scheduler.decay_ratio,
             decay_type=job.lr_scheduler.decay_type, min_lr_factor=job.lr_scheduler.min_lr_factor,
+            total_steps=job.lr_scheduler.total_steps if job.lr_scheduler.total_steps > 0 else None,
         ),
         training=TrainingConfig(
             local_batch_size=job.training.local_batch_size,
-            global_batch_size=job.training.local_batch_size * dp * job.training.gradient_accumulation_steps,
+            global_batch_size=(job.training.global_batch_size if job.training.global_batch_size > 0 else
+                               job.training.local_batch_size * dp * job.training.gradient_accumulation_steps),
             seq_len=job.training.seq_len, max_norm=job.training.max_norm, steps=job.training.steps,
             dtype="float32", mixed_precision_param=dtype,
             disable_cuda_graphs=True,
@@ -235,8 +237,17 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
     return tcfg
 
 
+# torchtitan warnings that are expected with the workbench's setup (we supply the peak FLOPs ourselves,
+# export without an index template, load HF weights ourselves): hidden unless job.verbose.
+_EXPECTED_TITAN_WARNINGS = ("lspci", "Peak flops undefined", "initial_load_model_only", "model.safetensors.index.json")
+_EXPECTED_PY_WARNINGS = ("DTensor random operators", "'set_vital' is deprecated",
+                         "In CPU autocast", "torch.distributed is already initialized")
+
+
 def quiet_titan_logs(verbose: bool) -> None:
-    """torchtitan logs INFO on every rank; keep only warnings unless verbose (and always on ranks > 0)."""
+    """torchtitan logs INFO on every rank; keep warnings only (INFO on rank 0 when verbose)."""
+    import warnings
+
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -244,6 +255,10 @@ def quiet_titan_logs(verbose: bool) -> None:
     titan_logger.setLevel(level)
     for h in titan_logger.handlers:
         h.setLevel(level)
+    if not verbose:
+        titan_logger.addFilter(lambda r: not any(s in r.getMessage() for s in _EXPECTED_TITAN_WARNINGS))
+        for msg in _EXPECTED_PY_WARNINGS:
+            warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
 __all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "say", "quiet_titan_logs"]

@@ -1,0 +1,111 @@
+"""The TOML + CLI config layer: overrides, the article's field names, and every error before training starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workbench.config import ConfigError, help_text, load_config, parse_cli, validate
+
+from conftest import ROOT
+
+ARTICLE = ROOT / "configs" / "qwen3_trainium.toml"
+DENSE = ROOT / "configs" / "cpu_dense.toml"
+
+
+def test_article_config_loads_with_its_field_names():
+    os.environ["WORLD_SIZE"] = "64"  # the article's file shards over 64 ranks; validation reads WORLD_SIZE
+    try:
+        cfg = load_config(ARTICLE)
+    finally:
+        del os.environ["WORLD_SIZE"]
+    assert cfg.parallelism.dp_shard == 64  # job.model_parallel_size
+    assert cfg.checkpoint.enable is True  # job.enable_checkpoint
+    assert cfg.checkpoint.folder == "checkpoint"  # job.checkpoint_folder
+    assert cfg.training.local_batch_size == 4  # training.batch_size
+    assert cfg.training.gradient_accumulation_steps == 2
+    assert cfg.model.flavor == "30B-A3B" and cfg.model.norm_type == "RMSNorm"
+
+
+def test_cli_overrides_every_form():
+    cfg = load_config(DENSE, argv=["--training.steps", "7", "--optimizer.lr=0.01", "--checkpoint.enable",
+                                   "--job.model_parallel_size", "-1"])
+    assert (cfg.training.steps, cfg.optimizer.lr, cfg.checkpoint.enable, cfg.parallelism.dp_shard) == (7, 0.01, True, -1)
+    assert parse_cli(["--a.b", "--c.d", "1"]) == [("a.b", "true"), ("c.d", "1")]
+    cfg = load_config(DENSE, training={"steps": 3}, model__backend="huggingface_v5")
+    assert cfg.training.steps == 3 and cfg.model.backend == "huggingface_v5"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model.flavor", "72B"], "Qwen3 has no 72B model"),
+    (["--model.flavor", "8b"], "Did you mean '8B'?"),
+    (["--training.stepz", "3"], "Did you mean 'training.steps'?"),
+    (["--trainning.steps", "3"], "Did you mean 'training.steps'?"),
+    (["--training.steps", "abc"], "training.steps expects int"),
+    (["--training.steps", "0"], "training.steps must be positive"),
+    (["--checkpoint.enable", "maybe"], "checkpoint.enable expects bool"),
+    (["--model.backend", "jax"], "model.backend must be one of huggingface_v5, native, nki_moe"),
+    (["--model.backend", "nki_moe"], "flavor 'tiny' is dense"),
+    (["--model.norm_type", "LayerNorm"], "Qwen3 uses RMSNorm"),
+    (["--model.name", "llama3"], "trains Qwen3 only"),
+    (["--job.model_parallel_size", "8"], "Parallel degrees do not fit 1 rank(s)"),
+    (["--training.global_batch_size", "3"], "must be a positive multiple of local_batch_size"),
+    (["--training.global_batch_size", "4", "--training.gradient_accumulation_steps", "3"], "contradicts"),
+    (["--training.seq_len", "100000"], "exceeds the model's max_seq_len"),
+    (["--model.hf_checkpoint", "/nonexistent/ckpt"], "is not a directory"),
+    (["steps", "3"], "options look like --section.key value"),
+])
+def test_bad_input_is_a_clear_error(argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(DENSE, argv=argv)
+    assert message in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("steps = 3\n")
+    with pytest.raises(ConfigError, match="must be a \\[section\\] table"):
+        load_config(flat)
+
+
+def test_flavor_required_without_checkpoint():
+    with pytest.raises(ConfigError, match="model.flavor is not set"):
+        load_config()
+
+
+def test_world_size_drives_dp_validation():
+    cfg = load_config(DENSE)
+    cfg.parallelism.dp_shard = 2
+    validate(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="do not fit 4 rank"):
+        validate(cfg, world_size=4)
+
+
+def test_help_lists_every_section():
+    text = help_text()
+    for section in ("[job]", "[model]", "[optimizer]", "[lr_scheduler]", "[training]", "[parallelism]",
+                    "[checkpoint]", "[profiling]", "[metrics]"):
+        assert section in text
+    assert "--training.steps" in text and "job.model_parallel_size -> parallelism.dp_shard" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.flavor", "72B"], "Valid flavors: 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B"),
+    (["--training.stepz", "3"], "training.steps"),
+])
+def test_cli_exits_nonzero_before_any_process_group(args, message):
+    """The acceptance commands: `python -m workbench.train --job.config_file configs/qwen3_trainium.toml ...`."""
+    proc = subprocess.run([sys.executable, "-m", "workbench.train", "--job.config_file", str(ARTICLE), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "torch.distributed" not in proc.stderr and "Traceback" not in proc.stderr

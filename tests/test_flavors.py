@@ -1,0 +1,53 @@
+"""Flavors as data: official parameter counts (built on the meta device) and the HF config round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench import flavors
+
+OFFICIAL = [n for n, s in flavors.FLAVORS.items() if s.official_params]
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
+def test_parameter_count_matches_official(name):
+    shape = flavors.FLAVORS[name]
+    counts = flavors.count_params(shape)
+    assert abs(counts["total"] / shape.official_params - 1) < 0.005, counts
+
+
+def test_moe_active_parameters():
+    # Published: 30B-A3B activates 3.3B, 235B-A22B activates 22B per token.
+    assert abs(flavors.count_params(flavors.FLAVORS["30B-A3B"])["active"] / 3.35e9 - 1) < 0.01
+    assert abs(flavors.count_params(flavors.FLAVORS["235B-A22B"])["active"] / 22.19e9 - 1) < 0.01
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_cpu_flavors_are_tiny_but_keep_the_real_vocab(name):
+    shape = flavors.FLAVORS[name]
+    counts = flavors.count_params(shape)
+    assert shape.vocab_size == 151936
+    assert counts["total"] - counts["embedding"] < 1_000_000  # "a few M at most" of non-embedding params
+
+
+@pytest.mark.parametrize("name", OFFICIAL + ["tiny", "tiny-moe"])
+def test_hf_config_round_trip(name):
+    shape = flavors.FLAVORS[name]
+    cfg = flavors.hf_config(shape).to_dict()
+    back = flavors.shape_from_hf_config(cfg)
+    assert flavors.flavor_of(back) == name
+
+
+def test_resolve_from_checkpoint_and_disagreement(tmp_path):
+    import json
+
+    flavors.hf_config(flavors.FLAVORS["tiny-moe"]).save_pretrained(tmp_path)
+    assert flavors.resolve("", str(tmp_path))[0] == "tiny-moe"
+    assert flavors.resolve("tiny-moe", str(tmp_path))[0] == "tiny-moe"
+    with pytest.raises(ValueError, match="disagrees with"):
+        flavors.resolve("tiny", str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="trains Qwen3 only"):
+        flavors.resolve("", str(tmp_path))

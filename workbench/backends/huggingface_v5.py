@@ -1,0 +1,416 @@
+"""Path 1: transformers' own `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, trained by torchtitan's Trainer.
+
+The modeling code is transformers 5.x, unchanged: attention through its "sdpa" function, the MoE layer is its
+`Qwen3MoeSparseMoeBlock` (softmax router over all experts, top-k, renormalised; experts computed by the
+"grouped_mm" experts implementation, see `EXPERTS_IMPLEMENTATION`). Only the seams torchtitan needs are ours:
+
+  * `HFQwen3` — a torchtitan `BaseModel` holding the transformers model under the attribute `hf`, so every
+    state-dict key is `"hf." + <the Hugging Face key>`. `forward(tokens, positions)` returns logits [B, S, V].
+    `init_weights` re-runs transformers' own per-module init (`_init_weights`) after `to_empty()` and then
+    proves that no parameter or buffer was left out (RoPE `inv_freq` included, the silent bug of older HF
+    backends): everything is first filled with NaN and checked afterwards.
+  * `parallelize` — FSDP2 over every decoder layer plus the root (embedding, final norm, lm_head: one group,
+    so a tied embedding stays one shared parameter), mixed-precision params from
+    `training.mixed_precision_param`, optional activation checkpointing / torch.compile per decoder layer.
+  * `HFv5StateDictAdapter` — HF keys <-> our keys: strips/adds the "hf." prefix, drops/restores a tied
+    `lm_head.weight`, and converts transformers' fused in-memory experts (`mlp.experts.gate_up_proj` [E, 2I, H],
+    `mlp.experts.down_proj` [E, H, I]) to/from the published per-expert keys (`mlp.experts.N.gate_proj.weight`
+    ...), which is what `save_pretrained` writes and what the native backend's adapter reads.
+
+Devices: CPU (gloo) and CUDA use the same code. Neuron (TorchNeuron): transformers' sdpa path is plain
+`torch.nn.functional.scaled_dot_product_attention` and `torch._grouped_mm` is listed as supported; written from
+the docs, unverified (no Trainium here). Flex attention is never used.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols.model import BaseModel
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from workbench import flavors
+from workbench.config import ConfigError, JobConfig
+
+PREFIX = "hf."
+"""Attribute of `HFQwen3` holding the transformers model, as a state-dict key prefix."""
+
+ATTN_IMPLEMENTATION = "sdpa"
+"""transformers' attention function: plain SDPA (is_causal for our packed causal rows) on every device."""
+
+EXPERTS_IMPLEMENTATION = "grouped_mm"
+"""transformers' experts kernel for `Qwen3MoeExperts`. "grouped_mm" rather than "eager" on CPU too: it is
+transformers' own default, it runs one `torch._grouped_mm` per projection instead of a Python loop over the
+experts that received tokens (measured on tiny-moe fwd+bwd: 9.4 ms vs 11.7 ms per step, bit-identical logits),
+its tokens-per-expert count has no host sync (histc), and it is the same kernel torchtitan's native MoE calls,
+which keeps the two paths numerically close."""
+
+
+# --------------------------------------------------------------------------------------------
+# The transformers model
+# --------------------------------------------------------------------------------------------
+
+
+def hf_causal_lm(hf_cfg, *, experts_implementation: str = EXPERTS_IMPLEMENTATION, dtype=torch.float32):
+    """Builds transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` from a config (random init on a real
+    device, no init on the meta device).
+
+    Args:
+        hf_cfg: `Qwen3Config` / `Qwen3MoeConfig` (e.g. `flavors.hf_config(shape)` or `AutoConfig.from_pretrained`).
+            Not modified: `_from_config` mutates its argument, so it gets a deep copy.
+        experts_implementation: transformers' experts kernel for MoE models ("grouped_mm", "eager", ...).
+        dtype: parameter dtype.
+    """
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    cfg = copy.deepcopy(hf_cfg)
+    if cfg.model_type == "qwen3_moe":
+        return Qwen3MoeForCausalLM._from_config(
+            cfg, attn_implementation=ATTN_IMPLEMENTATION, experts_implementation=experts_implementation, dtype=dtype
+        )
+    if cfg.model_type == "qwen3":
+        return Qwen3ForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    raise ValueError(f"huggingface_v5 builds Qwen3 only; got a config with model_type={cfg.model_type!r}.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP parameters), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def init_hf_weights(hf_model: nn.Module) -> None:
+    """Initialises every parameter and buffer of a materialised (e.g. after `to_empty`) transformers model.
+
+    Uses transformers' own per-module rule (`_init_weights`: normal(0, initializer_range) for linears,
+    embeddings, experts and router, ones for RMSNorm, RoPE `inv_freq` recomputed from the config), so the
+    distribution is transformers'; determinism comes from the global (and, under FSDP, DTensor) RNG seeded by
+    the trainer. Works on FSDP-sharded (DTensor) parameters.
+
+    Raises:
+        RuntimeError: a parameter or buffer that transformers' init did not write (it would otherwise hold
+            whatever `to_empty` left in memory and make runs silently non-deterministic).
+    """
+    tensors = dict(hf_model.named_parameters())
+    tensors.update((name, b) for name, b in hf_model.named_buffers() if b is not None)
+    for t in tensors.values():
+        _local(t).fill_(float("nan"))  # poison: anything init does not write stays NaN
+    for module in hf_model.modules():
+        hf_model._init_weights(module)
+    missed = [name for name, t in tensors.items() if torch.isnan(_local(t)).any()]
+    if missed:
+        raise RuntimeError(
+            f"transformers' _init_weights left {len(missed)} tensor(s) uninitialised: {', '.join(missed[:8])}. "
+            "Add an init rule for their module type in workbench/backends/huggingface_v5.py:init_hf_weights."
+        )
+
+
+class HFQwen3(BaseModel):
+    """torchtitan model wrapping transformers' Qwen3 causal LM (attribute `hf`)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        shape: flavors.Qwen3Shape
+        """Architecture (translated with `flavors.hf_config`)."""
+        experts_implementation: str = EXPERTS_IMPLEMENTATION
+        """transformers' experts kernel for MoE flavors."""
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            """Checks the trainer config against what this path supports (FSDP/HSDP only)."""
+            par = config.parallelism
+            others = {
+                "tensor_parallel_degree": par.tensor_parallel_degree,
+                "context_parallel_degree": par.context_parallel_degree,
+                "pipeline_parallel_degree": par.pipeline_parallel_degree,
+                "expert_parallel_degree": par.expert_parallel_degree,
+            }
+            unsupported = {k: v for k, v in others.items() if v != 1}
+            if unsupported:
+                raise ValueError(
+                    f"huggingface_v5 supports FSDP/HSDP only; got {unsupported}. Set them to 1, or use "
+                    "--model.backend native for tensor/context/pipeline/expert parallelism."
+                )
+            if config.training.seq_len > self.shape.max_seq_len:
+                raise ValueError(
+                    f"training.seq_len={config.training.seq_len} exceeds the model's max_seq_len "
+                    f"{self.shape.max_seq_len}; lower training.seq_len."
+                )
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            return nparams_and_flops(model, self.shape, seq_len)
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.shape = config.shape
+        self.hf = hf_causal_lm(flavors.hf_config(config.shape), experts_implementation=config.experts_implementation)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.hf.model.layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Logits [B, S, vocab] of transformers' forward (plain causal attention within each row).
+
+        Args:
+            tokens: token ids [B, S].
+            positions: RoPE positions [B, S] or [S] (default 0..S-1).
+        """
+        if kwargs:
+            raise TypeError(
+                f"huggingface_v5 forward takes tokens and positions only; got {sorted(kwargs)}. Masks other than "
+                "causal (e.g. per-document attention) are not wired for this path; use --model.backend native."
+            )
+        if positions is not None and positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+
+    def verify_module_protocol(self) -> None:
+        """transformers' submodules are plain `nn.Module`s by design (not torchtitan `Module`s); their
+        initialisation is `init_states` below, which checks coverage itself."""
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        """Initialises every parameter and buffer (called by the trainer after `to_empty`).
+
+        Args:
+            buffer_device: unused; transformers' buffers (RoPE tables) live with the parameters.
+        """
+        del buffer_device
+        _retie_embeddings(self.hf)
+        init_hf_weights(self.hf)
+
+
+def _retie_embeddings(hf_model: nn.Module) -> None:
+    """Re-ties lm_head to the embedding when the config says so.
+
+    `to_empty()` from the meta device gives every module a new Parameter of its own, which silently unties a
+    tied lm_head (two matrices, trained apart). Under FSDP2 the shared parameter survives `to_empty`, and this
+    is a no-op.
+    """
+    if hf_model.config.tie_word_embeddings and hf_model.lm_head.weight is not hf_model.model.embed_tokens.weight:
+        hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
+
+
+def nparams_and_flops(model: nn.Module, shape: flavors.Qwen3Shape, seq_len: int) -> tuple[int, int]:
+    """(unique parameters, training FLOPs per token) with torchtitan's formula, so MFU compares across paths.
+
+    FLOPs/token = 6 x (parameters in matmuls, MoE experts counted at top_k / num_experts, the input embedding
+    excluded unless tied to lm_head) + 6 x layers x heads x 2 x head_dim x seq_len (attention scores).
+    """
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - experts + (experts * shape.top_k // shape.num_experts if shape.is_moe else 0)
+    matmul = active if shape.tied else active - shape.vocab_size * shape.dim
+    attention = 6 * shape.n_layers * shape.n_heads * 2 * shape.head_dim * seq_len
+    return total, 6 * matmul + attention
+
+
+# --------------------------------------------------------------------------------------------
+# Parallelism
+# --------------------------------------------------------------------------------------------
+
+
+def parallelize(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder,
+                **_unused) -> HFQwen3:
+    """torchtitan `parallelize_fn`: activation checkpointing, compile, then FSDP2 (decoder layers + root).
+
+    FSDP2 is applied on one rank too (as torchtitan does): it carries the mixed-precision policy.
+    """
+    if ac_config is not None:
+        # torchtitan's policy wraps every child of `<module>.layers`: transformers' Qwen3Model has exactly that.
+        ac_config.build(dump_folder=dump_folder).apply(model.hf.model)
+    if compile_config.enable and "model" in compile_config.components:
+        for layer in model.decoder_layers:
+            layer.compile(backend=compile_config.backend)
+    _apply_fsdp(model, parallel_dims, training, parallelism)
+    return model
+
+
+def _apply_fsdp(model: HFQwen3, parallel_dims, training, parallelism) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.distributed import fsdp as titan_fsdp
+
+    mesh, mesh_dims = _fsdp_mesh(parallel_dims, parallelism)
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
+    )
+    reshard = titan_fsdp.get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, False)
+    for layer in model.decoder_layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, dp_mesh_dims=mesh_dims)
+    # Root group: embedding, final norm, lm_head. A tied lm_head shares the embedding's Parameter, which FSDP2
+    # accepts only inside one group, so they are not split into groups of their own.
+    fully_shard(model, mesh=mesh, mp_policy=mp, dp_mesh_dims=mesh_dims)
+    # Through the module attribute: workbench.cpu_adjustments wraps it on CPU (gloo needs plain SUM reduction).
+    titan_fsdp.disable_fsdp_gradient_division(model)
+
+
+def _fsdp_mesh(parallel_dims, parallelism):
+    """(mesh, DataParallelMeshDims or None) for FSDP, chosen as torchtitan's Qwen3 does per SPMD backend."""
+    if parallelism.spmd_backend in ("full_dtensor", "spmd_types"):
+        from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
+
+        return resolve_fsdp_mesh(parallel_dims)
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    return parallel_dims.get_mesh(names), None
+
+
+# --------------------------------------------------------------------------------------------
+# State-dict interchange
+# --------------------------------------------------------------------------------------------
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class HFv5StateDictAdapter(StateDictAdapter):
+    """Our keys ("hf." + transformers' in-memory keys) <-> the Hugging Face checkpoint format.
+
+    `to_hf` writes what `save_pretrained` writes: no `lm_head.weight` when tied, experts per expert.
+    `from_hf` accepts per-expert (published) or fused (`save_original_format=False`) expert keys.
+    Expert tensors must be full tensors (gather FSDP shards first, e.g. `get_model_state_dict(...,
+    full_state_dict=True)`); every other entry is only renamed, DTensors included.
+    """
+
+    def __init__(self, model_config: HFQwen3.Config, hf_assets_path: str | None = None):
+        super().__init__(model_config, hf_assets_path)
+        self.shape = model_config.shape
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        hf_sd: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            if not key.startswith(PREFIX):
+                raise KeyError(f"{key!r} is not a huggingface_v5 state-dict key (they start with {PREFIX!r}).")
+            hf_key = key[len(PREFIX):]
+            fused = _FUSED_EXPERTS.match(hf_key)
+            if hf_key == "lm_head.weight" and self.shape.tied:
+                continue
+            if fused:
+                hf_sd.update(_split_experts(fused.group(1), fused.group(2), _full(value, key)))
+            else:
+                hf_sd[hf_key] = value
+        return hf_sd
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+        for key, value in hf_state_dict.items():
+            m = _PER_EXPERT.match(key)
+            if m:
+                per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = value
+            else:
+                sd[PREFIX + key] = value
+        for prefix, projections in per_expert.items():
+            sd.update({PREFIX + k: v for k, v in _merge_experts(prefix, projections, self.shape.num_experts).items()})
+        if self.shape.tied:
+            sd.setdefault(PREFIX + "lm_head.weight", sd[PREFIX + "model.embed_tokens.weight"])
+        return sd
+
+
+def _full(value: torch.Tensor, key: str) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        raise NotImplementedError(
+            f"{key} is an FSDP shard (DTensor); splitting experts needs the full tensor. Gather first with "
+            "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options="
+            "StateDictOptions(full_state_dict=True))."
+        )
+    return value
+
+
+def _split_experts(prefix: str, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """transformers' fused experts -> published per-expert 2-D weights (gate rows first in gate_up_proj)."""
+    if name == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": value[e].clone() for e in range(value.shape[0])}
+    gate, up = value.chunk(2, dim=1)
+    out = {}
+    for e in range(value.shape[0]):
+        out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
+        out[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
+    return out
+
+
+def _merge_experts(prefix: str, projections: dict[str, dict[int, torch.Tensor]], num_experts: int) -> dict:
+    """Published per-expert weights of one layer -> transformers' fused `gate_up_proj` and `down_proj`."""
+    stacked = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        got = projections.get(name, {})
+        if sorted(got) != list(range(num_experts)):
+            raise KeyError(
+                f"{prefix}.N.{name}.weight: expected experts 0..{num_experts - 1}, found {sorted(got)}; the "
+                "checkpoint does not match the model's num_experts."
+            )
+        stacked[name] = torch.stack([got[e] for e in range(num_experts)])
+    return {
+        f"{prefix}.gate_up_proj": torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1),
+        f"{prefix}.down_proj": stacked["down_proj"],
+    }
+
+
+def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
+    """The HF <-> huggingface_v5 key mapping for a shape (used by `workbench.hf` for load/export)."""
+    return HFv5StateDictAdapter(HFQwen3.Config(shape=shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------------
+
+
+def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
+    """The torchtitan model config for a job.
+
+    Raises:
+        ConfigError: `model.hf_moe_implementation = "titan"` (not offered by this path).
+    """
+    if job.model.hf_moe_implementation != "hf":
+        raise ConfigError(
+            f"model.hf_moe_implementation={job.model.hf_moe_implementation!r} is not implemented: huggingface_v5 "
+            "trains transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
+            "--model.backend native for torchtitan's MoE."
+        )
+    return HFQwen3.Config(shape=shape)
+
+
+def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelSpec:
+    """torchtitan ModelSpec of this path (DCP checkpoints and resume need nothing else)."""
+    return ModelSpec(
+        name="qwen3_hf",
+        flavor=flavor,
+        model=model_config(job, shape),
+        parallelize_fn=parallelize,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,  # no torchtitan MoE here: no expert-bias hook
+        state_dict_adapter=HFv5StateDictAdapter,
+    )
+
+
+def build_model(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3:
+    """The model for inference and parity: CPU, fp32, eval mode, initialised (seeded by `job.job.seed`).
+
+    `forward(input_ids)` returns logits [B, S, vocab]; load weights with
+    `model.load_state_dict(hf_adapter(shape).from_hf(hf_state_dict))`.
+    """
+    torch.manual_seed(job.job.seed)
+    with torch.device("meta"):
+        model = model_config(job, shape).build()
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model.eval()
+
+
+__all__ = [
+    "HFQwen3", "HFv5StateDictAdapter", "hf_adapter", "hf_causal_lm", "init_hf_weights", "nparams_and_flops",
+    "parallelize", "model_config", "model_spec", "build_model", "PREFIX", "EXPERTS_IMPLEMENTATION",
+]

@@ -1,0 +1,74 @@
+"""Emulated `nki.language` (nl): allocation, buffers, dtypes, loop iterators, tile-size constants, op tokens.
+
+Only what `workbench.kernels.nki_moe` uses. Op tokens (`nl.add`, `nl.sigmoid`, ...) exist to be passed as
+`op=` to `nki.isa` instructions; calling them as standalone tile functions is outside the emulated subset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._core import (
+    GEMM_MOVING_FMAX,
+    GEMM_STATIONARY_FMAX,
+    HBM,
+    PMAX,
+    PSUM,
+    PSUM_BANK_BYTES,
+    SBUF,
+    SHARED_HBM,
+    allocate,
+)
+
+sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
+float32, bfloat16, float16, int32 = torch.float32, torch.bfloat16, torch.float16, torch.int32
+
+
+def ndarray(shape, dtype, buffer=SBUF, name: str = ""):
+    """Allocate an uninitialised tensor in `buffer` (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.NkiTensor.html)."""
+    return allocate(shape, dtype, buffer, name)
+
+
+# Loop iterators (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.language.affine_range.html,
+# .../nki.language.sequential_range.html): the emulator runs every loop sequentially in order, so it cannot catch
+# a loop-carried dependency wrongly declared affine; kernels must pick sequential_range for those themselves.
+def affine_range(start, stop=None, step=1):
+    return range(start, stop, step) if stop is not None else range(start)
+
+
+sequential_range = static_range = affine_range
+
+
+class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
+    """Hardware tile limits (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/nki.language.tile_size.html)."""
+
+    pmax = PMAX
+    psum_fmax = psum_bank_fmax = PSUM_BANK_BYTES // 4
+    gemm_stationary_fmax = GEMM_STATIONARY_FMAX
+    gemm_moving_fmax = GEMM_MOVING_FMAX
+
+
+class _Op:
+    """An op token: `fn` maps float32 torch tensors to float32 (engines compute in fp32)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(f"nl.{self.name} as a standalone tile op is outside the emulated subset; pass it "
+                                  "as op= to an nki.isa instruction")
+
+
+# Arithmetic operators for tensor_tensor / tensor_scalar.
+add = _Op("add", torch.add)
+subtract = _Op("subtract", torch.sub)
+multiply = _Op("multiply", torch.mul)
+maximum = _Op("maximum", torch.maximum)
+ARITHMETIC = (add, subtract, multiply, maximum)
+
+# Activation functions for nisa.activation.
+sigmoid = _Op("sigmoid", torch.sigmoid)
+ACTIVATIONS = (sigmoid,)
