@@ -55,3 +55,23 @@ def outdir(tmp_path: Path) -> Path:
     d = tmp_path / "outputs"
     d.mkdir()
     return d
+
+
+_SESSION_RUNS: dict[tuple, Path] = {}
+
+
+def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> Path:
+    """Runs a training job once per test session and returns its run folder (shared by several tests)."""
+    key = (config, args, nproc)
+    if key not in _SESSION_RUNS:
+        out = tmp_path_factory.mktemp("shared_run")
+        run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc)
+        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+        _SESSION_RUNS[key] = run_dir
+    return _SESSION_RUNS[key]
+
+
+@pytest.fixture(scope="session")
+def native_moe_2rank(tmp_path_factory) -> Path:
+    """configs/cpu_moe.toml, native, 30 steps, 2 ranks: the reference for the other MoE paths."""
+    return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", nproc=2)

@@ -12,8 +12,6 @@ group backend ``neuron``; both are written from AWS's public docs and are unveri
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 
 KINDS = ("cpu", "cuda", "neuron")
@@ -82,8 +80,15 @@ def prepare(kind: str) -> None:
         from workbench import cpu_adjustments
 
         cpu_adjustments.apply()
-    elif "torchtitan.tools.utils" not in sys.modules:
-        import torchtitan.tools.utils  # noqa: F401  (auto-detects cuda / neuron correctly)
+    elif kind == "neuron":
+        # torchtitan asks torch.distributed which backend serves its device type; make sure "neuron" maps to
+        # TorchNeuron's process group (per the TorchNeuron docs; unverified here).
+        import torch.distributed as dist
+
+        dist.Backend.default_device_backend_map.setdefault("neuron", "neuron")
+        import torchtitan.tools.utils  # noqa: F401  (auto-detects the neuron PrivateUse1 device)
+    else:
+        import torchtitan.tools.utils  # noqa: F401  (auto-detects cuda)
     _prepared = kind
 
 

@@ -223,11 +223,13 @@ def unit_of(key: str) -> str:
 
 @dataclass
 class _Unit:
-    """One unit: its model keys and the HF keys they map to (meta tensors: shapes and dtypes only)."""
+    """One unit: its model keys, the HF keys they map to (meta tensors: shapes only), and the model keys
+    with no HF counterpart (a tied lm_head, torchtitan's expert bias)."""
 
     name: str
     model: dict[str, torch.Tensor] = field(default_factory=dict)
     hf: dict[str, torch.Tensor] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
 
     def relative(self, key: str) -> str:
         return key[len(self.name) + 1:] if self.name else key
@@ -246,6 +248,7 @@ def plan_units(meta_sd: dict[str, torch.Tensor], adapter) -> list[_Unit]:
         units.setdefault(unit_of(key), _Unit(unit_of(key))).model[key] = value
     for unit in units.values():
         unit.hf = adapter.to_hf(dict(unit.model))
+        unit.dropped = [k for k, v in unit.model.items() if not adapter.to_hf({k: v})]
     return list(units.values())
 
 
@@ -349,7 +352,7 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
         backend: whose `hf_adapter` maps the keys.
 
     Returns:
-        {"tensors": HF tensors read, "bytes": their size in the file dtype, "seconds": wall time}.
+        {"tensors": HF tensors read, "elements": their total number of values, "seconds": wall time}.
 
     Raises:
         HFCheckpointError: an unusable directory or weights that do not fit the model (message names the fix).
@@ -370,8 +373,8 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
     if unfilled:
         raise RuntimeError(f"No checkpoint weights reached {unfilled[:_SHOW]} (the backend's hf_adapter maps nothing "
                            "to them; if they should be tied, the model lost the tie).")
-    n_bytes = sum(_numel(s.shape) for u in units for s in (toc[k] for k in u.hf))
-    return {"tensors": sum(len(u.hf) for u in units), "elements": n_bytes, "seconds": time.perf_counter() - t0}
+    elements = sum(_numel(toc[k].shape) for u in units for k in u.hf)
+    return {"tensors": sum(len(u.hf) for u in units), "elements": elements, "seconds": time.perf_counter() - t0}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -449,7 +452,9 @@ def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"Export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}.")
 
 
-def _target_problem(out: Path, overwrite: bool) -> str | None:
+def target_problem(out: str | os.PathLike, overwrite: bool) -> str | None:
+    """Why `out` cannot be an export target (None if it can)."""
+    out = Path(out)
     if out.exists() and not overwrite:
         return (f"{out} already exists. Choose another output directory, or pass overwrite=True "
                 "(--overwrite) to replace it.")
@@ -493,6 +498,7 @@ class _ShardWriter:
         self.remaining[name] -= 1
         if self.remaining[name] == 0:
             save_file(self.pending.pop(name), str(self.folder / name), metadata={"format": "pt"})
+            os.chmod(self.folder / name, 0o644)  # safetensors writes 0600; exports are meant to be shared
 
     def finish(self) -> None:
         """Writes the index (sharded exports); checks that every planned tensor was written."""
@@ -510,26 +516,30 @@ def _full_unit(model: torch.nn.Module, unit: _Unit, dtype: torch.dtype, keep: bo
     """A unit's state dict gathered to full tensors (collective) and cast to `dtype`; {} where not `keep`."""
     from torch.distributed.tensor import DTensor
 
-    module = model.get_submodule(unit.name)
-    buffers = {n for n, _ in module.named_buffers()}
     out = {}
-    for rel, value in module.state_dict().items():
+    for rel, value in model.get_submodule(unit.name).state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        key = f"{unit.name}.{rel}" if unit.name else rel
-        if keep and rel in buffers and key in unit.model and not any(_covers(unit, key)) and value.any():
-            warnings.warn(f"{key} has no Hugging Face equivalent and is not exported (e.g. torchtitan's "
-                          "aux-loss-free expert bias); the exported model routes without it. Train with "
-                          "model.moe_load_balance_coeff = 0 for an exact match.", stacklevel=3)
         if keep:
-            out[key] = value.detach().to(dtype=dtype, device="cpu", copy=True)
+            out[f"{unit.name}.{rel}" if unit.name else rel] = value.detach().to(dtype=dtype, device="cpu", copy=True)
     return out
 
 
-def _covers(unit: _Unit, key: str):
-    """Yields whether the HF side of `unit` has anything derived from `key` (its name appears in the plan)."""
-    yield bool(unit.hf) and key in unit.model and unit_of(key) == unit.name and key.rsplit(".", 1)[-1] in (
-        k.rsplit(".", 1)[-1] for k in unit.hf)
+def _warn_dropped(model: torch.nn.Module, units: list[_Unit]) -> None:
+    """Warns about non-zero buffers the HF format cannot hold (torchtitan's aux-loss-free expert bias)."""
+    buffers = dict(model.named_buffers())
+    lost = [k for u in units for k in u.dropped if k in buffers and bool(_local(buffers[k]).any())]
+    if lost:
+        warnings.warn(
+            f"{len(lost)} non-zero buffer(s) have no Hugging Face equivalent and are not exported ({', '.join(lost[:3])}"
+            f"{', ...' if len(lost) > 3 else ''}): torchtitan's expert-bias load balancing; the exported model routes "
+            "without it. Train with model.moe_load_balance_coeff = 0 for an exact match.", stacklevel=3)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_config, shape: flavors.Qwen3Shape,
@@ -558,7 +568,7 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
 
     out = Path(out_dir).absolute()
     dt = export_dtype(dtype)
-    _agree(lambda: _target_problem(out, overwrite))
+    _agree(lambda: target_problem(out, overwrite))
     adapter = backends.get(backend).hf_adapter(shape)
     units = plan_units(meta_state_dict(model_config), adapter)
     rank0 = _rank() == 0
@@ -577,10 +587,12 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
                 continue
             try:
                 for key, tensor in adapter.to_hf(full).items():
-                    writer.add(key, tensor.contiguous().clone() if tensor.data_ptr() else tensor)
+                    # Per-expert slices are views of one stacked tensor; safetensors stores no shared memory.
+                    writer.add(key, tensor.clone() if tensor._base is not None else tensor)
             except Exception as e:  # keep joining the collectives; every rank raises below
                 failure = f"writing {unit.name} failed: {e!r}"
     if rank0 and failure is None:
+        _warn_dropped(model, units)
         try:
             writer.finish()
             _write_config(tmp, shape, dt)
@@ -661,5 +673,5 @@ def export_trainer(trainer, out_dir: str | os.PathLike, *, overwrite: bool = Tru
 __all__ = [
     "HFCheckpointError", "HFExportError", "ModelInfo", "weight_files", "table_of_contents", "unit_of",
     "meta_state_dict", "plan_units", "check_against", "load_weights", "load_into_model", "load_into_trainer",
-    "export_dtype", "export_weights", "export_model", "export_trainer",
+    "export_dtype", "target_problem", "export_weights", "export_model", "export_trainer",
 ]

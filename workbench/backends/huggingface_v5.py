@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -195,8 +196,15 @@ def _retie_embeddings(hf_model: nn.Module) -> None:
     tied lm_head (two matrices, trained apart). Under FSDP2 the shared parameter survives `to_empty`, and this
     is a no-op.
     """
-    if hf_model.config.tie_word_embeddings and hf_model.lm_head.weight is not hf_model.model.embed_tokens.weight:
-        hf_model.lm_head.weight = hf_model.model.embed_tokens.weight
+    embedding = hf_model.model.embed_tokens.weight
+    if not hf_model.config.tie_word_embeddings or hf_model.lm_head.weight is embedding:
+        return
+    if _local(embedding) is not embedding:
+        raise RuntimeError(
+            "FSDP holds the tied embedding and lm_head as two parameters; shard both in one group (the root) "
+            "so they stay one parameter (see _apply_fsdp)."
+        )
+    hf_model.lm_head.weight = embedding
 
 
 def nparams_and_flops(model: nn.Module, shape: flavors.Qwen3Shape, seq_len: int) -> tuple[int, int]:
@@ -226,8 +234,11 @@ def parallelize(model: HFQwen3, *, parallel_dims, training, parallelism, compile
     FSDP2 is applied on one rank too (as torchtitan does): it carries the mixed-precision policy.
     """
     if ac_config is not None:
+        policy = ac_config.build(dump_folder=dump_folder)
+        if type(policy) is SelectiveAC:
+            policy = TransformersSelectiveAC(policy.config, dump_folder=dump_folder)
         # torchtitan's policy wraps every child of `<module>.layers`: transformers' Qwen3Model has exactly that.
-        ac_config.build(dump_folder=dump_folder).apply(model.hf.model)
+        policy.apply(model.hf.model)
     if compile_config.enable and "model" in compile_config.components:
         for layer in model.decoder_layers:
             layer.compile(backend=compile_config.backend)
@@ -235,11 +246,23 @@ def parallelize(model: HFQwen3, *, parallel_dims, training, parallelism, compile
     return model
 
 
+class TransformersSelectiveAC(SelectiveAC):
+    """torchtitan's selective activation checkpointing, except that `topk` outputs are recomputed, not saved.
+
+    transformers' MoE router renormalises its top-k weights in place (`router_top_value /= ...sum()`), and SAC
+    refuses a cached tensor that was mutated ("Tensor cached during selective activation checkpoint has been
+    mutated"). Recomputing topk from the same saved inputs selects the same experts.
+    """
+
+    def get_save_ops(self) -> set:
+        return {op for op in super().get_save_ops() if op != torch.ops.aten.topk.default}
+
+
 def _apply_fsdp(model: HFQwen3, parallel_dims, training, parallelism) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchtitan.distributed import fsdp as titan_fsdp
 
-    mesh, mesh_dims = _fsdp_mesh(parallel_dims, parallelism)
+    mesh = _fsdp_mesh(parallel_dims, parallelism)
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
@@ -247,22 +270,23 @@ def _apply_fsdp(model: HFQwen3, parallel_dims, training, parallelism) -> None:
     )
     reshard = titan_fsdp.get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, False)
     for layer in model.decoder_layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, dp_mesh_dims=mesh_dims)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     # Root group: embedding, final norm, lm_head. A tied lm_head shares the embedding's Parameter, which FSDP2
     # accepts only inside one group, so they are not split into groups of their own.
-    fully_shard(model, mesh=mesh, mp_policy=mp, dp_mesh_dims=mesh_dims)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     # Through the module attribute: workbench.cpu_adjustments wraps it on CPU (gloo needs plain SUM reduction).
     titan_fsdp.disable_fsdp_gradient_division(model)
 
 
 def _fsdp_mesh(parallel_dims, parallelism):
-    """(mesh, DataParallelMeshDims or None) for FSDP, chosen as torchtitan's Qwen3 does per SPMD backend."""
-    if parallelism.spmd_backend in ("full_dtensor", "spmd_types"):
-        from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
+    """The data-parallel mesh FSDP2 shards over (2-D for HSDP); it exists at size 1 too.
 
-        return resolve_fsdp_mesh(parallel_dims)
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    return parallel_dims.get_mesh(names), None
+    Parameters stay plain tensors until `fully_shard` (no SPMD-type annotations: transformers' modules have no
+    torchtitan sharding configs), so FSDP gets the DP submesh itself rather than the full SPMD mesh + dims.
+    The DP shard axis is called "fsdp" under torchtitan's partial_dtensor backend, "dp_shard" otherwise.
+    """
+    shard = "fsdp" if parallelism.spmd_backend == "partial_dtensor" else "dp_shard"
+    return parallel_dims.get_mesh(["dp_replicate", shard] if parallel_dims.dp_replicate_enabled else [shard])
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,9 +301,11 @@ class HFv5StateDictAdapter(StateDictAdapter):
     """Our keys ("hf." + transformers' in-memory keys) <-> the Hugging Face checkpoint format.
 
     `to_hf` writes what `save_pretrained` writes: no `lm_head.weight` when tied, experts per expert.
-    `from_hf` accepts per-expert (published) or fused (`save_original_format=False`) expert keys.
-    Expert tensors must be full tensors (gather FSDP shards first, e.g. `get_model_state_dict(...,
-    full_state_dict=True)`); every other entry is only renamed, DTensors included.
+    `from_hf` accepts per-expert (published) or fused (`save_original_format=False`) expert keys, and never
+    adds a tied `lm_head.weight`: the tied lm_head *is* the embedding parameter, filled through it.
+    Both directions work on any subset of keys that holds all of one layer's experts (`workbench.hf` converts
+    one module at a time). Expert tensors must be full tensors (gather FSDP shards first); every other entry
+    is only renamed, DTensors included.
     """
 
     def __init__(self, model_config: HFQwen3.Config, hf_assets_path: str | None = None):
@@ -312,8 +338,6 @@ class HFv5StateDictAdapter(StateDictAdapter):
                 sd[PREFIX + key] = value
         for prefix, projections in per_expert.items():
             sd.update({PREFIX + k: v for k, v in _merge_experts(prefix, projections, self.shape.num_experts).items()})
-        if self.shape.tied:
-            sd.setdefault(PREFIX + "lm_head.weight", sd[PREFIX + "model.embed_tokens.weight"])
         return sd
 
 

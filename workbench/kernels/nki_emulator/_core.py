@@ -333,6 +333,8 @@ def jit(func=None, **options):
         global _budget
         as_torch = any(isinstance(a, torch.Tensor) for a in args)
         saved, _budget = _budget, _Budget()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tile-sized ops: intra-op threading only adds overhead
         try:
             hbm_args = [
                 _from_array(a, HBM, f"arg{i}") if isinstance(a, (torch.Tensor, np.ndarray)) else a
@@ -343,6 +345,7 @@ def jit(func=None, **options):
             converted = tuple(_to_output(o, as_torch) for o in outs)
         finally:
             _budget = saved
+            torch.set_num_threads(threads)
         return converted if isinstance(result, tuple) else converted[0]
 
     run.__wrapped_kernel__ = func

@@ -1,0 +1,173 @@
+"""Blockwise MoE: plan invariants, reference vs dense oracle vs Hugging Face, NKI kernels (emulated) vs reference."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from workbench.kernels import (
+    blockwise_moe,
+    blockwise_moe_auto,
+    blockwise_moe_nki,
+    dense_moe_oracle,
+    max_blocks,
+    plan_blocks,
+    route,
+)
+from workbench.kernels.autograd import kernel_block_size
+from workbench.kernels.nki_api import REAL_NKI
+
+
+def make_case(T, K, E, D, F, dtype=torch.float32, ids=None, seed=0):
+    """Random x, routing and weights scaled so activations are O(1); ids overrides the router's choice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    weights, topk = route(torch.randn(T, E, generator=g), K)
+    if ids is not None:
+        topk = torch.as_tensor(ids, dtype=torch.long).view(T, K)
+    w_gate = torch.randn(E, F, D, generator=g) * D ** -0.5
+    w_up = torch.randn(E, F, D, generator=g) * D ** -0.5
+    w_down = torch.randn(E, D, F, generator=g) * F ** -0.5
+    leaves = [t.to(dtype).requires_grad_() for t in (x, weights, w_gate, w_up, w_down)]
+    return leaves[0], topk, *leaves[1:]
+
+
+def outputs_and_grads(fn, case, **kwargs):
+    x, ids, w, wg, wu, wd = case
+    out = fn(x, ids, w, wg, wu, wd, **kwargs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return (out, *torch.autograd.grad(out, (x, w, wg, wu, wd), grad_out))
+
+
+NAMES = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
+
+
+def assert_match(got, want, rtol):
+    """Max error relative to the reference's max magnitude, per tensor."""
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        err = (a.float() - b.float()).abs().max().item()
+        scale = max(b.float().abs().max().item(), 1e-6)
+        assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+# (T, K, E, D, F, block_size, ids): every edge case the blockwise layout has to get right.
+EDGE_CASES = {
+    "t1": (1, 2, 4, 8, 12, 4, None),
+    "tk_not_multiple_of_block": (7, 2, 4, 8, 12, 3, None),
+    "empty_experts": (6, 1, 8, 8, 12, 4, [1, 1, 5, 5, 5, 1]),
+    "expert_with_one_token": (5, 2, 4, 8, 12, 4, [0, 1, 1, 2, 1, 2, 2, 3, 1, 2]),
+    "all_on_one_expert": (9, 1, 4, 8, 12, 4, [2] * 9),
+    "block_of_128": (10, 3, 4, 8, 8, 128, None),
+    "two_sub_tiles_and_multi_tile_D_F": (9, 2, 3, 136, 130, 256, None),
+}
+
+
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_reference_matches_dense_oracle(name):
+    T, K, E, D, F, bs, ids = EDGE_CASES[name]
+    case = make_case(T, K, E, D, F, ids=ids)
+    assert_match(outputs_and_grads(blockwise_moe, case, block_size=bs), outputs_and_grads(dense_moe_oracle, case),
+                 rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_nki_kernels_match_reference_fp32(name):
+    T, K, E, D, F, bs, ids = EDGE_CASES[name]
+    case = make_case(T, K, E, D, F, ids=ids)
+    assert_match(outputs_and_grads(blockwise_moe_nki, case, block_size=bs),
+                 outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
+
+
+@pytest.mark.parametrize("T,K,E,D,F,bs", [(12, 2, 4, 16, 24, 4), (10, 2, 3, 32, 40, 8), (6, 2, 4, 136, 24, 256)])
+def test_nki_kernels_match_reference_bf16(T, K, E, D, F, bs):
+    case = make_case(T, K, E, D, F, dtype=torch.bfloat16)
+    assert_match(outputs_and_grads(blockwise_moe_nki, case, block_size=bs),
+                 outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=2e-2)
+
+
+@pytest.mark.parametrize("bs", [2, 5, 16])
+def test_plan_invariants(bs):
+    T, K, E = 11, 3, 6
+    _, ids, *_ = make_case(T, K, E, 4, 4, seed=bs)
+    plan = plan_blocks(ids, E, bs)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+    assert plan.max_blocks == max_blocks(T, K, E, bs) <= math.ceil(T * K / bs) + E
+    assert plan.num_blocks.item() == sum(math.ceil(c / bs) for c in counts.tolist())
+    # every assignment sits in exactly one slot, inside a block of its expert
+    slots = plan.slot_of_assignment_TK.view(-1)
+    assert torch.equal(torch.sort(slots).values, torch.sort(slots.unique()).values) and slots.numel() == T * K
+    assert torch.equal(plan.assignment_of_slot_N[slots], torch.arange(T * K))
+    assert torch.equal(plan.block_to_expert_B[slots // bs], ids.view(-1))
+    assert torch.equal(plan.token_index_N[slots], torch.arange(T).repeat_interleave(K))
+    padding = torch.ones(plan.num_slots, dtype=torch.bool)
+    padding[slots] = False
+    assert (plan.token_index_N[padding] == T).all() and (plan.assignment_of_slot_N[padding] == T * K).all()
+    assert (plan.block_to_expert_B.diff() >= 0).all()
+
+
+def test_route_torchtitan_semantics_with_expert_bias():
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 10.0])  # forces expert 5 into every token's top-k
+    weights, ids = route(logits, 2, expert_bias_E=bias)
+    scores = torch.softmax(logits, -1)
+    assert (ids == 5).any(-1).all() and weights.dtype == torch.float32
+    chosen = scores.gather(-1, ids)  # weights come from the unbiased scores
+    torch.testing.assert_close(weights, chosen / (chosen.sum(-1, keepdim=True) + 1e-20))
+
+
+def test_hf_qwen3_moe_block_parity():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    E, K, H, I = 6, 2, 16, 12
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                            norm_topk_prob=True, hidden_act="silu")
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 7, H, requires_grad=True)
+    grad_out = torch.randn(2, 7, H)
+    hf_out = block(x)
+    hf_grads = torch.autograd.grad(hf_out, (x, *block.parameters()), grad_out)
+
+    gate_up, down, router = (p.detach().clone().requires_grad_() for p in block.parameters())
+    ours_x = x.detach().clone().requires_grad_()
+    x_TD = ours_x.view(-1, H)
+    weights, ids = route(x_TD @ router.T, K, norm_topk_prob=True)
+    out = blockwise_moe(x_TD, ids, weights, gate_up[:, :I], gate_up[:, I:], down, block_size=4).view(2, 7, H)
+    grads = torch.autograd.grad(out, (ours_x, gate_up, down, router), grad_out)
+    torch.testing.assert_close(out, hf_out, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("x", "gate_up_proj", "down_proj", "gate.weight"), grads, hf_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_auto_uses_reference_off_neuron_and_block_size_rules():
+    case = make_case(4, 2, 3, 8, 8)
+    torch.testing.assert_close(blockwise_moe_auto(*case, block_size=4), blockwise_moe(*case, block_size=4))
+    assert [kernel_block_size(b) for b in (1, 100, 128, 256, 768, 1024)] == [1, 100, 128, 256, 384, 512]
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kernel_block_size(200)
+
+
+@pytest.mark.skipif(not REAL_NKI, reason="needs the real `nki` package (AWS Neuron pip index) for nki.simulate")
+def test_kernels_under_real_nki_simulate():
+    import nki
+
+    from workbench.kernels import nki_moe
+    from workbench.kernels.autograd import KernelPlan
+    from workbench.kernels.moe_reference import slot_weights
+
+    x, ids, w, wg, wu, wd = (t.detach() for t in make_case(9, 2, 4, 136, 130))
+    plan = plan_blocks(ids, 4, 8)
+    kp = KernelPlan.from_plan(plan)
+    weight = slot_weights(w, plan).float()[:, None]
+    x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
+    args = [x_pad, kp.token_index, weight, kp.block_to_expert, kp.slot_of_assignment, wg.transpose(1, 2),
+            wu.transpose(1, 2), wd.transpose(1, 2)]
+    out = nki.simulate(nki_moe.moe_blockwise_fwd)(*(np.ascontiguousarray(a.numpy()) for a in args))
+    np.testing.assert_allclose(out, blockwise_moe(x, ids, w, wg, wu, wd, block_size=8).numpy(), rtol=1e-4,
+                               atol=1e-5)

@@ -1,0 +1,119 @@
+"""Export any DCP checkpoint of a run folder as a Hugging Face checkpoint directory.
+
+    python -m workbench.export_hf --run outputs/cpu_dense [--step N] --out DIR [--overwrite] [--dtype bfloat16]
+
+Reads the run's resolved `config.toml`, builds its model on CPU (fp32), loads the model weights of
+`<run>/<checkpoint.folder>/step-N/` (the newest step by default) with torch.distributed.checkpoint, and
+writes config.json + safetensors + tokenizer files like the end-of-training export. Needs no process group
+and no accelerator. Exit code 2 on a user error (the message says what to fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+EXIT_USER_ERROR = 2
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def checkpoint_steps(folder: Path) -> dict[int, Path]:
+    """step -> directory, for every complete DCP checkpoint (one with .metadata) in a checkpoint folder."""
+    if not folder.is_dir():
+        return {}
+    steps = {}
+    for d in folder.iterdir():
+        m = _STEP_DIR.fullmatch(d.name)
+        if m and (d / ".metadata").is_file():
+            steps[int(m[1])] = d
+    return steps
+
+
+def _step_dir(run: Path, folder: str, step: int | None) -> Path:
+    steps = checkpoint_steps(run / folder)
+    if not steps:
+        raise FileNotFoundError(f"No DCP checkpoint in {run / folder}: train with --checkpoint.enable true "
+                                "(and --checkpoint.interval N) to write one.")
+    if step is None:
+        return steps[max(steps)]
+    if step not in steps:
+        raise FileNotFoundError(f"No checkpoint for step {step} in {run / folder}; available steps: "
+                                f"{', '.join(map(str, sorted(steps)))}.")
+    return steps[step]
+
+
+def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
+    """Fills `model` with the model weights of a torchtitan DCP checkpoint (stored at top-level keys)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()  # the keys torchtitan saved (e.g. wq/wk/wv, not the fused wqkv)
+    stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    absent = [k for k in state if k not in stored]
+    if absent:
+        raise ValueError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
+                         "of this run's model (config.toml and checkpoint disagree).")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(step_dir))
+    model.load_state_dict(state)
+
+
+def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, dtype: str | None = None,
+               overwrite: bool = False) -> Path:
+    """Exports a run's DCP checkpoint (newest step by default) as a Hugging Face directory.
+
+    Args:
+        run: the run folder (holds config.toml and the checkpoint folder).
+        out: the directory to create.
+        step: the checkpoint step; None = the newest.
+        dtype: stored dtype; None = the run's checkpoint.export_dtype.
+        overwrite: replace an existing `out`.
+    """
+    from workbench import hf
+    from workbench.config import load_config
+    from workbench.model import build_model
+
+    run = Path(run)
+    problem = hf.target_problem(out, overwrite)
+    if problem:  # before the (possibly long) model build and checkpoint read
+        raise hf.HFExportError(problem)
+    if not (run / "config.toml").is_file():
+        raise FileNotFoundError(f"{run} is not a run folder (no config.toml); pass the folder a training run wrote, "
+                                "<job.dump_folder>/<job.experiment_name>.")
+    # Parallel degrees were for the training world; this process is a world of one.
+    job = load_config(run / "config.toml", parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
+    step_dir = _step_dir(run, job.checkpoint.folder, step)
+    model = build_model(job)
+    load_dcp_model_state(model, step_dir)
+    return hf.export_model(model, out, dtype=dtype or job.checkpoint.export_dtype, overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench.export_hf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="run folder (<job.dump_folder>/<job.experiment_name>)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="stored dtype (default: the run's checkpoint.export_dtype)")
+    args = parser.parse_args(argv)
+    from workbench.config import ConfigError
+    from workbench.hf import HFCheckpointError, HFExportError
+
+    try:
+        out = export_run(args.run, args.out, step=args.step, dtype=args.dtype, overwrite=args.overwrite)
+    except (FileNotFoundError, ConfigError, HFCheckpointError, HFExportError, ValueError) as e:
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"exported {args.run} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

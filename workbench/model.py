@@ -1,0 +1,127 @@
+"""Python API for notebooks: a ready-to-run model from a config (and HF weights), and its HF export.
+
+    model = load_model("configs/cpu_dense.toml")                          # seeded random init
+    model = load_model(None, hf_checkpoint="path/to/Qwen3-0.6B")          # published weights, shape from config.json
+    logits = model(input_ids)                                             # [B, S, vocab]
+    export_hf(model, "out/")                                              # config.json + safetensors + tokenizer
+
+Models are built on CPU in fp32 and put in eval mode (the reference numerics; move them with `.to()`).
+Each backend registers one builder in `_BUILDERS`: a function `(job, flavor_name, shape) -> nn.Module`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workbench import flavors
+from workbench.config import ConfigError, JobConfig, load_config
+
+
+def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoint) -> JobConfig:
+    """A private copy of the job config with the backend and checkpoint of this call."""
+    if config is None:
+        job = JobConfig()
+    elif isinstance(config, JobConfig):
+        job = copy.deepcopy(config)
+    else:
+        job = load_config(config)
+    job.model.backend = backend
+    if hf_checkpoint is not None:
+        job.model.hf_checkpoint = str(hf_checkpoint)
+    if not job.model.flavor and not job.model.hf_checkpoint:
+        raise ConfigError(f"load_model needs a flavor (model.flavor, one of {', '.join(flavors.FLAVORS)}) "
+                          "or hf_checkpoint=DIR to take the shape from its config.json.")
+    return job
+
+
+def _prepare_device(job: JobConfig) -> None:
+    """torchtitan must be pinned to a device before it is imported (on CPU: the CPU adjustments)."""
+    from workbench import device
+
+    device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
+
+
+def _build_titan(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> torch.nn.Module:
+    """A torchtitan model from the backend's ModelSpec: built on meta, materialised on CPU, seeded init."""
+    from workbench import backends, hf
+
+    spec = backends.get(job.model.backend).model_spec(job, flavor, shape)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(job.job.seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.workbench_info = hf.ModelInfo(job.model.backend, shape, spec.model, job.model.tokenizer_path)
+    return model
+
+
+# backend -> builder. The huggingface_v5 and nki_moe backends add their entry here.
+_BUILDERS: dict[str, Callable[[JobConfig, str, flavors.Qwen3Shape], torch.nn.Module]] = {
+    "native": _build_titan,
+}
+
+
+def build_model(job: JobConfig) -> torch.nn.Module:
+    """The job's model with seeded random weights, fp32 on CPU, in eval mode (no checkpoint is read).
+
+    Raises:
+        NotImplementedError: the backend has no builder yet.
+    """
+    builder = _BUILDERS.get(job.model.backend)
+    if builder is None:
+        raise NotImplementedError(
+            f"load_model does not support backend {job.model.backend!r} yet (available: {', '.join(_BUILDERS)})."
+        )
+    _prepare_device(job)
+    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+    model = builder(job, name, shape).float()
+    return model.eval()
+
+
+def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str = "native",
+               hf_checkpoint: str | os.PathLike | None = None) -> torch.nn.Module:
+    """A model whose `forward(input_ids)` returns logits [B, S, vocab]: fp32, CPU, eval mode.
+
+    Args:
+        config: a JobConfig (`workbench.load_config`), a TOML path, or None (then `hf_checkpoint` gives the shape).
+        backend: "native" (others: NotImplementedError until their builder is registered).
+        hf_checkpoint: a Hugging Face directory (config.json + *.safetensors) to load; overrides
+            `model.hf_checkpoint` of the config. Its config.json must agree with `model.flavor` if both are set.
+
+    Raises:
+        ConfigError: neither a flavor nor a checkpoint.
+        NotImplementedError: an unsupported backend.
+        workbench.hf.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
+    """
+    from workbench import hf
+
+    job = _job(config, backend, hf_checkpoint)
+    model = build_model(job)
+    if job.model.hf_checkpoint:
+        hf.load_into_model(model, job.model.hf_checkpoint)
+    return model
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
+              overwrite: bool = False, tokenizer_path: str | None = None) -> Path:
+    """Writes a model from `load_model` as a Hugging Face directory (config.json, safetensors, tokenizer).
+
+    Args:
+        model: the model.
+        out_dir: the directory to create (refused if it exists, unless `overwrite`).
+        dtype: "float32" / "bfloat16" / "float16"; None = the model's dtype.
+        overwrite: replace an existing directory (atomically).
+        tokenizer_path: tokenizer directory to copy; None = the model's `model.tokenizer_path`.
+    """
+    from workbench import hf
+
+    return hf.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
+
+
+__all__ = ["load_model", "build_model", "export_hf"]

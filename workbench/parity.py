@@ -1,0 +1,275 @@
+"""Parity harness: one Hugging Face checkpoint, every training path, the same numbers.
+
+Given a directory written by transformers (`config.json` + `*.safetensors`), the harness builds
+
+  * the reference: transformers' own `AutoModelForCausalLM.from_pretrained(dir)` (fp32, sdpa);
+  * each available backend, with the checkpoint's weights loaded through that backend's HF key mapping:
+      huggingface_v5  `build_model` + `hf_adapter(shape).from_hf` (transformers' modeling code again, inside
+                      the torchtitan wrapper: this row checks the wrapper, init and key mapping);
+      native          torchtitan's Qwen3 + torchtitan's `Qwen3StateDictAdapter.from_hf`, with
+                      `moe_load_balance_coeff = 0` (no aux-loss-free expert-bias updates, i.e. the routing
+                      Hugging Face computes);
+      nki_moe         the same way as native, when `workbench.backends.nki_moe` exists and the model is MoE
+                      (otherwise the row says why it was skipped);
+
+and reports per backend: the max-abs difference of its logits from the reference's on one batch, its step-0
+loss, and the per-step loss differences after N identical training steps — same packed rows from
+`workbench.data.PackedDataset`, same seed, fp32 on CPU, AdamW with the same hyper-parameters, one process, a
+plain loop (no FSDP: sharding does not change the math and is tested by the training tests).
+
+Output: a pandas DataFrame (one row per model, reference first) and, when asked, a JSON file with the same rows
+plus the settings. Command line: `python -m workbench.parity CHECKPOINT_DIR [--steps 20] [--out parity.json]`.
+
+Checkpoints with a trimmed vocabulary (test models) get the tokenizer's ids folded modulo their vocab size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+REFERENCE = "transformers"
+BACKENDS = ("huggingface_v5", "native", "nki_moe")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every model is run with (identical for all of them)."""
+
+    steps: int = 20
+    batch_size: int = 2
+    seq_len: int = 64
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    seed: int = 0
+    dataset: str = "shakespeare"
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot run this checkpoint here; the message goes into the report row."""
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], labels [B, S])
+Forward = Callable[[torch.Tensor], torch.Tensor]  # input ids -> logits [B, S, V]
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: weights and data
+# --------------------------------------------------------------------------------------------
+
+
+def load_hf_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's `*.safetensors` files, by Hugging Face key."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint_dir} holds no *.safetensors files; save the model with save_pretrained.")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def make_batches(settings: Settings, vocab_size: int) -> list[Batch]:
+    """`steps` batches of packed rows (the training stream of `workbench.data`), ids folded into the vocab."""
+    from workbench.data import PackedDataset
+
+    rows = iter(PackedDataset(settings.dataset, "", settings.seq_len, seed=settings.seed))
+    batches = []
+    for _ in range(settings.steps):
+        picked = [next(rows) for _ in range(settings.batch_size)]
+        inputs = torch.stack([row["input"] for row, _ in picked]) % vocab_size
+        labels = torch.stack([label for _, label in picked]) % vocab_size
+        batches.append((inputs, labels))
+    return batches
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def reference_model(checkpoint_dir: str | Path) -> tuple[torch.nn.Module, Forward]:
+    """transformers' own model for the checkpoint (fp32, sdpa) and its logits function."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return model, lambda ids: model(input_ids=ids, use_cache=False).logits
+
+
+def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> tuple[torch.nn.Module, Forward]:
+    """One backend's model for the checkpoint, weights loaded through the backend's own HF key mapping.
+
+    Raises:
+        BackendUnavailable: the backend module does not exist yet, or does not apply to this model.
+    """
+    from workbench import backends, flavors
+    from workbench.config import load_config
+
+    shape = flavors.read_hf_shape(checkpoint_dir)
+    if importlib.util.find_spec(f"workbench.backends.{name}") is None:
+        raise BackendUnavailable(f"workbench/backends/{name}.py does not exist yet")
+    if name == "nki_moe" and not shape.is_moe:
+        raise BackendUnavailable("nki_moe replaces MoE experts; this checkpoint is dense")
+    job = load_config(
+        None,
+        model={"backend": name, "hf_checkpoint": str(checkpoint_dir), "moe_load_balance_coeff": 0.0},
+        training={"seq_len": settings.seq_len},
+        job={"seed": settings.seed},
+    )
+    module = backends.get(name)
+    spec = module.model_spec(job, "custom", shape)
+    model = module.build_model(job, shape) if hasattr(module, "build_model") else _build_titan_model(spec, settings)
+    adapter = module.hf_adapter(shape) if hasattr(module, "hf_adapter") else spec.state_dict_adapter(spec.model, None)
+    _load_strict(model, adapter.from_hf(dict(load_hf_state_dict(checkpoint_dir))), name)
+    return model, model
+
+
+def _build_titan_model(spec, settings: Settings) -> torch.nn.Module:
+    """A torchtitan model from its ModelSpec, as the trainer builds it (meta -> CPU -> init), fp32."""
+    torch.manual_seed(settings.seed)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def _load_strict(model: torch.nn.Module, state: dict[str, Any], name: str) -> None:
+    """Loads converted weights; every parameter must come from the checkpoint (buffers may keep their init).
+
+    A tied lm_head has no key of its own in HF checkpoints: it counts as loaded through the shared embedding.
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    missing_params = [k for k in missing if k in params and id(params[k]) not in loaded]
+    if missing_params or unexpected:
+        raise RuntimeError(
+            f"{name}: the converted checkpoint does not match the model: missing parameters {missing_params[:5]}, "
+            f"unexpected keys {unexpected[:5]}. The backend's HF adapter (hf_adapter / state_dict_adapter) is wrong."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, forward: Forward, inputs: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return forward(inputs).float()
+
+
+def train_losses(model: torch.nn.Module, forward: Forward, batches: Iterable[Batch], settings: Settings) -> list[float]:
+    """Trains in place, one AdamW step per batch (mean token cross-entropy), and returns each step's loss."""
+    torch.manual_seed(settings.seed)
+    model.train()
+    params = list(model.parameters())  # de-duplicated: a tied embedding is one parameter
+    opt = torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                            weight_decay=settings.weight_decay)
+    losses = []
+    for inputs, labels in batches:
+        logits = forward(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _row(backend: str, logits: torch.Tensor, ref_logits: torch.Tensor, losses: list[float],
+         ref_losses: list[float]) -> dict[str, Any]:
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
+    return {
+        "backend": backend, "status": "ok", "note": "",
+        "logits_max_abs_diff": float((logits - ref_logits).abs().max()),
+        "loss_step0": losses[0], "loss_step0_abs_diff": abs(losses[0] - ref_losses[0]),
+        "max_rel_loss_diff": max(rel), "final_loss": losses[-1],
+        "losses": losses, "rel_loss_diffs": rel,
+    }
+
+
+def _skipped(backend: str, note: str) -> dict[str, Any]:
+    return {"backend": backend, "status": "skipped", "note": note, "logits_max_abs_diff": math.nan,
+            "loss_step0": math.nan, "loss_step0_abs_diff": math.nan, "max_rel_loss_diff": math.nan,
+            "final_loss": math.nan, "losses": [], "rel_loss_diffs": []}
+
+
+def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS, settings: Settings | None = None,
+               out_json: str | Path | None = None):
+    """Builds the checkpoint under the reference and every backend, compares logits and training losses.
+
+    Args:
+        checkpoint_dir: transformers checkpoint directory (config.json + *.safetensors).
+        backends: backends to compare (unknown-here ones are reported as skipped).
+        settings: steps, batch, sequence length, optimizer, seed, data (defaults: `Settings()`).
+        out_json: also write {"checkpoint", "settings", "rows"} to this file.
+
+    Returns:
+        pandas DataFrame, one row per model (the reference first) with columns backend, status, note,
+        logits_max_abs_diff, loss_step0, loss_step0_abs_diff, max_rel_loss_diff, final_loss, losses,
+        rel_loss_diffs (relative |loss - reference loss| / reference loss, per step).
+    """
+    import pandas as pd
+
+    from workbench import device
+
+    device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
+    settings = settings or Settings()
+    ref, ref_forward = reference_model(checkpoint_dir)
+    batches = make_batches(settings, ref.config.vocab_size)
+    ref_logits = logits_of(ref, ref_forward, batches[0][0])
+    ref_losses = train_losses(ref, ref_forward, batches, settings)
+    rows = [_row(REFERENCE, ref_logits, ref_logits, ref_losses, ref_losses)]
+    for name in backends:
+        try:
+            model, forward = backend_model(name, checkpoint_dir, settings)
+        except BackendUnavailable as e:
+            rows.append(_skipped(name, str(e)))
+            continue
+        logits = logits_of(model, forward, batches[0][0])
+        rows.append(_row(name, logits, ref_logits, train_losses(model, forward, batches, settings), ref_losses))
+    table = pd.DataFrame(rows)
+    if out_json is not None:
+        Path(out_json).write_text(json.dumps(
+            {"checkpoint": str(checkpoint_dir), "settings": asdict(settings), "rows": rows}, indent=2))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="transformers checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends")
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--batch-size", type=int, default=Settings.batch_size)
+    parser.add_argument("--seq-len", type=int, default=Settings.seq_len)
+    parser.add_argument("--lr", type=float, default=Settings.lr)
+    parser.add_argument("--out", default=None, help="JSON report path")
+    args = parser.parse_args(argv)
+    settings = Settings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
+    table = run_parity(args.checkpoint, backends=args.backends.split(","), settings=settings, out_json=args.out)
+    print(table.drop(columns=["losses", "rel_loss_diffs"]).to_string(index=False))
+    return 0
+
+
+__all__ = ["Settings", "BackendUnavailable", "run_parity", "reference_model", "backend_model", "make_batches",
+           "load_hf_state_dict", "train_losses", "logits_of", "main", "BACKENDS", "REFERENCE"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
