@@ -57,21 +57,21 @@ def outdir(tmp_path: Path) -> Path:
     return d
 
 
-_SESSION_RUNS: dict[tuple, Path] = {}
+_SESSION_RUNS: dict[tuple, tuple[Path, str]] = {}
 
 
-def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> Path:
-    """Runs a training job once per test session and returns its run folder (shared by several tests)."""
+def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
+    """Runs a training job once per test session; returns (run folder, rank-0 stdout), shared by several tests."""
     key = (config, args, nproc)
     if key not in _SESSION_RUNS:
         out = tmp_path_factory.mktemp("shared_run")
-        run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc)
+        proc = run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc)
         (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-        _SESSION_RUNS[key] = run_dir
+        _SESSION_RUNS[key] = (run_dir, proc.stdout)
     return _SESSION_RUNS[key]
 
 
 @pytest.fixture(scope="session")
 def native_moe_2rank(tmp_path_factory) -> Path:
-    """configs/cpu_moe.toml, native, 30 steps, 2 ranks: the reference for the other MoE paths."""
-    return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", nproc=2)
+    """configs/cpu_moe.toml, native, 30 steps, 2 ranks: also the reference for the other MoE paths."""
+    return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", nproc=2)[0]

@@ -30,5 +30,6 @@ def test_nki_moe_trains_and_matches_native(native_moe_2rank, outdir):
 
 def test_nki_moe_on_a_dense_flavor_is_a_config_error():
     proc = run_train("configs/cpu_dense.toml", "--model.backend", "nki_moe", check=False)
-    assert proc.returncode == 2
+    assert proc.returncode != 0  # the rank exits 2; torchrun reports it as a failed child (1)
     assert "nki_moe replaces MoE expert layers, but flavor 'tiny' is dense" in proc.stderr
+    assert "step 1/" not in proc.stdout

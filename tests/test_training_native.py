@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, free_port, losses_by_step, read_metrics, run_train, train_cmd
+from conftest import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
 
 pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"
@@ -29,9 +29,8 @@ def assert_learns(run_dir: Path, steps: int = 30) -> list[float]:
 
 @pytest.mark.parametrize("config", [DENSE, MOE])
 @pytest.mark.parametrize("nproc", [2, 1])
-def test_native_trains_30_steps(config, nproc, outdir):
-    proc = run_train(config, "--model.backend", "native", "--job.dump_folder", str(outdir), nproc=nproc)
-    run_dir = outdir / Path(config).stem
+def test_native_trains_30_steps(config, nproc, tmp_path_factory):
+    run_dir, stdout = cached_run(tmp_path_factory, config, "--model.backend", "native", nproc=nproc)
     assert_learns(run_dir)
     # run folder contract
     assert (run_dir / "config.toml").is_file()
@@ -40,7 +39,7 @@ def test_native_trains_30_steps(config, nproc, outdir):
         assert key in rec
     assert rec["backend"] == "native" and 0 < rec["mfu"] < 1 and rec["peak_memory_bytes"] > 0
     # rank 0 prints one progress line per step and a summary; the other rank stays quiet
-    assert proc.stdout.count("step 30/30") == 1 and "done: native" in proc.stdout
+    assert stdout.count("step 30/30") == 1 and "done: native" in stdout
 
 
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--checkpoint.interval", "5",

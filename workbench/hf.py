@@ -31,6 +31,7 @@ target, renamed into place at the end, so a crash never leaves a half-written ex
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -197,7 +198,7 @@ def table_of_contents(checkpoint_dir: str | os.PathLike) -> dict[str, _Source]:
     index = d / INDEX_FILE
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        wrong = [k for k, name in weight_map.items() if stored.get(k, d / "?").name != name]
+        wrong = [k for k, name in weight_map.items() if k not in stored or stored[k].name != name]
         if wrong:
             raise HFCheckpointError(
                 f"{index} lists {len(wrong)} tensor(s) that are not in the file it names, e.g. "
@@ -373,15 +374,8 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
     if unfilled:
         raise RuntimeError(f"No checkpoint weights reached {unfilled[:_SHOW]} (the backend's hf_adapter maps nothing "
                            "to them; if they should be tied, the model lost the tie).")
-    elements = sum(_numel(toc[k].shape) for u in units for k in u.hf)
+    elements = sum(math.prod(toc[k].shape) for u in units for k in u.hf)
     return {"tensors": sum(len(u.hf) for u in units), "elements": elements, "seconds": time.perf_counter() - t0}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def load_into_model(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> dict[str, float]:
@@ -571,27 +565,14 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
     _agree(lambda: target_problem(out, overwrite))
     adapter = backends.get(backend).hf_adapter(shape)
     units = plan_units(meta_state_dict(model_config), adapter)
-    rank0 = _rank() == 0
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    failure: str | None = None
-    if rank0:
+    writer = None
+    if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = _ShardWriter(tmp, _shard_names(units, dt, max_shard_bytes))
-    with torch.no_grad():
-        for unit in units:
-            if not unit.hf:
-                continue  # e.g. a tied lm_head: its weights went out with the embedding
-            full = _full_unit(model, unit, dt, keep=rank0 and failure is None)  # all ranks: collectives
-            if not full:
-                continue
-            try:
-                for key, tensor in adapter.to_hf(full).items():
-                    # Per-expert slices are views of one stacked tensor; safetensors stores no shared memory.
-                    writer.add(key, tensor.clone() if tensor._base is not None else tensor)
-            except Exception as e:  # keep joining the collectives; every rank raises below
-                failure = f"writing {unit.name} failed: {e!r}"
-    if rank0 and failure is None:
+    failure = _write_units(model, units, adapter, dt, writer)
+    if writer is not None and failure is None:
         _warn_dropped(model, units)
         try:
             writer.finish()
@@ -600,10 +581,34 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
             _move_into_place(tmp, out)
         except Exception as e:
             failure = f"finishing the export failed: {e!r}"
-    if rank0 and failure is not None:
+    if writer is not None and failure is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     _agree(lambda: failure and f"Export to {out} failed ({failure}); nothing was written there.")
     return out
+
+
+def _write_units(model: torch.nn.Module, units: list[_Unit], adapter, dtype: torch.dtype,
+                 writer: _ShardWriter | None) -> str | None:
+    """Gathers every unit (collective, all ranks) and hands its HF tensors to `writer` (rank 0 only).
+
+    A write error on rank 0 does not stop it joining the remaining gathers (the other ranks would hang); it is
+    returned instead, and `export_weights` makes every rank raise it.
+    """
+    failure = None
+    with torch.no_grad():
+        for unit in units:
+            if not unit.hf:
+                continue  # e.g. a tied lm_head: its weights went out with the embedding
+            full = _full_unit(model, unit, dtype, keep=writer is not None and failure is None)
+            if not full:
+                continue
+            try:
+                for key, tensor in adapter.to_hf(full).items():
+                    # Per-expert slices are views of one stacked tensor; safetensors stores no shared memory.
+                    writer.add(key, tensor.clone() if tensor._base is not None else tensor)
+            except Exception as e:
+                failure = f"writing {unit.name} failed: {e!r}"
+    return failure
 
 
 def _write_config(folder: Path, shape: flavors.Qwen3Shape, dtype: torch.dtype) -> None:

@@ -6,7 +6,8 @@
     export_hf(model, "out/")                                              # config.json + safetensors + tokenizer
 
 Models are built on CPU in fp32 and put in eval mode (the reference numerics; move them with `.to()`).
-Each backend registers one builder in `_BUILDERS`: a function `(job, flavor_name, shape) -> nn.Module`.
+Each backend registers one builder in `_BUILDERS`: `(job, model_config) -> nn.Module`, where model_config is
+`backends.get(name).model_spec(...).model`.
 """
 
 from __future__ import annotations
@@ -46,23 +47,20 @@ def _prepare_device(job: JobConfig) -> None:
     device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
 
 
-def _build_titan(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> torch.nn.Module:
-    """A torchtitan model from the backend's ModelSpec: built on meta, materialised on CPU, seeded init."""
-    from workbench import backends, hf
-
-    spec = backends.get(job.model.backend).model_spec(job, flavor, shape)
+def _build_titan(job: JobConfig, model_config) -> torch.nn.Module:
+    """A torchtitan model from its config: built on meta, materialised on CPU, seeded init."""
     with torch.device("meta"):
-        model = spec.model.build()
+        model = model_config.build()
     model.to_empty(device="cpu")
     torch.manual_seed(job.job.seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    model.workbench_info = hf.ModelInfo(job.model.backend, shape, spec.model, job.model.tokenizer_path)
     return model
 
 
-# backend -> builder. The huggingface_v5 and nki_moe backends add their entry here.
-_BUILDERS: dict[str, Callable[[JobConfig, str, flavors.Qwen3Shape], torch.nn.Module]] = {
+# backend -> builder `(job, model_config from the backend's ModelSpec) -> nn.Module`.
+# The huggingface_v5 and nki_moe backends add their entry here.
+_BUILDERS: dict[str, Callable[[JobConfig, object], torch.nn.Module]] = {
     "native": _build_titan,
 }
 
@@ -70,9 +68,13 @@ _BUILDERS: dict[str, Callable[[JobConfig, str, flavors.Qwen3Shape], torch.nn.Mod
 def build_model(job: JobConfig) -> torch.nn.Module:
     """The job's model with seeded random weights, fp32 on CPU, in eval mode (no checkpoint is read).
 
+    The model carries `workbench_info` (backend, shape, config, tokenizer) for HF load and export.
+
     Raises:
         NotImplementedError: the backend has no builder yet.
     """
+    from workbench import backends, hf
+
     builder = _BUILDERS.get(job.model.backend)
     if builder is None:
         raise NotImplementedError(
@@ -80,8 +82,10 @@ def build_model(job: JobConfig) -> torch.nn.Module:
         )
     _prepare_device(job)
     name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    model = builder(job, name, shape).float()
-    return model.eval()
+    spec = backends.get(job.model.backend).model_spec(job, name, shape)
+    model = builder(job, spec.model).float().eval()
+    model.workbench_info = hf.ModelInfo(job.model.backend, shape, spec.model, job.model.tokenizer_path)
+    return model
 
 
 def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str = "native",

@@ -13,6 +13,7 @@ streams its output, and returns the run folder.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -38,7 +39,7 @@ def run(job: JobConfig) -> Path:
 
     import torch
 
-    from workbench import data
+    from workbench import data, flavors
     from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
 
     data.document_sources(job.training.dataset, job.training.dataset_text_field)  # fail fast on bad paths
@@ -46,6 +47,9 @@ def run(job: JobConfig) -> Path:
     if int(os.environ["RANK"]) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(job.to_toml())
+        # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
+        _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+        (run_dir / "shape.json").write_text(json.dumps(flavors.describe(shape), indent=2))
     quiet_titan_logs(job.job.verbose)
     say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
         f"rank(s), run folder {run_dir}")
@@ -116,6 +120,16 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return job.run_dir
 
+
+class _CallableModule(type(sys)):
+    """`workbench.train` is both this module (`python -m workbench.train`) and the API function
+    `workbench.train(job, nproc=...)` (architecture contract); calling the module calls `train`."""
+
+    def __call__(self, *args, **kwargs) -> Path:
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

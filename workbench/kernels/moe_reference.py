@@ -5,8 +5,8 @@ The `nki_moe` path computes the routed experts *blockwise* so every shape is sta
 1. `plan_blocks`: sort the T*K (token, expert) assignments by expert, pad each expert's group to a whole number
    of `block_size` slots, give every block one expert (`block_to_expert_B`). Padding slots point at token T,
    a zero row appended to x, and carry affinity 0. The number of blocks is a static bound (`max_blocks`).
-2. `blockwise_moe`: gather the block rows, run one SwiGLU expert MLP per block (batched `bmm` over blocks with
-   the block's expert weights), scale each slot by its affinity and sum each token's K slots.
+2. `blockwise_moe`: gather the block rows, run one SwiGLU expert MLP per block (a grouped GEMM over the
+   block-aligned expert groups), scale each slot by its affinity and sum each token's K slots.
 
 Weight layouts are torchtitan's GroupedExperts: gate `w1_EFD` [E, F, D], up `w3_EFD` [E, F, D], down `w2_EDF`
 [E, D, F]; out[t] = sum_k w[t, k] * down_e(silu(gate_e x_t) * up_e x_t) with e = topk_ids[t, k].
@@ -127,37 +127,10 @@ def slot_weights(topk_weights_TK: torch.Tensor, plan: BlockPlan) -> torch.Tensor
     return F.pad(topk_weights_TK.reshape(-1), (0, 1))[plan.assignment_of_slot_N]
 
 
-class _ExpertBlocks(torch.autograd.Function):
-    """y[b] = down_e(silu(gate_e x[b]) * up_e x[b]) for every block b, e = block_to_expert[b].
-
-    Saves only the block inputs and the gate/up activations: the per-block weight copies ([B, F, D] each) are
-    gathered again in backward instead of being kept alive between forward and backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x_BSD, w_gate_EFD, w_up_EFD, w_down_EDF, block_to_expert_B):
-        g_BSF = torch.bmm(x_BSD, w_gate_EFD.index_select(0, block_to_expert_B).transpose(1, 2))
-        u_BSF = torch.bmm(x_BSD, w_up_EFD.index_select(0, block_to_expert_B).transpose(1, 2))
-        h_BSF = F.silu(g_BSF) * u_BSF
-        ctx.save_for_backward(x_BSD, g_BSF, u_BSF, w_gate_EFD, w_up_EFD, w_down_EDF, block_to_expert_B)
-        return torch.bmm(h_BSF, w_down_EDF.index_select(0, block_to_expert_B).transpose(1, 2))
-
-    @staticmethod
-    def backward(ctx, dy_BSD):
-        x_BSD, g_BSF, u_BSF, w_gate_EFD, w_up_EFD, w_down_EDF, be_B = ctx.saved_tensors
-        sig = torch.sigmoid(g_BSF)
-        silu = g_BSF * sig
-        h_BSF = silu * u_BSF
-        dh_BSF = torch.bmm(dy_BSD, w_down_EDF.index_select(0, be_B))
-        du_BSF = dh_BSF * silu
-        dg_BSF = dh_BSF * u_BSF * (sig * (1 + g_BSF * (1 - sig)))  # d silu(g) / dg
-        dx_BSD = torch.bmm(dg_BSF, w_gate_EFD.index_select(0, be_B))
-        dx_BSD = dx_BSD.baddbmm_(du_BSF, w_up_EFD.index_select(0, be_B))
-        # weight grads: per-block outer products summed into each block's expert
-        dw_gate = torch.zeros_like(w_gate_EFD).index_add_(0, be_B, torch.bmm(dg_BSF.transpose(1, 2), x_BSD))
-        dw_up = torch.zeros_like(w_up_EFD).index_add_(0, be_B, torch.bmm(du_BSF.transpose(1, 2), x_BSD))
-        dw_down = torch.zeros_like(w_down_EDF).index_add_(0, be_B, torch.bmm(dy_BSD.transpose(1, 2), h_BSF))
-        return dx_BSD, dw_gate, dw_up, dw_down, None
+def expert_offsets(plan: BlockPlan, num_experts: int) -> torch.Tensor:
+    """[E] int32 end slot of each expert's blocks (block-aligned group ends for a grouped GEMM); last == N."""
+    blocks_E = torch.bincount(plan.block_to_expert_B, minlength=num_experts)
+    return (torch.cumsum(blocks_E, 0) * plan.block_size).to(torch.int32)
 
 
 def check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF) -> tuple[int, ...]:
@@ -182,13 +155,24 @@ def check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_d
 def blockwise_moe(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
     """Routed experts computed blockwise (see module doc). Differentiable w.r.t. x, all weights and topk_weights.
 
-    Computes in the input dtype; the affinity scaling and the sum over k run in fp32 and are cast back.
+    Blocks are sorted by expert, so the per-block MLPs of one expert's consecutive blocks run as one group of a
+    grouped GEMM (`torch._grouped_mm`, as torchtitan uses) with block-aligned group ends: the same math as a loop
+    over blocks, without copying an expert's weights per block. Computes in the input dtype; the affinity
+    scaling and the sum over k run in fp32 and are cast back.
     """
-    T, K, E, _, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+    T, K, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     plan = plan_blocks(topk_ids_TK, E, block_size)
-    x_pad = F.pad(x_TD, (0, 0, 0, 1))  # row T = zeros, read by padding slots
-    x_BSD = x_pad.index_select(0, plan.token_index_N).view(plan.max_blocks, block_size, D)
-    y_ND = _ExpertBlocks.apply(x_BSD, w_gate_EFD, w_up_EFD, w_down_EDF, plan.block_to_expert_B).view(-1, D)
+    offs = expert_offsets(plan, E)
+    # _grouped_mm wants 16-byte row strides: zero-pad odd feature sizes (exact: padded features contribute 0)
+    dp, fp = (-n % (16 // x_TD.element_size()) for n in (D, F_))
+    w_gate, w_up, w_down = w_gate_EFD, w_up_EFD, w_down_EDF
+    if dp or fp:
+        w_gate, w_up, w_down = (F.pad(w_gate, (0, dp, 0, fp)), F.pad(w_up, (0, dp, 0, fp)),
+                                F.pad(w_down, (0, fp, 0, dp)))
+    x_ND = F.pad(x_TD, (0, dp, 0, 1)).index_select(0, plan.token_index_N)  # padding slots read zero row T
+    g_NF = torch._grouped_mm(x_ND, w_gate.transpose(1, 2), offs=offs)
+    u_NF = torch._grouped_mm(x_ND, w_up.transpose(1, 2), offs=offs)
+    y_ND = torch._grouped_mm(F.silu(g_NF) * u_NF, w_down.transpose(1, 2), offs=offs)[:, :D]
     y_ND = y_ND.float() * slot_weights(topk_weights_TK, plan).float()[:, None]
     out_TD = y_ND.index_select(0, plan.slot_of_assignment_TK.reshape(-1)).view(T, K, D).sum(1)
     return out_TD.to(x_TD.dtype)

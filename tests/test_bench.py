@@ -1,0 +1,98 @@
+"""workbench.bench: statistics of a run, failure isolation and the report files, and the real three-path matrix."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, read_metrics
+from workbench import bench
+
+
+def _write_run(run_dir: Path, step_times: list[float], tokens_per_step: int = 256, backend: str = "native") -> None:
+    """A run folder as the trainer writes it: metrics.jsonl (rank 0) + summary.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step, t in enumerate(step_times, start=1):
+            f.write(json.dumps({"step": step, "loss": 12.0 - step, "tokens_per_second": tokens_per_step / t,
+                                "mfu": 0.01 / t, "step_time_s": t, "peak_memory_bytes": step * 2**30,
+                                "backend": backend}) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps({"init_seconds": 3.5}))
+
+
+def test_summarize_run_skips_warmup_steps(tmp_path):
+    _write_run(tmp_path, [9.0, 4.0, 1.0, 2.0, 1.0, 3.0, 1.0])
+    row = bench.summarize_run(tmp_path, warmup_steps=2, nproc=2)
+    timed = [1.0, 2.0, 1.0, 3.0, 1.0]
+    assert row["step_time_median_s"] == 1.0
+    assert row["step_time_p90_s"] == pytest.approx(pd.Series(timed).quantile(0.9))
+    assert row["tokens_per_s"] == 256.0 and row["tokens_per_s_all_ranks"] == 512.0
+    assert row["mfu"] == 0.01
+    assert row["first_step_s"] == 9.0 and row["init_s"] == 3.5
+    assert row["peak_memory_gib"] == 7.0 and row["final_loss"] == 5.0
+    assert (row["steps"], row["timed_steps"]) == (7, 5)
+    # A run no longer than the warm-up is timed on its last step.
+    assert bench.summarize_run(tmp_path, warmup_steps=10, nproc=1)["timed_steps"] == 1
+
+
+def test_a_failing_path_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    """run_matrix with the launcher stubbed: one path crashes, one does not apply, one succeeds."""
+    import workbench.train
+
+    def fake_train(job, nproc, stream):
+        if job.model.backend == "huggingface_v5":
+            stream("Traceback (most recent call last):\n")
+            stream("RuntimeError: boom in the HF path\n")
+            stream("E1202 torchrun: exitcode 1\n")
+            raise subprocess.CalledProcessError(1, ["torchrun"])
+        stream("step 1/3  loss 11.9\n")
+        _write_run(job.run_dir, [5.0, 1.0, 1.0], backend=job.model.backend)
+        return job.run_dir
+
+    monkeypatch.setattr(workbench.train, "train", fake_train)
+    df = bench.run_matrix(ROOT / "configs/cpu_dense.toml", steps=3, out=tmp_path, show_progress=False)
+    by = df.set_index("backend")
+    assert list(df.backend) == ["huggingface_v5", "native", "nki_moe"]
+    assert by.loc["huggingface_v5", "status"] == "failed"
+    assert by.loc["huggingface_v5", "error"] == "RuntimeError: boom in the HF path"
+    assert by.loc["nki_moe", "status"] == "skipped" and "dense" in by.loc["nki_moe", "error"]  # not MoE
+    assert by.loc["native", "status"] == "ok" and by.loc["native", "speed_vs_native"] == 1.0
+    assert by.loc["native", "time_to_first_step_s"] >= 0
+    for name in ("bench.csv", "bench.md", "bench.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "boom in the HF path" in (tmp_path / "bench.md").read_text()
+    assert len(pd.read_csv(tmp_path / "bench.csv")) == 3
+
+
+@pytest.mark.slow
+def test_bench_matrix_of_all_three_paths(tmp_path):
+    """The command of the acceptance criterion, with few steps: all three paths, plausible and consistent numbers."""
+    steps, warmup = 5, 2
+    proc = subprocess.run([sys.executable, "-m", "workbench.bench", "--job.config_file", "configs/cpu_moe.toml",
+                           "--steps", str(steps), "--warmup-steps", str(warmup), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    df = pd.read_csv(tmp_path / "bench.csv")
+    failed = df[df.status != "ok"]
+    assert failed.empty, f"paths failed: {failed[['backend', 'error']].to_dict('records')}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0
+    assert list(df.backend) == ["huggingface_v5", "native", "nki_moe"]
+    assert (tmp_path / "bench.png").stat().st_size > 0 and "| native | ok |" in (tmp_path / "bench.md").read_text()
+    tokens_per_step = 2 * 128  # cpu_moe: local_batch_size 2 x seq_len 128, one rank
+    for row in df.itertuples():
+        records = read_metrics(row.run_dir)
+        assert len(records) == steps
+        assert 0 < row.mfu < 1
+        jsonl_tps = statistics.median(r["tokens_per_second"] for r in records[warmup:])
+        assert row.tokens_per_s == pytest.approx(jsonl_tps, rel=0.10)
+        assert row.tokens_per_s == pytest.approx(tokens_per_step / row.step_time_median_s, rel=0.10)
+        assert row.step_time_p90_s >= row.step_time_median_s
+        assert row.time_to_first_step_s > row.first_step_s > 0 and row.peak_memory_gib > 0
+    # Same config, data and seed: native and nki_moe compute the same model.
+    by = df.set_index("backend")
+    assert by.loc["nki_moe", "final_loss"] == pytest.approx(by.loc["native", "final_loss"], abs=1e-3)

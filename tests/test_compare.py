@@ -1,0 +1,87 @@
+"""workbench.compare: a checkpoint against itself, two backends from one HF checkpoint, DCP vs its HF export."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, run_train
+from workbench import compare
+
+SMALL = dict(seq_len=32, rows=2, max_new_tokens=4, prompts=("ROMEO:", "To be, or not to be"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny-moe Hugging Face checkpoint (seeded random init, fp32) written by the workbench's export."""
+    from workbench.model import export_hf, load_model
+
+    out = tmp_path_factory.mktemp("compare") / "hf"
+    export_hf(load_model(ROOT / "configs/cpu_moe.toml", backend="native"), out, dtype="float32")
+    return out
+
+
+def _assert_identical(cmp: compare.Comparison) -> None:
+    assert (cmp.tensors.status == "same keys").all()
+    assert (cmp.tensors.max_abs == 0).all() and (cmp.tensors.rel_norm == 0).all()
+    assert cmp.heldout["logits_max_abs_diff"] == 0 and cmp.heldout["top1_agreement"] == 1
+    assert cmp.heldout["ppl_a"] == cmp.heldout["ppl_b"]
+    assert cmp.generations.same.all()
+
+
+def test_tensor_diffs_reports_values_and_key_mismatches():
+    a = {"w": torch.tensor([3.0, 4.0]), "z": torch.zeros(2), "only_a": torch.ones(1), "s": torch.ones(2)}
+    b = {"w": torch.tensor([3.0, 5.0]), "z": torch.zeros(2), "only_b": torch.ones(1), "s": torch.ones(3)}
+    df = compare.tensor_diffs(a, b).set_index("key")
+    assert df.loc["w", "max_abs"] == 1 and df.loc["w", "rel_norm"] == pytest.approx(1 / 5)
+    assert df.loc["z", "rel_norm"] == 0  # zero tensors on both sides are equal, not NaN
+    assert df.loc["only_a", "status"] == "only in a" and df.loc["only_b", "status"] == "only in b"
+    assert df.loc["s", "status"] == "shape differs" and math.isnan(df.loc["s", "max_abs"])
+
+
+def test_hf_checkpoint_compared_with_itself_is_identical(hf_dir):
+    cmp = compare.compare(hf_dir, hf_dir, **SMALL)
+    _assert_identical(cmp)
+    keys = set(cmp.tensors.key)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys  # HF key space, per expert
+    assert "lm_head.weight" not in keys  # tied
+    assert cmp.heldout["tokens"] == 2 * 32 and 1 < cmp.heldout["ppl_a"] < 1e6
+
+
+@pytest.mark.parametrize("backend", ["nki_moe", "huggingface_v5"])
+def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
+    try:
+        cmp = compare.compare(hf_dir, hf_dir, backend_a="native", backend_b=backend, **SMALL)
+    except NotImplementedError as e:  # workbench.model.load_model has no builder for it yet
+        pytest.skip(str(e))
+    assert cmp.b.startswith(f"{backend}:")
+    assert (cmp.tensors.status == "same keys").all() and (cmp.tensors.max_abs == 0).all()
+    assert cmp.heldout["logits_max_abs_diff"] <= 1e-4
+    assert cmp.generations.same.all()
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_against_itself_and_against_its_hf_export(outdir, tmp_path):
+    run_train("configs/cpu_moe.toml", "--training.steps", "2", "--job.dump_folder", str(outdir),
+              "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.export_hf", "true",
+              "--checkpoint.export_dtype", "float32")
+    run = outdir / "cpu_moe"
+    _assert_identical(compare.compare(run, run / "checkpoint" / "step-2", **SMALL))
+    # The command line: the DCP step (trained weights, titan keys) vs the fp32 HF export written at the end.
+    assert compare.main([str(run), str(run / "hf"), "--seq-len", "32", "--rows", "2", "--max-new-tokens", "4",
+                         "--out", str(tmp_path / "cmp")]) == 0
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["mismatched_keys"] == 0 and summary["weights_max_abs"] == 0
+    assert summary["logits_max_abs_diff"] == 0 and summary["generations_same"] == summary["generations"]
+    assert (tmp_path / "cmp" / "compare.md").read_text().startswith("# Checkpoint comparison")
+
+
+def test_a_path_that_is_no_checkpoint_names_what_is_expected(tmp_path):
+    with pytest.raises(compare.CheckpointError, match="Hugging Face directory .* run folder .* DCP step"):
+        compare.load_checkpoint(tmp_path)
+    (tmp_path / "config.toml").write_text((ROOT / "configs/cpu_moe.toml").read_text())  # a run folder, no steps
+    with pytest.raises(compare.CheckpointError, match="No DCP checkpoint"):
+        compare.load_checkpoint(tmp_path)

@@ -1,0 +1,331 @@
+"""Hugging Face safetensors in and out: parity with transformers' own models, round trips through training
+and export, and a clear refusal for every kind of bad input.
+
+Checkpoints here are written by transformers itself (random init, fp32) from small custom shapes with a
+512-token vocabulary; the training round trip uses the real 151936 vocabulary (the bundled tokenizer needs it)
+at the tiny-moe width.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench
+from conftest import run_train
+from workbench import device, flavors, hf
+from workbench.config import load_config
+
+device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+
+from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
+
+DENSE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, ffn_dim=48, vocab_size=512, tied=True, max_seq_len=256)
+MOE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, vocab_size=512, tied=False, max_seq_len=256, num_experts=4,
+                         top_k=2, moe_ffn_dim=16)
+TOL = 1e-4
+
+
+def hf_model(shape: flavors.Qwen3Shape, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+
+
+def hf_logits(model_or_dir, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = model_or_dir
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def ids() -> torch.Tensor:
+    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    """name -> (checkpoint dir, the transformers model that wrote it)."""
+    root = tmp_path_factory.mktemp("hf")
+    dense, moe = hf_model(DENSE), hf_model(MOE)
+    layouts = {
+        "dense": (dense, {}),
+        "dense-sharded": (dense, {"max_shard_size": "20KB"}),
+        "moe": (moe, {}),  # published per-expert keys (transformers' default on disk)
+        "moe-sharded": (moe, {"max_shard_size": "20KB"}),
+        "moe-fused": (moe, {"save_original_format": False}),  # v5 in-memory gate_up_proj / down_proj
+    }
+    out = {}
+    for name, (model, kwargs) in layouts.items():
+        model.save_pretrained(root / name, **kwargs)
+        out[name] = (root / name, model)
+    return out
+
+
+def stored_keys(d: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys = set()
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            keys |= set(h.keys())
+    return keys
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading published-format weights
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-sharded", "moe", "moe-sharded", "moe-fused"])
+def test_native_logits_match_transformers(saved, ids, name):
+    path, reference = saved[name]
+    if name.endswith("sharded"):
+        assert (path / hf.INDEX_FILE).is_file() and len(list(path.glob("*.safetensors"))) > 2
+    if name == "moe-fused":
+        assert any(k.endswith("experts.gate_up_proj") for k in stored_keys(path))
+    model = workbench.load_model(None, backend="native", hf_checkpoint=path)  # the notebooks' API
+    out = logits(model, ids)
+    assert out.shape == (2, 24, 512) and out.dtype == torch.float32 and not model.training
+    assert max_diff(out, hf_logits(reference, ids)) <= TOL
+
+
+def test_load_model_without_checkpoint_is_seeded(ids):
+    job = load_config(None, model={"flavor": "tiny"})
+    a, b = load_model(job), load_model(job)
+    assert torch.equal(logits(a, ids), logits(b, ids))  # every buffer (RoPE cache) initialised, no stray state
+
+
+def test_other_backends_are_not_built_yet():
+    with pytest.raises(NotImplementedError, match="huggingface_v5"):
+        load_model(load_config(None, model={"flavor": "tiny"}), backend="huggingface_v5")
+
+
+# ------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dense", "moe-fused"])
+def test_export_round_trip_through_transformers(saved, ids, name, tmp_path):
+    path, reference = saved[name]
+    model = load_model(None, hf_checkpoint=path)
+    out = hf.export_model(model, tmp_path / "export", max_shard_bytes=30_000)
+    index = json.loads((out / hf.INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in out.glob("*.safetensors")}
+    assert len(index["weight_map"]) == len(stored_keys(out))
+    assert not any("gate_up_proj" in k for k in stored_keys(out))  # per-expert layout, like published checkpoints
+    assert ("lm_head.weight" in stored_keys(out)) == (not reference.config.tie_word_embeddings)
+    assert json.loads((out / "config.json").read_text())["model_type"] == reference.config.model_type
+    assert (out / "tokenizer.json").is_file()
+    assert max_diff(hf_logits(out, ids), hf_logits(reference, ids)) <= TOL
+    assert not list(tmp_path.glob(".export*")), "temporary directory left behind"
+
+
+def test_export_bfloat16(saved, ids, tmp_path):
+    path, _ = saved["dense"]
+    out = export_hf(load_model(None, hf_checkpoint=path), tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as h:
+        assert {h.get_tensor(k).dtype for k in h.keys()} == {torch.bfloat16}
+
+
+def test_export_warns_about_the_expert_bias(saved, tmp_path):
+    model = load_model(None, hf_checkpoint=saved["moe"][0])
+    model.layers["0"].moe.expert_bias_E.fill_(0.5)  # what torchtitan's load balancing learns in training
+    with pytest.warns(UserWarning, match="expert_bias_E.*moe_load_balance_coeff = 0"):
+        export_hf(model, tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------------------
+# Through training: load in the trainer, train, export (1 rank), and exact load + export on 2 ranks
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_checkpoint(tmp_path_factory) -> Path:
+    """transformers' Qwen3-MoE at the tiny-moe shape (real vocabulary, tied), saved in shards."""
+    path = tmp_path_factory.mktemp("tiny_moe") / "ckpt"
+    hf_model(flavors.get_shape("tiny-moe"), seed=3).save_pretrained(path, max_shard_size="8MB")
+    return path
+
+
+TRAIN = ("--training.seq_len", "32", "--model.moe_load_balance_coeff", "0", "--checkpoint.export_hf", "true",
+         "--checkpoint.export_dtype", "float32")
+
+
+@pytest.mark.slow
+def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
+    run_train("configs/cpu_moe.toml", *TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "5",
+              "--model.hf_checkpoint", str(tiny_moe_checkpoint), "--checkpoint.enable", "true",
+              "--checkpoint.interval", "5")
+    run = tmp_path / "cpu_moe"
+    export = run / "hf"
+    ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
+    reference = hf_logits(export, ids)
+    # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
+    from workbench.export_hf import _step_dir, load_dcp_model_state
+
+    job = load_config(run / "config.toml")
+    trained = build_model(job)
+    load_dcp_model_state(trained, _step_dir(run, "checkpoint", None))
+    assert max_diff(logits(trained, ids), reference) <= TOL
+    assert max_diff(logits(load_model(None, hf_checkpoint=export), ids), reference) <= TOL
+    assert max_diff(reference, hf_logits(tiny_moe_checkpoint, ids)) > 1e-3  # training changed the weights
+
+    from transformers import AutoTokenizer
+
+    from workbench import data
+
+    text = "Shall I compare thee to a summer's day?"
+    assert AutoTokenizer.from_pretrained(export)(text)["input_ids"] == data.load_tokenizer().encode(text).ids
+
+    # the CLI exports the same weights from the DCP checkpoint
+    from safetensors.torch import load_file
+
+    from workbench.export_hf import main
+
+    assert main(["--run", str(run), "--out", str(tmp_path / "cli"), "--dtype", "float32"]) == 0
+    a, b = load_file(str(export / "model.safetensors")), load_file(str(tmp_path / "cli" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_ranks_load_and_export_exactly(tiny_moe_checkpoint, tmp_path):
+    """lr = 0: FSDP-sharded load and gathered export over 2 ranks give back the checkpoint bit for bit."""
+    run_train("configs/cpu_moe.toml", *TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+              "--optimizer.lr", "0", "--model.hf_checkpoint", str(tiny_moe_checkpoint), nproc=2)
+    from safetensors.torch import load_file
+
+    source = {k: v for f in tiny_moe_checkpoint.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    exported = load_file(str(tmp_path / "cpu_moe" / "hf" / "model.safetensors"))
+    assert source.keys() == exported.keys()
+    assert all(torch.equal(source[k], exported[k]) for k in source)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def copy_of(saved, name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(saved[name][0], tmp_path / name))
+
+
+def test_missing_shard(saved, tmp_path):
+    d = copy_of(saved, "dense-sharded", tmp_path)
+    victim = sorted(d.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(hf.HFCheckpointError, match=rf"missing from .*{victim.name}.*fetch the missing shard"):
+        load_model(None, hf_checkpoint=d)
+
+
+def test_truncated_safetensors(saved, tmp_path):
+    d = copy_of(saved, "dense", tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(hf.HFCheckpointError, match="model.safetensors is not a readable safetensors file.*truncated"):
+        load_model(None, hf_checkpoint=d)
+
+
+def test_key_mismatch_lists_the_keys(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_of(saved, "dense", tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.1.mlp.gate.weight"] = tensors.pop("model.layers.1.mlp.gate_proj.weight")
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf.HFCheckpointError) as err:
+        load_model(None, hf_checkpoint=d)
+    msg = str(err.value)
+    assert "missing (2): " in msg and "model.norm.weight [32]" in msg and "model.layers.1.mlp.gate_proj.weight [48, 32]" in msg
+    assert "unexpected (1): model.layers.1.mlp.gate.weight [48, 32]" in msg
+
+
+def test_shape_mismatch_lists_expected_and_found(saved, tmp_path):
+    d = copy_of(saved, "dense", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 64  # config.json no longer describes the stored weights
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.HFCheckpointError) as err:
+        load_model(None, hf_checkpoint=d)
+    msg = str(err.value)
+    assert "shape mismatch (6): " in msg  # gate, up and down projections of both layers
+    assert "model.layers.0.mlp.down_proj.weight expected [32, 64], found [32, 48]" in msg
+
+
+def test_not_qwen3(saved, tmp_path):
+    d = copy_of(saved, "dense", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type='llama'.*Qwen3 only"):
+        load_model(None, hf_checkpoint=d)
+
+
+class _Tripwire:
+    """Unpickling this creates a file: proof that a loader unpickled the weights."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_pickle_weights_are_refused_never_unpickled(saved, tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(saved["dense"][0] / "config.json", d)
+    marker = tmp_path / "unpickled"
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(marker)))
+    with pytest.raises(hf.HFCheckpointError, match=r"pytorch_model.bin.*never unpickles.*save_pretrained"):
+        load_model(None, hf_checkpoint=d)
+    assert not marker.exists()
+
+
+def test_export_refuses_an_existing_target_unless_overwrite(saved, ids, tmp_path):
+    model = load_model(None, hf_checkpoint=saved["dense"][0])
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(hf.HFExportError, match="already exists.*overwrite"):
+        export_hf(model, target)
+    assert (target / "keep.txt").read_text() == "mine"
+    export_hf(model, target, overwrite=True)
+    assert not (target / "keep.txt").exists() and (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old directory left
+
+
+def test_failed_export_leaves_nothing(saved, tmp_path, monkeypatch):
+    model = load_model(None, hf_checkpoint=saved["dense"][0])
+
+    def disk_full(*_a, **_k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(hf, "_copy_tokenizer", disk_full)
+    with pytest.raises(hf.HFExportError, match="No space left on device.*nothing was written"):
+        export_hf(model, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

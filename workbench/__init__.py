@@ -1,0 +1,34 @@
+"""Qwen3-on-Trainium workbench: one launcher, one TOML config, three training paths.
+
+Python API (what the notebooks call)::
+
+    job = workbench.load_config("configs/cpu_moe.toml", training={"steps": 10})
+    run_dir = workbench.train(job, nproc=2)                 # torchrun in a subprocess -> run folder
+    model = workbench.load_model(job, backend="native", hf_checkpoint=None)   # forward(input_ids) -> logits
+    workbench.export_hf(model, "out/hf")                     # safetensors + config.json + tokenizer
+
+Imports are lazy so that `import workbench` (and config validation) stays fast and torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["load_config", "train", "load_model", "export_hf"]
+
+_API = {
+    "load_config": ("workbench.config", "load_config"),
+    "train": ("workbench.train", None),  # the module itself is callable: workbench.train(job, nproc=...)
+    "load_model": ("workbench.model", "load_model"),
+    "export_hf": ("workbench.model", "export_hf"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        import importlib
+
+        module, attr = _API[name]
+        mod = importlib.import_module(module)
+        return mod if attr is None else getattr(mod, attr)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -1,0 +1,334 @@
+"""Compare two checkpoints of any backend in Hugging Face key space: weights, held-out logits and perplexity, and
+greedy generations side by side.
+
+    python -m workbench.compare A B [--backend-a native] [--backend-b huggingface_v5] [--out DIR]
+    cmp = workbench.compare.compare("outputs/run_a", "outputs/run_b/hf", backend_b="huggingface_v5")
+    cmp.tensors      # DataFrame: key, shape_a, shape_b, max_abs, rel_norm, status
+    cmp.heldout      # dict: logits_max_abs_diff, logits_mean_abs_diff, top1_agreement, ppl_a, ppl_b, tokens
+    cmp.generations  # DataFrame: prompt, a, b, same
+
+A checkpoint is any of:
+  * a run folder (`<job.dump_folder>/<job.experiment_name>/`, with config.toml): its newest DCP step, or `step`;
+  * a DCP step directory (`<run>/checkpoint/step-N/`): read with the run's config, by the backend that wrote it;
+  * a Hugging Face directory (config.json + *.safetensors), e.g. `<run>/hf/` or published weights: loaded into
+    `backend` (default native) with `workbench.model.load_model`.
+
+Weights are compared after mapping each model's `state_dict()` to HF keys with its backend's `hf_adapter`
+(per-expert `mlp.experts.E.*` keys; a tied lm_head has no key), so checkpoints of different backends line up
+key for key. Logits and perplexity use the first rows of a held-out slice of the corpus
+(`workbench.data.heldout_tokens`: the last document in the fixed order); generations use the real tokenizer
+(`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+DEFAULT_PROMPTS = ("To be, or not to be,", "ROMEO:", "Now is the winter of our discontent")
+
+
+class CheckpointError(ValueError):
+    """A path that is no checkpoint this module can read; the message says what it expects."""
+
+
+@dataclass
+class Loaded:
+    """One side of a comparison.
+
+    Attributes:
+        label: how the checkpoint is shown ("<backend>:<path>").
+        backend: the backend whose model holds the weights.
+        model: fp32 CPU model in eval mode; `model(input_ids)` -> logits [B, S, vocab].
+        hf_state: the model's weights under Hugging Face keys.
+        tokenizer_path: the tokenizer directory ("" = the bundled Qwen3 tokenizer).
+    """
+
+    label: str
+    backend: str
+    model: torch.nn.Module
+    hf_state: dict[str, torch.Tensor]
+    tokenizer_path: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.workbench_info.shape.vocab_size
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+
+
+def _hf_state(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:
+    """The model's state dict under HF keys (its backend's mapping), detached fp32 tensors."""
+    from workbench import backends
+
+    adapter = backends.get(backend).hf_adapter(model.workbench_info.shape)
+    return {k: v.detach().float() for k, v in adapter.to_hf(model.state_dict()).items()}
+
+
+def _run_of(step_dir: Path) -> Path:
+    """The run folder above a DCP step directory (the first parent with config.toml)."""
+    for parent in step_dir.parents:
+        if (parent / "config.toml").is_file():
+            return parent
+    raise CheckpointError(f"{step_dir} is a DCP checkpoint outside any run folder (no config.toml above it); "
+                          "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
+
+
+def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
+    from workbench.export_hf import checkpoint_steps
+
+    steps = checkpoint_steps(run / folder)
+    if not steps:
+        raise CheckpointError(f"No DCP checkpoint in {run / folder}. Train with --checkpoint.enable true, or compare "
+                              f"its Hugging Face export ({run / 'hf'}) if it has one.")
+    if step is None:
+        return steps[max(steps)]
+    if step not in steps:
+        raise CheckpointError(f"{run / folder} has no step {step}; available: {', '.join(map(str, sorted(steps)))}.")
+    return steps[step]
+
+
+def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
+    from workbench.config import load_config
+    from workbench.export_hf import load_dcp_model_state
+    from workbench.model import build_model
+
+    # The run trained with its own parallel degrees; this process is a world of one.
+    job = load_config(run / "config.toml", parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
+    if backend not in (None, job.model.backend):
+        raise CheckpointError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
+                              f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
+                              f"(python -m workbench.export_hf --run {run} --out DIR) and compare DIR.")
+    step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
+    model = build_model(job)
+    load_dcp_model_state(model, step_dir)
+    return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, _hf_state(model, job.model.backend),
+                  job.model.tokenizer_path)
+
+
+def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: int | None = None) -> Loaded:
+    """Loads one checkpoint (run folder, DCP step directory or HF directory; see the module docstring).
+
+    Args:
+        path: the checkpoint.
+        backend: HF directories: the backend to load into (default native). DCP: must be the run's (or None).
+        step: run folders: the DCP step (default the newest).
+
+    Raises:
+        CheckpointError: the path is none of the above, or has no such step.
+    """
+    from workbench.model import load_model
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        backend = backend or "native"
+        model = load_model(None, backend=backend, hf_checkpoint=p)
+        return Loaded(f"{backend}:{p}", backend, model, _hf_state(model, backend),
+                      model.workbench_info.tokenizer_path)
+    if (p / ".metadata").is_file():
+        return _load_dcp(_run_of(p), p, None, backend)
+    if (p / "config.toml").is_file():
+        return _load_dcp(p, None, step, backend)
+    raise CheckpointError(f"{p} is not a checkpoint: expected a Hugging Face directory (config.json + *.safetensors), "
+                          "a run folder (config.toml + checkpoint/step-N/) or a DCP step directory (.metadata).")
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparing
+# ------------------------------------------------------------------------------------------------
+
+
+def tensor_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> pd.DataFrame:
+    """Per HF key: max |a - b| and ||a - b|| / ||a|| (0 when both are zero); keys on one side only are listed too.
+
+    Columns: key, shape_a, shape_b, max_abs, rel_norm, status ("same keys", "only in a", "only in b",
+    "shape differs").
+    """
+    rows = []
+    for key in sorted(a.keys() | b.keys()):
+        ta, tb = a.get(key), b.get(key)
+        row = {"key": key, "shape_a": tuple(ta.shape) if ta is not None else None,
+               "shape_b": tuple(tb.shape) if tb is not None else None, "max_abs": math.nan, "rel_norm": math.nan}
+        if ta is None or tb is None:
+            row["status"] = "only in a" if tb is None else "only in b"
+        elif ta.shape != tb.shape:
+            row["status"] = "shape differs"
+        else:
+            diff = ta.double() - tb.double()
+            err, ref = diff.norm().item(), ta.double().norm().item()
+            row.update(status="same keys", max_abs=diff.abs().max().item() if diff.numel() else 0.0,
+                       rel_norm=err / ref if ref else (math.inf if err else 0.0))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["key", "shape_a", "shape_b", "max_abs", "rel_norm", "status"])
+
+
+def heldout_batch(seq_len: int, rows: int, vocab_size: int, dataset: str = "shakespeare",
+                  tokenizer_path: str = "") -> torch.Tensor:
+    """[rows, seq_len + 1] token ids from the held-out slice (ids folded into `vocab_size` for trimmed test vocabs).
+
+    Raises:
+        ValueError: the held-out slice is shorter than one row.
+    """
+    from workbench.data import heldout_tokens
+
+    tokens = heldout_tokens(dataset, tokenizer_path)
+    rows = min(rows, len(tokens) // (seq_len + 1))
+    if rows < 1:
+        raise ValueError(f"The held-out slice has {len(tokens)} tokens, fewer than one row of {seq_len + 1}; "
+                         "use a smaller seq_len.")
+    return tokens[: rows * (seq_len + 1)].view(rows, seq_len + 1) % vocab_size
+
+
+def perplexity(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """exp(mean next-token cross-entropy)."""
+    return math.exp(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item())
+
+
+@torch.no_grad()
+def heldout_eval(a: Loaded, b: Loaded, batch: torch.Tensor) -> dict[str, float]:
+    """Logits of both models on the same held-out rows: their differences, top-1 agreement and perplexities."""
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    la, lb = a.model(inputs).float(), b.model(inputs).float()
+    if la.shape != lb.shape:
+        raise ValueError(f"The models' logits differ in shape ({tuple(la.shape)} vs {tuple(lb.shape)}): they do not "
+                         "share a vocabulary, so logits and generations cannot be compared.")
+    diff = (la - lb).abs()
+    return {"logits_max_abs_diff": diff.max().item(), "logits_mean_abs_diff": diff.mean().item(),
+            "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+            "ppl_a": perplexity(la, labels), "ppl_b": perplexity(lb, labels), "tokens": labels.numel()}
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, vocab_size: int) -> list[int]:
+    """Greedy continuation (full forward each token: no KV cache, fine for comparison-sized outputs)."""
+    ids = torch.tensor([i % vocab_size for i in prompt_ids])[None]
+    for _ in range(max_new_tokens):
+        nxt = model(ids)[0, -1].argmax()
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
+
+
+def generations(a: Loaded, b: Loaded, prompts: Sequence[str], max_new_tokens: int) -> pd.DataFrame:
+    """Both models' greedy continuations of each prompt, decoded with `a`'s tokenizer. Columns: prompt, a, b, same."""
+    from workbench.data import load_tokenizer
+
+    tok = load_tokenizer(a.tokenizer_path)
+    rows = []
+    for prompt in prompts:
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        ga, gb = (greedy(m.model, ids, max_new_tokens, m.vocab_size) for m in (a, b))
+        rows.append({"prompt": prompt, "a": tok.decode(ga), "b": tok.decode(gb), "same": ga == gb})
+    return pd.DataFrame(rows, columns=["prompt", "a", "b", "same"])
+
+
+@dataclass
+class Comparison:
+    """The result of `compare` (see the module docstring)."""
+
+    a: str
+    b: str
+    tensors: pd.DataFrame
+    heldout: dict[str, float]
+    generations: pd.DataFrame
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers: largest weight differences, key mismatches, held-out metrics, generations that agree."""
+        same = self.tensors[self.tensors.status == "same keys"]
+        return {"a": self.a, "b": self.b, "tensors": len(self.tensors),
+                "mismatched_keys": int((self.tensors.status != "same keys").sum()),
+                "weights_max_abs": float(same.max_abs.max()) if len(same) else math.nan,
+                "weights_max_rel_norm": float(same.rel_norm.max()) if len(same) else math.nan,
+                **self.heldout, "generations_same": int(self.generations.same.sum()),
+                "generations": len(self.generations), **self.settings}
+
+    def save(self, out: str | os.PathLike) -> Path:
+        """Writes tensors.csv, generations.csv, summary.json and compare.md into `out`."""
+        from workbench.profiling import markdown_table
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.tensors.to_csv(out / "tensors.csv", index=False)
+        self.generations.to_csv(out / "generations.csv", index=False)
+        summary = self.summary()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        worst = self.tensors.sort_values("rel_norm", ascending=False, na_position="first").head(15)
+        (out / "compare.md").write_text("\n".join([
+            "# Checkpoint comparison", "", f"- a: `{self.a}`", f"- b: `{self.b}`", "",
+            markdown_table(pd.DataFrame([summary]).drop(columns=["a", "b"]).T.reset_index()
+                           .set_axis(["metric", "value"], axis=1)),
+            "## Largest weight differences", "", markdown_table(worst.astype({"shape_a": str, "shape_b": str})),
+            "## Greedy generations", "", markdown_table(self.generations)]))
+        return out
+
+
+def compare(a: str | os.PathLike, b: str | os.PathLike, *, backend_a: str | None = None,
+            backend_b: str | None = None, step_a: int | None = None, step_b: int | None = None, seq_len: int = 128,
+            rows: int = 4, prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 16,
+            dataset: str = "shakespeare") -> Comparison:
+    """Compares two checkpoints (any kind, any backend): weights, held-out logits / perplexity, generations.
+
+    Args:
+        a, b: checkpoints (run folder, DCP step directory or Hugging Face directory).
+        backend_a, backend_b: for HF directories, the backend to load into (default native).
+        step_a, step_b: for run folders, the DCP step (default the newest).
+        seq_len, rows: held-out rows of `seq_len` tokens for logits and perplexity.
+        prompts, max_new_tokens: greedy generations.
+        dataset: the corpus whose held-out slice is used (`training.dataset` syntax).
+    """
+    la = load_checkpoint(a, backend_a, step_a)
+    lb = load_checkpoint(b, backend_b, step_b)
+    batch = heldout_batch(seq_len, rows, la.vocab_size, dataset, la.tokenizer_path)
+    return Comparison(la.label, lb.label, tensor_diffs(la.hf_state, lb.hf_state), heldout_eval(la, lb, batch),
+                      generations(la, lb, prompts, max_new_tokens),
+                      {"seq_len": batch.shape[1] - 1, "rows": batch.shape[0], "dataset": dataset})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("a", help="checkpoint A: run folder, DCP step directory or Hugging Face directory")
+    parser.add_argument("b", help="checkpoint B (same kinds)")
+    parser.add_argument("--backend-a", default=None, help="backend to load an HF directory A into (default native)")
+    parser.add_argument("--backend-b", default=None, help="backend to load an HF directory B into (default native)")
+    parser.add_argument("--step-a", type=int, default=None, help="DCP step of run folder A (default newest)")
+    parser.add_argument("--step-b", type=int, default=None, help="DCP step of run folder B (default newest)")
+    parser.add_argument("--seq-len", type=int, default=128, help="held-out row length (default 128)")
+    parser.add_argument("--rows", type=int, default=4, help="held-out rows (default 4)")
+    parser.add_argument("--prompt", action="append", default=None, help="generation prompt (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    parser.add_argument("--out", default=None, help="write tensors.csv, generations.csv, summary.json, compare.md")
+    args = parser.parse_args(argv)
+    from workbench.config import ConfigError
+    from workbench.hf import HFCheckpointError
+
+    try:
+        cmp = compare(args.a, args.b, backend_a=args.backend_a, backend_b=args.backend_b, step_a=args.step_a,
+                      step_b=args.step_b, seq_len=args.seq_len, rows=args.rows,
+                      prompts=args.prompt or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens)
+    except (CheckpointError, ConfigError, HFCheckpointError, FileNotFoundError, NotImplementedError, ValueError) as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    for key, value in cmp.summary().items():
+        print(f"{key:>22}: {value}")
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60):
+        print(cmp.generations.to_string(index=False))
+    if args.out:
+        print(f"wrote {cmp.save(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

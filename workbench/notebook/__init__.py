@@ -1,0 +1,43 @@
+"""Notebook support: parameters -> config, tables and plots, the live training dashboard, the papermill runner.
+
+The numbered notebooks in `notebooks/` stay thin: a `parameters` cell of plain literals, a `config` cell
+(`job = job_from_params(...)`), then one call per cell into `workbench` (this package, `workbench.train`,
+`workbench.profiling`, `workbench.bench`, `workbench.compare`).
+
+This is the only package that imports ipywidgets, and it does so lazily (only when a live dashboard opens),
+so `python -m workbench.notebook run` and the config checks work without a frontend. The names below are
+loaded on first use for the same reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    # params
+    "job_from_params": "params", "repo_root": "params", "resolve_path": "params", "PARAM_KEYS": "params",
+    # reports
+    "environment_report": "reports", "asset_facts": "reports", "config_table": "reports",
+    "flavor_table": "reports", "metrics_frame": "reports", "read_metrics": "reports", "read_summary": "reports",
+    "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
+    # dashboard
+    "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
+    "train_with_dashboard": "dashboard",
+    # runner
+    "run_notebooks": "runner", "NotebookParameterError": "runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = list(_EXPORTS)

@@ -1,0 +1,295 @@
+"""A live training dashboard for notebooks: loss and tokens/s curves plus a progress bar while torchrun trains.
+
+    from workbench.notebook import train_with_dashboard
+    run_dir = train_with_dashboard(job, nproc=2)      # live in JupyterLab, a static plot under papermill / nbval
+
+How it is fed: `workbench.train.train(job, stream=dashboard)` hands every output line of the torchrun
+subprocess to the dashboard. Lines are only a *clock*: on each one the dashboard reads whatever new records
+the trainer appended to `<run>/metrics.jsonl` (the run-folder contract: one JSON object per logged step) and
+updates from those, so nothing depends on the wording of the progress lines. The lines themselves are kept
+(the last `log_tail`) and printed if training fails, because they hold the real error.
+
+Two modes:
+  * live — a frontend is attached (JupyterLab, classic Notebook, VS Code): a `tqdm.auto` bar, a one-line status
+    and a PNG of the curves in ipywidgets, redrawn at most every `refresh_s` seconds. At the end the widgets are
+    replaced by a plain image + text summary, so the saved notebook shows the result without widget state.
+  * static — nobody is watching (papermill, nbconvert --execute, nbval, plain Python): nothing per step; at the
+    end one static matplotlib figure and a short text summary. Widget outputs would be dead weight in an
+    executed notebook and would make nbval outputs differ from run to run.
+
+Detection (`live_frontend`): `WORKBENCH_DASHBOARD=live|static` wins (the batch runner sets `static`). Otherwise,
+inside an IPython kernel, the current execute request tells: headless executors send `allow_stdin=False`
+(nbclient, hence papermill and nbconvert) or `store_history=False` (nbval), interactive frontends send both
+true. Outside a kernel (plain Python, a terminal) the mode is static.
+
+Only this package imports ipywidgets; the trainer and `workbench.train` never do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from workbench.config import JobConfig
+
+ENV_MODE = "WORKBENCH_DASHBOARD"
+
+
+class TrainingFailed(RuntimeError):
+    """torchrun exited non-zero; the message ends with the last lines of its output (the real error)."""
+
+
+def _kernel():
+    """The running ipykernel instance, or None outside a kernel."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(shell, "kernel", None) if shell is not None else None
+
+
+def live_frontend() -> bool:
+    """True when a notebook frontend is attached that will render widgets as they change.
+
+    See the module docstring for the rules; `WORKBENCH_DASHBOARD=live` / `=static` overrides them.
+    """
+    forced = os.environ.get(ENV_MODE, "").strip().lower()
+    if forced in ("live", "static"):
+        return forced == "live"
+    kernel = _kernel()
+    if kernel is None:
+        return False
+    try:
+        parent = kernel.get_parent("shell") if hasattr(kernel, "get_parent") else kernel._parent_header
+        content = (parent or {}).get("content", {})
+    except Exception:  # an unusual kernel: assume a person is watching
+        return True
+    return bool(content.get("allow_stdin", True)) and bool(content.get("store_history", True))
+
+
+def _display(obj: Any) -> None:
+    """IPython display inside a kernel, print elsewhere."""
+    if _kernel() is not None:
+        from IPython.display import display
+
+        display(obj)
+    else:
+        print(obj)
+
+
+class Dashboard:
+    """Stream callback for `workbench.train.train(..., stream=...)` that shows training progress.
+
+    Args:
+        run_dir: the job's run folder (`job.run_dir`); its metrics.jsonl is tailed.
+        total_steps: `training.steps` (the progress bar's length).
+        title: heading of the plot and summary (default: the run folder's name).
+        live: force live (True) or static (False) mode; None = `live_frontend()`.
+        refresh_s: minimum seconds between two redraws of the live plot.
+        log_tail: output lines kept for the failure report.
+        echo: also print every output line (for debugging; off by default to keep notebooks short).
+
+    Use as a context manager (or call `close()`): it draws the final figure and summary.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, total_steps: int, title: str = "", *, live: bool | None = None,
+                 refresh_s: float = 1.0, log_tail: int = 60, echo: bool = False):
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.title = title or self.run_dir.name
+        self.live = live_frontend() if live is None else live
+        self.refresh_s = refresh_s
+        self.echo = echo
+        self.lines: deque[str] = deque(maxlen=log_tail)
+        self.records: list[dict[str, Any]] = []
+        # Only this launch's records: a rerun in the same run folder appends to an existing metrics.jsonl.
+        self._offset = self.metrics_path.stat().st_size if self.metrics_path.is_file() else 0
+        self._partial = ""
+        self._t0 = time.perf_counter()
+        self._last_draw = 0.0
+        self._closed = False
+        self._widgets: dict[str, Any] = {}
+        self._fig = None
+        if self.live:
+            self._open_widgets()
+
+    # -- feeding --------------------------------------------------------------------------------
+
+    def __call__(self, line: str) -> None:
+        """Receives one output line of the training subprocess."""
+        self.lines.append(line.rstrip("\n"))
+        if self.echo:
+            print(line, end="" if line.endswith("\n") else "\n", flush=True)
+        if self.poll() and self.live:
+            self._update_live()
+
+    def poll(self) -> int:
+        """Reads records appended to metrics.jsonl since the last call; returns how many were new."""
+        if not self.metrics_path.is_file():
+            return 0
+        with open(self.metrics_path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        if not chunk:
+            return 0
+        self._offset += len(chunk)
+        text = self._partial + chunk.decode("utf-8", errors="replace")
+        *complete, self._partial = text.split("\n")  # a line being written stays for the next poll
+        new = 0
+        for raw in complete:
+            if raw.strip():
+                try:
+                    self.records.append(json.loads(raw))
+                    new += 1
+                except json.JSONDecodeError:
+                    pass
+        return new
+
+    # -- live mode (ipywidgets) -------------------------------------------------------------------
+
+    def _open_widgets(self) -> None:
+        import ipywidgets as widgets
+        from IPython.display import display
+        from tqdm.auto import tqdm
+
+        self._widgets["bar"] = tqdm(total=self.total_steps, desc=self.title, unit="step")
+        self._widgets["status"] = widgets.HTML("waiting for the first step (process start, model build)…")
+        self._widgets["image"] = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        self._widgets["box"] = widgets.VBox([self._widgets["status"], self._widgets["image"]])
+        display(self._widgets["box"])
+
+    def _update_live(self, force: bool = False) -> None:
+        bar, last = self._widgets["bar"], self.records[-1]
+        bar.n = min(int(last["step"]), self.total_steps)
+        bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}", refresh=False)
+        bar.refresh()
+        self._widgets["status"].value = self._status_html(last)
+        now = time.perf_counter()
+        if force or now - self._last_draw >= self.refresh_s:
+            self._last_draw = now
+            self._widgets["image"].value = self._png()
+
+    def _status_html(self, r: dict[str, Any]) -> str:
+        mem = r.get("peak_memory_bytes", 0) / 2**30
+        return (f"<code>step {r['step']}/{self.total_steps} · loss {r['loss']:.4f} · "
+                f"{r['tokens_per_second']:,.0f} tok/s · MFU {100 * r.get('mfu', 0):.2f}% · "
+                f"{mem:.2f} GiB · {time.perf_counter() - self._t0:.0f} s</code>")
+
+    def _png(self) -> bytes:
+        import io
+
+        fig = self.figure()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80)
+        return buf.getvalue()
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def frame(self):
+        """This launch's records as a DataFrame indexed by step."""
+        import pandas as pd
+
+        if not self.records:
+            return pd.DataFrame(columns=["loss", "tokens_per_second"])
+        return pd.DataFrame(self.records).drop_duplicates("step", keep="last").set_index("step").sort_index()
+
+    def figure(self):
+        """The loss / tokens-per-second figure of the records so far (one Figure, redrawn in place)."""
+        from workbench.notebook.reports import plot_metrics
+
+        self._fig = plot_metrics(self.frame(), self.title, fig=self._fig)
+        return self._fig
+
+    def summary_text(self, ok: bool = True) -> str:
+        """A short, human summary of this launch."""
+        seconds = time.perf_counter() - self._t0
+        if not self.records:
+            return f"{self.title}: no steps logged ({'finished' if ok else 'FAILED'} after {seconds:.0f} s)."
+        first, last = self.records[0], self.records[-1]
+        tps = sorted(r["tokens_per_second"] for r in (self.records[1:] or self.records))  # step 1 includes warm-up
+        mfu = sorted(r.get("mfu", 0.0) for r in (self.records[1:] or self.records))
+        return (f"{self.title}: {'finished' if ok else 'FAILED'} · backend {last.get('backend', '?')} · "
+                f"steps {first['step']}–{last['step']} of {self.total_steps} · "
+                f"loss {first['loss']:.4f} → {last['loss']:.4f} · median {tps[len(tps) // 2]:,.0f} tok/s · "
+                f"median MFU {100 * mfu[len(mfu) // 2]:.2f}% · {seconds:.0f} s wall")
+
+    def close(self, ok: bool = True) -> None:
+        """Final state (both modes): one static figure and the text summary; on failure also the log tail."""
+        if self._closed:
+            return
+        self._closed = True
+        self.poll()
+        if self.live:
+            bar = self._widgets.pop("bar")
+            if ok:
+                bar.n = bar.total
+            bar.close()
+            # Static outputs replace the widgets: a saved notebook keeps them, widget state it would not.
+            self._widgets.pop("box").close()
+        if self.records:
+            _display(self.figure())
+        print(self.summary_text(ok), flush=True)
+        if not ok:
+            print("--- last output lines ---\n" + "\n".join(self.lines), file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "Dashboard":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(ok=exc_type is None)
+
+
+def _child_can_import_workbench() -> None:
+    """Makes sure the torchrun child imports *this* workbench, whatever the kernel's working directory.
+
+    `train()` runs `python -m workbench.train` with the kernel's environment and cwd; a kernel started in
+    `notebooks/` without the project pip-installed would otherwise fail with "No module named workbench".
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *parts])
+
+
+def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] | None = None, *,
+                         live: bool | None = None, title: str = "", echo: bool = False) -> Path:
+    """Trains `job` with `nproc` ranks (torchrun subprocess) while showing the dashboard; returns the run folder.
+
+    Args:
+        job: a validated JobConfig (e.g. from `job_from_params`).
+        nproc: ranks on this machine (torchrun --nproc_per_node).
+        extra_args: more `--section.key value` overrides for the launch.
+        live: force the dashboard mode (None = detect, see `live_frontend`).
+        title: heading (default "<backend> · <flavor> · <nproc> rank(s)").
+        echo: print every output line of the training processes as well.
+
+    Raises:
+        TrainingFailed: torchrun failed; the message carries the last output lines.
+    """
+    from workbench.train import train
+
+    _child_can_import_workbench()
+    title = title or f"{job.model.backend} · {job.model.flavor or 'from checkpoint'} · {nproc} rank(s)"
+    dash = Dashboard(job.run_dir, job.training.steps, title, live=live, echo=echo)
+    try:
+        run_dir = train(job, nproc=nproc, extra_args=extra_args, stream=dash)
+    except subprocess.CalledProcessError as e:
+        dash.close(ok=False)
+        tail = "\n".join(list(dash.lines)[-25:])
+        raise TrainingFailed(f"training exited with code {e.returncode}; last output lines:\n{tail}") from None
+    except BaseException:
+        dash.close(ok=False)
+        raise
+    dash.close(ok=True)
+    return Path(run_dir)
+
+
+__all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "ENV_MODE"]

