@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run from a checkout without installing: this process and the torchrun workers it launches import workbench.
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 CONFIGS = ("configs/cpu_dense.toml", "configs/cpu_moe.toml")
 BACKENDS = ("native", "huggingface_v5")
 

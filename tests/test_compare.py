@@ -40,12 +40,15 @@ def test_tensor_diffs_reports_values_and_key_mismatches():
     assert df.loc["z", "rel_norm"] == 0  # zero tensors on both sides are equal, not NaN
     assert df.loc["only_a", "status"] == "only in a" and df.loc["only_b", "status"] == "only in b"
     assert df.loc["s", "status"] == "shape differs" and math.isnan(df.loc["s", "max_abs"])
+    # Buffers the HF format cannot hold: an absent one compares as zeros (routing without a bias).
+    buffers = compare.tensor_diffs({"bias": torch.tensor([0.0, 2.0])}, {}, hf=False).iloc[0]
+    assert (buffers.status, buffers.max_abs, buffers.hf) == ("only in a", 2.0, False)
 
 
 def test_hf_checkpoint_compared_with_itself_is_identical(hf_dir):
     cmp = compare.compare(hf_dir, hf_dir, **SMALL)
     _assert_identical(cmp)
-    keys = set(cmp.tensors.key)
+    keys = set(cmp.tensors[cmp.tensors.hf].key)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys  # HF key space, per expert
     assert "lm_head.weight" not in keys  # tied
     assert cmp.heldout["tokens"] == 2 * 32 and 1 < cmp.heldout["ppl_a"] < 1e6
@@ -58,16 +61,26 @@ def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
     except NotImplementedError as e:  # workbench.model.load_model has no builder for it yet
         pytest.skip(str(e))
     assert cmp.b.startswith(f"{backend}:")
-    assert (cmp.tensors.status == "same keys").all() and (cmp.tensors.max_abs == 0).all()
+    assert (cmp.tensors[cmp.tensors.hf].status == "same keys").all() and (cmp.tensors.max_abs == 0).all()
     assert cmp.heldout["logits_max_abs_diff"] <= 1e-4
     assert cmp.generations.same.all()
+
+
+def test_expert_bias_outside_the_hf_format_is_reported_and_explains_logit_differences(hf_dir):
+    a, b = compare.load_checkpoint(hf_dir), compare.load_checkpoint(hf_dir)
+    name, bias = next((n, t) for n, t in b.model.named_buffers() if "expert_bias" in n)
+    with torch.no_grad():
+        bias.copy_(torch.linspace(-5, 5, bias.numel()))  # strong enough to change every token's routing
+    summary = compare.compare_models(a, b, **SMALL).summary()
+    assert summary["mismatched_keys"] == 0 and summary["weights_max_abs"] == 0  # HF weights identical ...
+    assert summary["non_hf_buffers_max_abs"] == 5 and summary["logits_max_abs_diff"] > 1e-3  # ... routing is not
 
 
 @pytest.mark.slow
 def test_dcp_checkpoint_against_itself_and_against_its_hf_export(outdir, tmp_path):
     run_train("configs/cpu_moe.toml", "--training.steps", "2", "--job.dump_folder", str(outdir),
               "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.export_hf", "true",
-              "--checkpoint.export_dtype", "float32")
+              "--checkpoint.export_dtype", "float32", "--model.moe_load_balance_coeff", "0")  # all state in HF format
     run = outdir / "cpu_moe"
     _assert_identical(compare.compare(run, run / "checkpoint" / "step-2", **SMALL))
     # The command line: the DCP step (trained weights, titan keys) vs the fp32 HF export written at the end.

@@ -147,14 +147,15 @@ def test_moe_trains_30_steps(moe_run):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(dense_run, outdir):
-    """10 steps, relaunch to 20 (checkpoints every 5): steps 11-20 equal the uninterrupted run's.
+    """10 steps + a relaunch to 20 (checkpoints every 5) give the same losses for steps 11-20 as uninterrupted.
 
-    Both launches follow the 30-step lr schedule (`lr_scheduler.total_steps 30`), so the reference is the
-    uninterrupted 30-step run of `dense_run`, whose steps 1-20 are an uninterrupted 20-step run on that schedule.
+    Both launches follow the 30-step lr schedule (`lr_scheduler.total_steps 30`), so the uninterrupted reference
+    is `dense_run` (whose first 20 steps are an uninterrupted 20-step run on that schedule): one launch saved.
     """
     args = (*BACKEND, "--job.dump_folder", str(outdir), "--checkpoint.enable", "true", "--checkpoint.interval", "5",
             "--lr_scheduler.total_steps", "30")
     run_train(DENSE, *args, "--training.steps", "10", nproc=2)
+    assert (outdir / "cpu_dense" / "checkpoint" / "step-10" / ".metadata").is_file()
     proc = run_train(DENSE, *args, "--training.steps", "20", nproc=2)  # the same command, relaunched
     assert "steps 11-20" in proc.stdout
     resumed, reference = losses_by_step(outdir / "cpu_dense"), losses_by_step(dense_run)

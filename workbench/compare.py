@@ -3,7 +3,7 @@ greedy generations side by side.
 
     python -m workbench.compare A B [--backend-a native] [--backend-b huggingface_v5] [--out DIR]
     cmp = workbench.compare.compare("outputs/run_a", "outputs/run_b/hf", backend_b="huggingface_v5")
-    cmp.tensors      # DataFrame: key, shape_a, shape_b, max_abs, rel_norm, status
+    cmp.tensors      # DataFrame: key, hf, shape_a, shape_b, max_abs, rel_norm, status
     cmp.heldout      # dict: logits_max_abs_diff, logits_mean_abs_diff, top1_agreement, ppl_a, ppl_b, tokens
     cmp.generations  # DataFrame: prompt, a, b, same
 
@@ -15,9 +15,12 @@ A checkpoint is any of:
 
 Weights are compared after mapping each model's `state_dict()` to HF keys with its backend's `hf_adapter`
 (per-expert `mlp.experts.E.*` keys; a tied lm_head has no key), so checkpoints of different backends line up
-key for key. Logits and perplexity use the first rows of a held-out slice of the corpus
-(`workbench.data.heldout_tokens`: the last document in the fixed order); generations use the real tokenizer
-(`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
+key for key. State the HF format cannot hold is compared too, under the model's own key (column `hf` False):
+torchtitan's aux-loss-free `expert_bias_E` buffers change routing, so a DCP checkpoint trained with
+`model.moe_load_balance_coeff > 0` and its HF export have equal weights but different logits; a side without
+such a buffer counts as zeros (routing without a bias). Logits and perplexity use the first rows of a held-out
+slice of the corpus (`workbench.data.heldout_tokens`: the last document in the fixed order); generations use the
+real tokenizer (`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
 """
 
 from __future__ import annotations
@@ -49,15 +52,13 @@ class Loaded:
     Attributes:
         label: how the checkpoint is shown ("<backend>:<path>").
         backend: the backend whose model holds the weights.
-        model: fp32 CPU model in eval mode; `model(input_ids)` -> logits [B, S, vocab].
-        hf_state: the model's weights under Hugging Face keys.
+        model: fp32 CPU model in eval mode from `workbench.model` (`model(input_ids)` -> logits [B, S, vocab]).
         tokenizer_path: the tokenizer directory ("" = the bundled Qwen3 tokenizer).
     """
 
     label: str
     backend: str
     model: torch.nn.Module
-    hf_state: dict[str, torch.Tensor]
     tokenizer_path: str = ""
 
     @property
@@ -68,14 +69,6 @@ class Loaded:
 # ------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------
-
-
-def _hf_state(model: torch.nn.Module, backend: str) -> dict[str, torch.Tensor]:
-    """The model's state dict under HF keys (its backend's mapping), detached fp32 tensors."""
-    from workbench import backends
-
-    adapter = backends.get(backend).hf_adapter(model.workbench_info.shape)
-    return {k: v.detach().float() for k, v in adapter.to_hf(model.state_dict()).items()}
 
 
 def _run_of(step_dir: Path) -> Path:
@@ -115,8 +108,7 @@ def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str |
     step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
     load_dcp_model_state(model, step_dir)
-    return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, _hf_state(model, job.model.backend),
-                  job.model.tokenizer_path)
+    return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, job.model.tokenizer_path)
 
 
 def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: int | None = None) -> Loaded:
@@ -136,8 +128,7 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
     if (p / "config.json").is_file():
         backend = backend or "native"
         model = load_model(None, backend=backend, hf_checkpoint=p)
-        return Loaded(f"{backend}:{p}", backend, model, _hf_state(model, backend),
-                      model.workbench_info.tokenizer_path)
+        return Loaded(f"{backend}:{p}", backend, model, model.workbench_info.tokenizer_path)
     if (p / ".metadata").is_file():
         return _load_dcp(_run_of(p), p, None, backend)
     if (p / "config.toml").is_file():
@@ -151,28 +142,51 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
 # ------------------------------------------------------------------------------------------------
 
 
-def tensor_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> pd.DataFrame:
-    """Per HF key: max |a - b| and ||a - b|| / ||a|| (0 when both are zero); keys on one side only are listed too.
+def comparable_state(loaded: Loaded) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights under HF keys, buffers the HF format cannot hold under the model's keys), detached fp32."""
+    from workbench import backends
 
-    Columns: key, shape_a, shape_b, max_abs, rel_norm, status ("same keys", "only in a", "only in b",
-    "shape differs").
+    adapter = backends.get(loaded.backend).hf_adapter(loaded.model.workbench_info.shape)
+    state = loaded.model.state_dict()
+    buffers = {name for name, _ in loaded.model.named_buffers()}
+    hf = {k: v.detach().float() for k, v in adapter.to_hf(state).items()}
+    extra = {k: v.detach().float() for k, v in state.items() if k in buffers and not adapter.to_hf({k: v})}
+    return hf, extra
+
+
+def _diff_row(key: str, ta: torch.Tensor | None, tb: torch.Tensor | None, hf: bool) -> dict[str, Any]:
+    row = {"key": key, "hf": hf, "shape_a": tuple(ta.shape) if ta is not None else None,
+           "shape_b": tuple(tb.shape) if tb is not None else None, "max_abs": math.nan, "rel_norm": math.nan,
+           "status": "same keys"}
+    if ta is None or tb is None:
+        row["status"] = "only in a" if tb is None else "only in b"
+        if hf:
+            return row
+        ta, tb = (ta, torch.zeros_like(ta)) if tb is None else (torch.zeros_like(tb), tb)  # absent buffer = zeros
+    elif ta.shape != tb.shape:
+        row["status"] = "shape differs"
+        return row
+    diff = ta.double() - tb.double()
+    err, ref = diff.norm().item(), ta.double().norm().item()
+    row.update(max_abs=diff.abs().max().item() if diff.numel() else 0.0,
+               rel_norm=err / ref if ref else (math.inf if err else 0.0))
+    return row
+
+
+def tensor_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, hf: bool = True) -> pd.DataFrame:
+    """Per key: max |a - b| and ||a - b|| / ||a|| (0 when both are zero); keys on one side only are listed too.
+
+    Args:
+        a, b: key -> tensor.
+        hf: the keys are HF weights (a key on one side only is a mismatch, no numbers); False = non-HF buffers
+            (an absent buffer compares as zeros).
+
+    Returns:
+        Columns: key, hf, shape_a, shape_b, max_abs, rel_norm, status ("same keys", "only in a", "only in b",
+        "shape differs").
     """
-    rows = []
-    for key in sorted(a.keys() | b.keys()):
-        ta, tb = a.get(key), b.get(key)
-        row = {"key": key, "shape_a": tuple(ta.shape) if ta is not None else None,
-               "shape_b": tuple(tb.shape) if tb is not None else None, "max_abs": math.nan, "rel_norm": math.nan}
-        if ta is None or tb is None:
-            row["status"] = "only in a" if tb is None else "only in b"
-        elif ta.shape != tb.shape:
-            row["status"] = "shape differs"
-        else:
-            diff = ta.double() - tb.double()
-            err, ref = diff.norm().item(), ta.double().norm().item()
-            row.update(status="same keys", max_abs=diff.abs().max().item() if diff.numel() else 0.0,
-                       rel_norm=err / ref if ref else (math.inf if err else 0.0))
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["key", "shape_a", "shape_b", "max_abs", "rel_norm", "status"])
+    rows = [_diff_row(k, a.get(k), b.get(k), hf) for k in sorted(a.keys() | b.keys())]
+    return pd.DataFrame(rows, columns=["key", "hf", "shape_a", "shape_b", "max_abs", "rel_norm", "status"])
 
 
 def heldout_batch(seq_len: int, rows: int, vocab_size: int, dataset: str = "shakespeare",
@@ -247,11 +261,13 @@ class Comparison:
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers: largest weight differences, key mismatches, held-out metrics, generations that agree."""
-        same = self.tensors[self.tensors.status == "same keys"]
-        return {"a": self.a, "b": self.b, "tensors": len(self.tensors),
-                "mismatched_keys": int((self.tensors.status != "same keys").sum()),
-                "weights_max_abs": float(same.max_abs.max()) if len(same) else math.nan,
-                "weights_max_rel_norm": float(same.rel_norm.max()) if len(same) else math.nan,
+        weights, extra = self.tensors[self.tensors.hf], self.tensors[~self.tensors.hf]
+        return {"a": self.a, "b": self.b, "tensors": len(weights),
+                "mismatched_keys": int((weights.status != "same keys").sum()),
+                "weights_max_abs": float(weights.max_abs.max()) if len(weights) else math.nan,
+                "weights_max_rel_norm": float(weights.rel_norm.max()) if len(weights) else math.nan,
+                "non_hf_buffers": len(extra),
+                "non_hf_buffers_max_abs": float(extra.max_abs.max()) if len(extra) else math.nan,
                 **self.heldout, "generations_same": int(self.generations.same.sum()),
                 "generations": len(self.generations), **self.settings}
 
@@ -275,6 +291,17 @@ class Comparison:
         return out
 
 
+def compare_models(a: Loaded, b: Loaded, *, seq_len: int = 128, rows: int = 4,
+                   prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 16,
+                   dataset: str = "shakespeare") -> Comparison:
+    """Compares two loaded checkpoints (see `compare` for the arguments)."""
+    (hf_a, extra_a), (hf_b, extra_b) = comparable_state(a), comparable_state(b)
+    tensors = pd.concat([tensor_diffs(hf_a, hf_b), tensor_diffs(extra_a, extra_b, hf=False)], ignore_index=True)
+    batch = heldout_batch(seq_len, rows, a.vocab_size, dataset, a.tokenizer_path)
+    return Comparison(a.label, b.label, tensors, heldout_eval(a, b, batch), generations(a, b, prompts, max_new_tokens),
+                      {"seq_len": batch.shape[1] - 1, "rows": batch.shape[0], "dataset": dataset})
+
+
 def compare(a: str | os.PathLike, b: str | os.PathLike, *, backend_a: str | None = None,
             backend_b: str | None = None, step_a: int | None = None, step_b: int | None = None, seq_len: int = 128,
             rows: int = 4, prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 16,
@@ -289,12 +316,8 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, backend_a: str | None
         prompts, max_new_tokens: greedy generations.
         dataset: the corpus whose held-out slice is used (`training.dataset` syntax).
     """
-    la = load_checkpoint(a, backend_a, step_a)
-    lb = load_checkpoint(b, backend_b, step_b)
-    batch = heldout_batch(seq_len, rows, la.vocab_size, dataset, la.tokenizer_path)
-    return Comparison(la.label, lb.label, tensor_diffs(la.hf_state, lb.hf_state), heldout_eval(la, lb, batch),
-                      generations(la, lb, prompts, max_new_tokens),
-                      {"seq_len": batch.shape[1] - 1, "rows": batch.shape[0], "dataset": dataset})
+    return compare_models(load_checkpoint(a, backend_a, step_a), load_checkpoint(b, backend_b, step_b),
+                          seq_len=seq_len, rows=rows, prompts=prompts, max_new_tokens=max_new_tokens, dataset=dataset)
 
 
 def main(argv: list[str] | None = None) -> int:

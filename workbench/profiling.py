@@ -19,8 +19,8 @@ so the number means the same thing on every backend and every device:
 * **Peak FLOP/s** (`peak_flops`) per device (= per rank) in the training dtype: trn2 158 TFLOP/s bf16 per LNC=2
   rank (79 per NeuronCore-v3, 667 per chip; fp32 181 per chip); NVIDIA from a table of dense tensor-core peaks;
   an unknown GPU is *measured* with a matmul microbenchmark; a CPU rank's peak is the measured single-core matmul
-  peak (cached per CPU model and dtype under ~/.cache/workbench/) times the rank's torch threads. torchtitan's fallback (an A100's 312 TFLOP/s for anything it does
-  not recognise) is never used.
+  peak (cached per CPU model and dtype under ~/.cache/workbench/) times the rank's torch threads. torchtitan's
+  fallback (an A100's 312 TFLOP/s for anything it does not recognise) is never used.
 
 Profiling (`StepProfiler`, enabled by `[profiling] enable = true`) records torch.profiler traces of steps
 `start_step .. start_step + steps - 1` and writes, per rank, into `<run>/<profiling.folder>/`:
@@ -394,7 +394,7 @@ class StepProfiler:
         self._prof = torch.profiler.profile(activities=activities(self.device_kind), record_shapes=True,
                                             profile_memory=True, with_flops=True)
         self._prof.prepare_trace()  # warm-up: initialised, not yet recording
-        if step == self.first:
+        if step >= self.first:  # no warm-up step in this process (window at its start, or a resumed run)
             self._prof.start_trace()
 
     @contextlib.contextmanager

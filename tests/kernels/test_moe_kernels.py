@@ -72,19 +72,40 @@ def test_reference_matches_dense_oracle(name):
                  rtol=1e-5)
 
 
+def test_reference_portable_bmm_path_matches_grouped_mm(monkeypatch):
+    """fp32 on CUDA / under torch.compile takes the per-block bmm path instead of torch._grouped_mm."""
+    from workbench.kernels import moe_reference
+
+    T, K, E, D, F, bs, ids = EDGE_CASES["empty_experts"]
+    case = make_case(T, K, E, D, F, ids=ids)
+    want = outputs_and_grads(blockwise_moe, case, block_size=bs)
+    monkeypatch.setattr(moe_reference, "_grouped_mm_supported", lambda x: False)
+    assert_match(outputs_and_grads(blockwise_moe, case, block_size=bs), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", EDGE_CASES)
 def test_nki_kernels_match_reference_fp32(name):
+    """Through the emulator here; through the real nki.simulate where `nki` imports (see nki_api)."""
     T, K, E, D, F, bs, ids = EDGE_CASES[name]
     case = make_case(T, K, E, D, F, ids=ids)
     assert_match(outputs_and_grads(blockwise_moe_nki, case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
+@pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
 @pytest.mark.parametrize("T,K,E,D,F,bs", [(12, 2, 4, 16, 24, 4), (10, 2, 3, 32, 40, 8), (6, 2, 4, 136, 24, 256)])
 def test_nki_kernels_match_reference_bf16(T, K, E, D, F, bs):
     case = make_case(T, K, E, D, F, dtype=torch.bfloat16)
     assert_match(outputs_and_grads(blockwise_moe_nki, case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=2e-2)
+
+
+@pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
+def test_nki_kernels_fit_qwen3_30b_a3b_expert_shapes():
+    """D=2048, F=768 (Qwen3-30B-A3B experts), 512-slot blocks in bf16: every tile/SBUF/PSUM rule holds."""
+    case = make_case(2, 1, 1, 2048, 768, dtype=torch.bfloat16)
+    assert_match(outputs_and_grads(blockwise_moe_nki, case, block_size=512),
+                 outputs_and_grads(blockwise_moe, case, block_size=512), rtol=2e-2)
 
 
 @pytest.mark.parametrize("bs", [2, 5, 16])

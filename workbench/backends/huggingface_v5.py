@@ -229,8 +229,8 @@ def nparams_and_flops(model: nn.Module, shape: flavors.Qwen3Shape, seq_len: int)
 # --------------------------------------------------------------------------------------------
 
 
-def parallelize(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder,
-                **_unused) -> HFQwen3:
+def parallelize(model: HFQwen3, *, parallel_dims, training, parallelism, compile_config, ac_config,
+                dump_folder) -> HFQwen3:
     """torchtitan `parallelize_fn`: activation checkpointing, compile, then FSDP2 (decoder layers + root).
 
     FSDP2 is applied on one rank too (as torchtitan does): it carries the mixed-precision policy.
@@ -320,9 +320,9 @@ class HFv5StateDictAdapter(StateDictAdapter):
             if not key.startswith(PREFIX):
                 raise KeyError(f"{key!r} is not a huggingface_v5 state-dict key (they start with {PREFIX!r}).")
             hf_key = key[len(PREFIX):]
-            fused = _FUSED_EXPERTS.match(hf_key)
             if hf_key == "lm_head.weight" and self.shape.tied:
-                continue
+                continue  # published tied checkpoints have no lm_head
+            fused = _FUSED_EXPERTS.match(hf_key)
             if fused:
                 hf_sd.update(_split_experts(fused.group(1), fused.group(2), _full(value, key)))
             else:
@@ -356,14 +356,14 @@ def _full(value: torch.Tensor, key: str) -> torch.Tensor:
 
 
 def _split_experts(prefix: str, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """transformers' fused experts -> published per-expert 2-D weights (gate rows first in gate_up_proj)."""
+    """transformers' fused experts -> published per-expert 2-D weights (views; gate rows first in gate_up_proj)."""
     if name == "down_proj":
-        return {f"{prefix}.{e}.down_proj.weight": value[e].clone() for e in range(value.shape[0])}
+        return {f"{prefix}.{e}.down_proj.weight": value[e] for e in range(value.shape[0])}
     gate, up = value.chunk(2, dim=1)
     out = {}
     for e in range(value.shape[0]):
-        out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].clone()
-        out[f"{prefix}.{e}.up_proj.weight"] = up[e].clone()
+        out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+        out[f"{prefix}.{e}.up_proj.weight"] = up[e]
     return out
 
 

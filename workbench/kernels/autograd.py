@@ -108,7 +108,7 @@ def nki_on_device(x: torch.Tensor) -> bool:
 def neuron_kernels() -> Kernels:
     """The kernels registered as TorchNeuron custom ops (`torch_neuronx.nki_op`, a torch.library custom op).
 
-    Unverified: written from the docs (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html);
+    unverified: written from docs (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html);
     nothing here has run on Trainium. Autograd comes from `BlockwiseMoEFunction`, which calls these two ops.
     """
     from torch_neuronx import nki_op

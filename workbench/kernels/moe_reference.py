@@ -152,29 +152,48 @@ def check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_d
     return T, topk_ids_TK.shape[1], E, F_, D
 
 
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    """`torch._grouped_mm` takes bf16/fp16 everywhere; fp32 only in eager CPU mode (its CUDA/meta checks reject it)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return True
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _expert_linear(x_ND, w_EOI, offs_E, block_to_expert_B, block_size):
+    """y[n] = x[n] @ w[e(n)]^T, e(n) the expert of row n's block.
+
+    Grouped GEMM over the block-aligned expert groups where supported; otherwise one `bmm` over blocks with each
+    block's expert weights gathered (portable, but it copies an expert's weights per block).
+    """
+    if _grouped_mm_supported(x_ND):
+        return torch._grouped_mm(x_ND, w_EOI.transpose(1, 2), offs=offs_E)
+    x_BSI = x_ND.view(-1, block_size, x_ND.shape[1])
+    return torch.bmm(x_BSI, w_EOI.index_select(0, block_to_expert_B).transpose(1, 2)).view(x_ND.shape[0], -1)
+
+
 def blockwise_moe(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
     """Routed experts computed blockwise (see module doc). Differentiable w.r.t. x, all weights and topk_weights.
 
     Blocks are sorted by expert, so the per-block MLPs of one expert's consecutive blocks run as one group of a
     grouped GEMM (`torch._grouped_mm`, as torchtitan uses) with block-aligned group ends: the same math as a loop
     over blocks, without copying an expert's weights per block. Computes in the input dtype; the affinity
-    scaling and the sum over k run in fp32 and are cast back.
+    weighting and the sum over k run in fp32 and are cast back.
     """
     T, K, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     plan = plan_blocks(topk_ids_TK, E, block_size)
-    offs = expert_offsets(plan, E)
     # _grouped_mm wants 16-byte row strides: zero-pad odd feature sizes (exact: padded features contribute 0)
-    dp, fp = (-n % (16 // x_TD.element_size()) for n in (D, F_))
+    dp, fp = (-n % (16 // x_TD.element_size()) for n in (D, F_)) if _grouped_mm_supported(x_TD) else (0, 0)
     w_gate, w_up, w_down = w_gate_EFD, w_up_EFD, w_down_EDF
     if dp or fp:
         w_gate, w_up, w_down = (F.pad(w_gate, (0, dp, 0, fp)), F.pad(w_up, (0, dp, 0, fp)),
                                 F.pad(w_down, (0, fp, 0, dp)))
+    groups = (expert_offsets(plan, E), plan.block_to_expert_B, block_size)
     x_ND = F.pad(x_TD, (0, dp, 0, 1)).index_select(0, plan.token_index_N)  # padding slots read zero row T
-    g_NF = torch._grouped_mm(x_ND, w_gate.transpose(1, 2), offs=offs)
-    u_NF = torch._grouped_mm(x_ND, w_up.transpose(1, 2), offs=offs)
-    y_ND = torch._grouped_mm(F.silu(g_NF) * u_NF, w_down.transpose(1, 2), offs=offs)[:, :D]
-    y_ND = y_ND.float() * slot_weights(topk_weights_TK, plan).float()[:, None]
-    out_TD = y_ND.index_select(0, plan.slot_of_assignment_TK.reshape(-1)).view(T, K, D).sum(1)
+    h_NF = F.silu(_expert_linear(x_ND, w_gate, *groups)) * _expert_linear(x_ND, w_up, *groups)
+    y_ND = _expert_linear(h_NF, w_down, *groups)[:, :D]
+    # combine: each token's K slot outputs, weighted and summed in fp32 ([T, 1, K] @ [T, K, D])
+    y_TKD = y_ND.index_select(0, plan.slot_of_assignment_TK.reshape(-1)).view(T, K, D)
+    out_TD = torch.bmm(topk_weights_TK.float()[:, None, :], y_TKD.float()).view(T, D)
     return out_TD.to(x_TD.dtype)
 
 

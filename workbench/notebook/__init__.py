@@ -17,13 +17,17 @@ from typing import Any
 _EXPORTS = {
     # params
     "job_from_params": "params", "repo_root": "params", "resolve_path": "params", "PARAM_KEYS": "params",
+    "bench_jobs": "params", "write_job_toml": "params",
     # reports
     "environment_report": "reports", "asset_facts": "reports", "config_table": "reports",
     "flavor_table": "reports", "metrics_frame": "reports", "read_metrics": "reports", "read_summary": "reports",
     "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
+    "param_counts": "reports", "profile_report": "reports", "performance_table": "reports",
+    "plot_breakdown": "reports", "comparison_summary": "reports", "largest_differences": "reports",
+    "parity_facts": "reports", "bench_table": "reports",
     # dashboard
     "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
-    "train_with_dashboard": "dashboard",
+    "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard",
     # runner
     "run_notebooks": "runner", "NotebookParameterError": "runner",
 }

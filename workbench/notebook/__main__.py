@@ -10,7 +10,8 @@ Exit status: 0 all ran, 1 a notebook failed, 2 bad parameters or notebook names 
 `params`: the parameters each notebook declares, with defaults.
 
 `clean`: the form notebooks are committed in (see notebooks/README.md): outputs and execution counts removed
-from every cell except those marked `# NBVAL_CHECK_OUTPUT` — the outputs nbval compares. With
+from every cell except those marked `# NBVAL_CHECK_OUTPUT` — the outputs nbval compares (they keep a fixed
+execution count: nbval does not compare a cell without one). With
 `--outputs-from DIR` those cells take their outputs from the executed copies in DIR (a `run --out DIR` of the
 defaults), which is how the expected outputs are refreshed after an intended change.
 """
@@ -97,9 +98,7 @@ def clean_notebook(path: Path, outputs_from: Path | None = None) -> bool:
         ex = nbformat.read(str(outputs_from / path.name), as_version=4)
         # papermill inserts an `injected-parameters` cell; match the rest by source
         executed = {c.source: c for c in ex.cells if c.cell_type == "code"}
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
+    for number, cell in enumerate((c for c in nb.cells if c.cell_type == "code"), 1):
         keep = NBVAL_MARK in cell.source
         if keep and executed is not None:
             if cell.source not in executed:
@@ -107,10 +106,13 @@ def clean_notebook(path: Path, outputs_from: Path | None = None) -> bool:
             cell.outputs = executed[cell.source].outputs
         if not keep:
             cell.outputs = []
+        # nbval skips the comparison of a cell whose execution_count is None ("unrun"), so checked cells carry
+        # one: their position among the code cells, stable from run to run (the kernel's own count is not).
+        count = number if keep and cell.outputs else None
+        cell.execution_count = count
         for out in cell.outputs:
             if out.get("output_type") == "execute_result":
-                out["execution_count"] = None  # counts differ between runs; nbval ignores them anyway
-        cell.execution_count = None
+                out["execution_count"] = count
         cell.metadata.pop("execution", None)
         cell.metadata.pop("papermill", None)
     nb.metadata.pop("papermill", None)

@@ -259,8 +259,24 @@ def _child_can_import_workbench() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *parts])
 
 
+def fresh_run_dir(run_dir: str | os.PathLike) -> None:
+    """Removes an earlier run folder so training starts from scratch (no DCP resume, no old metrics).
+
+    Refuses a folder that does not look like a run folder (no config.toml / launch.toml / metrics.jsonl), so a
+    mistyped experiment_name can never delete anything else.
+    """
+    import shutil
+
+    d = Path(run_dir)
+    if not d.exists():
+        return
+    if not any((d / f).exists() for f in ("config.toml", "launch.toml", "metrics.jsonl")):
+        raise FileExistsError(f"{d} exists but is not a run folder; choose another experiment_name or dump_folder.")
+    shutil.rmtree(d)
+
+
 def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] | None = None, *,
-                         live: bool | None = None, title: str = "", echo: bool = False) -> Path:
+                         live: bool | None = None, title: str = "", echo: bool = False, fresh: bool = False) -> Path:
     """Trains `job` with `nproc` ranks (torchrun subprocess) while showing the dashboard; returns the run folder.
 
     Args:
@@ -270,6 +286,8 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
         live: force the dashboard mode (None = detect, see `live_frontend`).
         title: heading (default "<backend> · <flavor> · <nproc> rank(s)").
         echo: print every output line of the training processes as well.
+        fresh: start from scratch: remove an earlier run folder of the same name first (`fresh_run_dir`).
+            Otherwise an existing run folder with DCP checkpoints is resumed, as on the command line.
 
     Raises:
         TrainingFailed: torchrun failed; the message carries the last output lines.
@@ -277,6 +295,8 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
     from workbench.train import train
 
     _child_can_import_workbench()
+    if fresh:
+        fresh_run_dir(job.run_dir)
     title = title or f"{job.model.backend} · {job.model.flavor or 'from checkpoint'} · {nproc} rank(s)"
     dash = Dashboard(job.run_dir, job.training.steps, title, live=live, echo=echo)
     try:
@@ -292,4 +312,4 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
     return Path(run_dir)
 
 
-__all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "ENV_MODE"]
+__all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "ENV_MODE"]

@@ -119,8 +119,40 @@ def job_from_params(config: str | os.PathLike | None = None, *, nproc: int = 1,
     with _world_size(nproc):
         job = load_config(path, **kw)
     validate(job, world_size=nproc)
+    prof = job.profiling
+    if prof.enable and prof.start_step > job.training.steps:
+        # torchtitan would only warn and profile nothing; in a notebook that is a wasted run
+        raise ConfigError(f"profiling.start_step={prof.start_step} is after the last step (training.steps="
+                          f"{job.training.steps}): nothing would be profiled. Lower the start or train longer.")
     job.job.dump_folder = str(resolve_path(job.job.dump_folder))
     return job
 
 
-__all__ = ["ConfigError", "PARAM_KEYS", "job_from_params", "repo_root", "resolve_path"]
+def bench_jobs(config: str | os.PathLike | None, backends: list[str], **params: Any) -> dict[str, JobConfig]:
+    """One validated job per backend of a benchmark matrix (identical except `model.backend`).
+
+    Args:
+        config: the TOML file.
+        backends: the paths to compare, e.g. ["huggingface_v5", "native", "nki_moe"].
+        **params: as for `job_from_params` (without `backend`).
+
+    Raises:
+        ConfigError: no backends, a repeated one, or a backend the config does not suit (e.g. nki_moe + dense).
+    """
+    if not backends or not isinstance(backends, (list, tuple)):
+        raise ConfigError(f"backends must be a non-empty list of backends, e.g. ['native', 'nki_moe']; got {backends!r}.")
+    if len(set(backends)) != len(backends):
+        raise ConfigError(f"backends lists a backend twice: {backends}.")
+    return {b: job_from_params(config, backend=b, **params) for b in backends}
+
+
+def write_job_toml(job: JobConfig, path: str | os.PathLike) -> Path:
+    """Writes the resolved job as a TOML file (what `workbench.bench.run_matrix` and the CLI take)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(job.to_toml())
+    return p
+
+
+__all__ = ["ConfigError", "PARAM_KEYS", "job_from_params", "bench_jobs", "write_job_toml", "repo_root",
+           "resolve_path"]

@@ -137,14 +137,32 @@ def config_table(job: JobConfig, *, changed_only: bool = True, skip: Iterable[st
     return pd.DataFrame(rows, columns=["key", "value", "default"])
 
 
-def flavor_table(job: JobConfig) -> pd.DataFrame:
-    """Architecture numbers and parameter counts of the job's model (built on the meta device)."""
-    from workbench import device, flavors
+def param_counts(shape) -> dict[str, int]:
+    """Parameter counts of a Qwen3 shape, by formula (no model is built, torchtitan is not imported).
 
-    # count_params imports torchtitan, which fixes its device at import: pin it first (as load_model does)
-    device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
+    Same keys and numbers as `workbench.flavors.count_params` (which builds the torchtitan model on the meta
+    device; tests/test_notebooks.py checks they agree): total, embedding, active (MoE: top_k of the experts).
+    """
+    d, hd = shape.dim, shape.head_dim
+    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2 + 2 * hd  # q, o, k, v + q_norm, k_norm
+    norms = 2 * d  # attention_norm, ffn_norm
+    if shape.is_moe:
+        experts = 3 * shape.num_experts * d * shape.moe_ffn_dim
+        mlp, router = experts, d * shape.num_experts
+    else:
+        experts, mlp, router = 0, 3 * d * shape.ffn_dim, 0
+    embedding = shape.vocab_size * d
+    total = embedding * (1 if shape.tied else 2) + d + shape.n_layers * (attn + norms + mlp + router)
+    per_layer_inactive = experts - (experts * shape.top_k // shape.num_experts if shape.is_moe else 0)
+    return {"total": total, "embedding": embedding, "active": total - shape.n_layers * per_layer_inactive}
+
+
+def flavor_table(job: JobConfig) -> pd.DataFrame:
+    """Architecture numbers and parameter counts of the job's model."""
+    from workbench import flavors
+
     name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    counts = flavors.count_params(shape)
+    counts = param_counts(shape)
     rows = [("flavor", name), *flavors.describe(shape).items(),
             ("parameters (total)", counts["total"]), ("parameters (embedding)", counts["embedding"]),
             ("parameters (non-embedding)", counts["total"] - counts["embedding"]),
@@ -223,6 +241,160 @@ def run_folder_table(run_dir: str | os.PathLike, max_depth: int = 2) -> pd.DataF
 
 
 # ------------------------------------------------------------------------------------------------
+# Profiling runs (04_profiling): the files workbench.profiling.StepProfiler writes
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ProfileReport:
+    """What a profiled run left in `<run>/<profiling.folder>/` for one rank.
+
+    Attributes:
+        breakdown: per profiled step, wall time and phases in ms (data, forward, backward, optimizer, other,
+            communication; see `workbench.profiling.step_breakdown`).
+        top_ops: operators by self time (`workbench.profiling.top_ops`).
+        info: profile_rank{R}.json (steps, peak memory, files).
+        trace: the Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
+    """
+
+    breakdown: pd.DataFrame
+    top_ops: pd.DataFrame
+    info: dict[str, Any]
+    trace: Path
+
+
+def profile_report(run_dir: str | os.PathLike, rank: int = 0, folder: str | None = None) -> ProfileReport:
+    """Reads one rank's profiling output of a run.
+
+    Args:
+        run_dir: the run folder.
+        rank: which rank's files.
+        folder: the profiling folder inside the run (default: `profiling.folder` from the run's config.toml).
+
+    Raises:
+        FileNotFoundError: the run was not profiled (or the profiled steps were never reached).
+    """
+    import tomllib
+
+    run = Path(run_dir)
+    if folder is None:
+        cfg = run / "config.toml"
+        folder = tomllib.loads(cfg.read_text()).get("profiling", {}).get("folder", "profiling") if cfg.is_file() \
+            else "profiling"
+    d = run / folder
+    info_file = d / f"profile_rank{rank}.json"
+    if not info_file.is_file():
+        raise FileNotFoundError(f"{info_file} does not exist: train with profiling.enable = true and make sure "
+                                "profiling.start_step + profiling.steps - 1 <= training.steps.")
+    return ProfileReport(pd.read_csv(d / f"breakdown_rank{rank}.csv"), pd.read_csv(d / f"top_ops_rank{rank}.csv"),
+                         json.loads(info_file.read_text()), d / f"trace_rank{rank}.json.gz")
+
+
+def performance_table(run_dir: str | os.PathLike, skip_first: int = 1) -> pd.DataFrame:
+    """How MFU is computed for a run, number by number (medians over the steps after `skip_first`).
+
+    Rows: model FLOPs per token (from the shape: `workbench.profiling.flops_per_token`), tokens/s per device,
+    achieved TFLOP/s, the device's peak TFLOP/s (implied by the logged MFU), MFU, step time, peak memory.
+    """
+    import tomllib
+
+    from workbench import flavors, profiling
+
+    run = Path(run_dir)
+    job = tomllib.loads((run / "config.toml").read_text())
+    _, shape = flavors.resolve(job["model"]["flavor"], job["model"]["hf_checkpoint"])
+    m = metrics_frame(run)
+    timed = m.iloc[skip_first:] if len(m) > skip_first else m
+    fpt = profiling.flops_per_token(shape, job["training"]["seq_len"])
+    tps, mfu = float(timed["tokens_per_second"].median()), float(timed["mfu"].median())
+    # The trainer logs mfu = fpt x tokens/s / peak for every step, so any step gives the peak it divided by.
+    first = timed.iloc[0]
+    peak = fpt * first["tokens_per_second"] / first["mfu"] if first["mfu"] else float("nan")
+    rows = [
+        ("model FLOPs per token (6·N_matmul + attention)", f"{fpt / 1e6:,.2f} MFLOP"),
+        ("tokens/s per device (median)", f"{tps:,.1f}"),
+        ("achieved TFLOP/s per device (median)", f"{fpt * tps / 1e12:.4f}"),
+        ("peak TFLOP/s per device (MFU denominator)", f"{peak / 1e12:.3f}"),
+        ("MFU (median)", f"{100 * mfu:.2f} %"),
+        ("step time (median)", f"{timed['step_time_s'].median():.3f} s"),
+        ("peak memory (max over steps)", f"{m['peak_memory_bytes'].max() / 2**30:.2f} GiB"),
+        ("steps in the medians", f"{len(timed)} (first {skip_first} left out: warm-up)"),
+    ]
+    return pd.DataFrame(rows, columns=["quantity", "value"])
+
+
+def plot_breakdown(breakdown: pd.DataFrame, title: str = "step time by phase"):
+    """Stacked bars: each profiled step's wall time split into data / forward / backward / optimizer / other."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
+    plt.close(fig)
+    bottom = pd.Series(0.0, index=breakdown.index)
+    for phase in ("data", "forward", "backward", "optimizer", "other"):
+        col = f"{phase}_ms"
+        if col in breakdown:
+            values = breakdown[col].clip(lower=0)
+            ax.bar(breakdown["step"].astype(str), values, bottom=bottom, label=phase)
+            bottom += values
+    ax.set(xlabel="profiled step", ylabel="ms", title=title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint comparison (05) and benchmark matrix (06)
+# ------------------------------------------------------------------------------------------------
+
+
+def _summary(cmp) -> dict[str, Any]:
+    """`cmp.summary()`, guarding against an object-dtype `hf` column.
+
+    `Comparison.tensors` concatenates the HF-weight rows with the (possibly empty) non-HF buffer rows; with
+    pandas 3 an empty side turns the boolean `hf` column into dtype object, and `summary()`'s `~tensors.hf`
+    then negates Python bools bitwise (-2) -> KeyError. Dense models have no such buffers, so this bites there.
+    """
+    if cmp.tensors["hf"].dtype != bool:
+        cmp.tensors["hf"] = cmp.tensors["hf"].astype(bool)
+    return cmp.summary()
+
+
+def comparison_summary(cmp) -> pd.DataFrame:
+    """`workbench.compare.Comparison.summary()` as a two-column table (metric, value)."""
+    return pd.DataFrame([(k, v) for k, v in _summary(cmp).items()], columns=["metric", "value"]).astype({"value": str})
+
+
+def largest_differences(cmp, n: int = 10) -> pd.DataFrame:
+    """The `n` tensors that differ most (relative norm), shapes shown as text."""
+    df = cmp.tensors.sort_values("rel_norm", ascending=False, na_position="first").head(n)
+    return df.astype({"shape_a": str, "shape_b": str}).reset_index(drop=True)
+
+
+def parity_facts(cmp, logits_tol: float = 1e-4) -> dict[str, Any]:
+    """Deterministic yes/no facts about a comparison of one checkpoint in two forms (or two backends).
+
+    Only booleans and counts, so a notebook can show them as a nbval-checked output.
+    """
+    s = _summary(cmp)
+    return {
+        "weights compared": s["tensors"],
+        "keys missing on one side": s["mismatched_keys"],
+        "weights bit-identical": bool(s["weights_max_abs"] == 0.0),
+        f"logits max |a - b| < {logits_tol:g}": bool(s["logits_max_abs_diff"] < logits_tol),
+        "top-1 predictions agree (all tokens)": bool(s["top1_agreement"] == 1.0),
+        "greedy generations identical": f"{s['generations_same']}/{s['generations']}",
+    }
+
+
+BENCH_SHOWN = ["backend", "status", "tokens_per_s", "step_time_median_s", "step_time_p90_s", "mfu",
+               "peak_memory_gib", "first_step_s", "time_to_first_step_s", "final_loss", "speed_vs_native", "error"]
+
+
+def bench_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The benchmark matrix's main columns, indexed by backend (the columns `workbench.bench` documents)."""
+    return df[[c for c in BENCH_SHOWN if c in df]].set_index("backend")
+
+
+# ------------------------------------------------------------------------------------------------
 # Plots
 # ------------------------------------------------------------------------------------------------
 
@@ -264,6 +436,8 @@ def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = ""
 
 
 __all__ = [
-    "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "read_metrics",
+    "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "param_counts", "read_metrics",
     "metrics_frame", "read_summary", "summary_table", "run_folder_table", "plot_metrics", "PATH_KEYS",
+    "ProfileReport", "profile_report", "performance_table", "plot_breakdown", "comparison_summary",
+    "largest_differences", "parity_facts", "bench_table",
 ]

@@ -94,17 +94,11 @@ class Declared:
 
 
 def declared_parameters(path: str | os.PathLike) -> dict[str, Declared]:
-    """The parameters a notebook declares, read with `papermill.inspect_notebook`.
-
-    Raises:
-        NotebookParameterError: the notebook has no cell tagged `parameters`.
-    """
+    """The parameters a notebook declares, read with `papermill.inspect_notebook` ({} without a `parameters` cell)."""
     import papermill
 
     with contextlib.redirect_stderr(io.StringIO()):  # papermill logs "Input Notebook: ..." on every call
         found = papermill.inspect_notebook(str(path))
-    if not found and not _tagged_sources(path, PARAMETERS_TAG):
-        raise NotebookParameterError(f"{Path(path).name} has no cell tagged 'parameters'.")
     out = {}
     for name, p in found.items():
         try:

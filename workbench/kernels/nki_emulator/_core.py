@@ -320,7 +320,9 @@ View = (Tensor, AccessPattern)
 
 # -- kernel entry point --------------------------------------------------------------------------------------------
 def jit(func=None, **options):
-    """Emulated `nki.jit`: call the kernel with torch tensors or numpy arrays (they become HBM tensors).
+    """Emulated `nki.jit` (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.jit.html).
+
+    Call the kernel with torch tensors or numpy arrays (they become HBM tensors).
 
     Returns torch tensors when any argument was a torch tensor, numpy arrays otherwise (bfloat16 outputs come back
     as float32 numpy, numpy having no bfloat16). `options` (e.g. platform_target) are accepted and ignored.
@@ -362,5 +364,8 @@ def _to_output(t: Any, as_torch: bool):
 
 
 def simulate(kernel):
-    """Emulated `nki.simulate(kernel)(*numpy_arrays)`: runs the kernel on the CPU emulator."""
+    """Emulated `nki.simulate(kernel)(*numpy_arrays)`: runs the kernel on the CPU emulator.
+
+    Mirrors https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.simulate.html.
+    """
     return lambda *args, **kwargs: kernel(*args, **kwargs)

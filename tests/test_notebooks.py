@@ -1,0 +1,268 @@
+"""The notebooks and their tooling: papermill runs of every notebook, the batch runner's checks, the dashboard.
+
+* every numbered notebook executes headlessly with its defaults through the batch runner (= papermill);
+* one runs with non-default parameters from the command line (2 ranks: torchrun launched from the notebook);
+* the runner refuses an unknown parameter name (listing the valid ones), a wrong type and a value the
+  workbench rejects (a bad flavor: the workbench's ConfigError text) before any kernel starts, and a notebook
+  that fails while running makes the batch exit non-zero with the error printed;
+* the dashboard follows a growing metrics.jsonl, and degrades to a static figure + summary without a frontend.
+
+nbval (`pytest --nbval-lax ... notebooks/`) is configured separately; see notebooks/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from workbench.notebook import runner
+from workbench.notebook.__main__ import NBVAL_MARK, clean_notebook
+from workbench.notebook.dashboard import Dashboard, live_frontend
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = [p.stem for p in runner.discover()]
+TRAINING = {"01_huggingface_v5": "huggingface_v5", "02_native": "native", "03_nki_moe": "nki_moe"}
+
+
+def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m workbench.notebook ...` from the repository root."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "workbench.notebook", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def outputs_text(path: Path) -> str:
+    """All text an executed notebook shows (streams, text/plain results, error values)."""
+    nb = nbformat.read(str(path), as_version=4)
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                parts.append(out.text)
+            elif out.output_type == "error":
+                parts.append(f"{out.ename}: {out.evalue}")
+            elif "text/plain" in out.get("data", {}):
+                parts.append(out.data["text/plain"])
+    return "\n".join(parts)
+
+
+def has_image(path: Path) -> bool:
+    nb = nbformat.read(str(path), as_version=4)
+    return any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+# ------------------------------------------------------------------------------------------------
+# The notebooks as committed
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_clean_and_parameterized(name):
+    """A `parameters` cell of plain literals; no outputs except the nbval-checked cells; kernel python3."""
+    path = ROOT / "notebooks" / f"{name}.ipynb"
+    nb = nbformat.read(str(path), as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    declared = runner.declared_parameters(path)
+    assert declared, "no parameters"
+    for d in declared.values():
+        assert d.default is not None or d.source == "None", f"{d.name} = {d.source} is not a plain literal"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            if NBVAL_MARK not in cell.source:
+                assert not cell.outputs and cell.execution_count is None, f"stored outputs in:\n{cell.source}"
+            else:  # nbval compares only cells that were "run": outputs and an execution count
+                assert cell.outputs and cell.execution_count, f"checked cell without its expected output:\n{cell.source}"
+
+
+def test_clean_keeps_only_checked_outputs(tmp_path):
+    nb = new_notebook(cells=[new_code_cell("1 + 1"), new_code_cell(f"{NBVAL_MARK}\n2 + 2")])
+    for i, c in enumerate(nb.cells):
+        c.execution_count = i + 1
+        c.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": str(2 * (i + 1))}, execution_count=i + 1)]
+    path = tmp_path / "x.ipynb"
+    nbformat.write(nb, str(path))
+    assert clean_notebook(path)
+    cells = nbformat.read(str(path), as_version=4).cells
+    assert cells[0].outputs == [] and cells[0].execution_count is None
+    assert cells[1].outputs[0].data["text/plain"] == "4"
+    assert cells[1].execution_count == cells[1].outputs[0].execution_count == 2  # fixed: its position
+    assert not clean_notebook(path)  # idempotent
+
+
+def test_param_counts_formula_matches_flavors():
+    """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
+    from workbench import flavors
+    from workbench.notebook.reports import param_counts
+
+    for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
+        assert param_counts(flavors.get_shape(name)) == flavors.count_params(flavors.get_shape(name)), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch runner: errors before anything runs
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unknown_parameter_name_lists_valid_names(tmp_path):
+    proc = cli("run", "02_native", "-p", "stepz", "3", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown parameter 'stepz'" in proc.stderr
+    assert "Did you mean 'steps'?" in proc.stderr
+    assert "Valid parameters: config, backend, flavor" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing executed
+
+
+def test_unknown_parameter_for_the_whole_set(tmp_path):
+    """Over several notebooks a name must be declared by at least one of them (a typo cannot slip through)."""
+    proc = cli("run", "-p", "seq_lne", "32", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "unknown parameter 'seq_lne'" in proc.stderr and "Did you mean 'seq_len'?" in proc.stderr
+
+
+def test_bad_flavor_fails_with_the_workbench_error(tmp_path):
+    proc = cli("run", "02_native", "-p", "flavor", "72B", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr
+    assert "ConfigError" in proc.stderr
+    assert "Qwen3 has no 72B model" in proc.stderr and "Valid flavors:" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_workbench_rejections_and_types(tmp_path):
+    out = str(tmp_path / "out")
+    dense_nki = cli("run", "03", "-p", "flavor", "tiny", "--out", out)
+    assert dense_nki.returncode == 2 and "nki_moe replaces MoE expert layers" in dense_nki.stderr
+    wrong_type = cli("run", "02", "-p", "steps", "ten", "--out", out)
+    assert wrong_type.returncode == 2 and "parameter 'steps' expects int" in wrong_type.stderr
+    bad_override = cli("run", "02", "-p", "overrides", "{training.stepz: 3}", "--out", out)
+    assert bad_override.returncode == 2 and "Did you mean 'training.steps'?" in bad_override.stderr
+    no_notebook = cli("run", "07_nothing", "--out", out)
+    assert no_notebook.returncode == 2 and "Available: 00_setup" in no_notebook.stderr
+
+
+def test_params_file_per_notebook_section(tmp_path):
+    (tmp_path / "p.yaml").write_text("steps: 3\n02_native:\n  nproc: 2\n  flavr: tiny\n")
+    proc = cli("run", "02", "03", "-f", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "02_native: unknown parameter 'flavr'" in proc.stderr
+    paths = runner.discover(["02", "00"])
+    chosen = runner.resolve_parameters(paths, {"steps": "3", "device": "cpu"}, {"02_native": {"nproc": 2}})
+    assert chosen[paths[0]] == {"steps": 3, "nproc": 2}  # "3" (YAML string) -> int, like the default
+    assert chosen[paths[1]] == {"device": "cpu"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch runner: execution
+# ------------------------------------------------------------------------------------------------
+
+
+def test_failing_notebook_exits_nonzero_and_prints_error(tmp_path):
+    nb = new_notebook(cells=[new_code_cell("answer = 41", metadata={"tags": ["parameters"]}),
+                             new_code_cell("raise ValueError(f'no good: {answer}')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "99_fails.ipynb"
+    nbformat.write(nb, str(path))
+    proc = cli("run", str(path), "-p", "answer", "42", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "FAILED 99_fails: ValueError: no good: 42" in proc.stderr
+    summary = (tmp_path / "out" / "summary.csv").read_text()
+    assert "99_fails,failed" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_with_defaults(name, tmp_path):
+    """Each notebook, defaults only, headless through the batch runner (papermill)."""
+    results = runner.run_notebooks([name], out=tmp_path, echo=lambda *_: None)
+    (r,) = results
+    assert r.status == "ok", f"{name} failed: {r.error} (executed copy: {r.output})"
+    assert (tmp_path / f"{name}.ipynb").is_file() and (tmp_path / "summary.csv").is_file()
+    text = outputs_text(tmp_path / f"{name}.ipynb")
+    if name in TRAINING:
+        run_dir = tmp_path / "outputs" / f"nb{name}"
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, 9))
+        assert {r["backend"] for r in records} == {TRAINING[name]}
+        assert "finished · backend" in text and "'loss decreased': True" in text
+        assert has_image(tmp_path / f"{name}.ipynb")  # the dashboard's final static figure
+        assert "application/vnd.jupyter.widget-view+json" not in (tmp_path / f"{name}.ipynb").read_text()
+
+
+@pytest.mark.slow
+def test_notebook_with_non_default_parameters(tmp_path):
+    """Command-line parameters reach the notebook: another flavor, fewer steps, FSDP over 2 ranks."""
+    proc = cli("run", "02_native", "-p", "flavor", "tiny-moe", "-p", "steps", "3", "-p", "seq_len", "32",
+               "-p", "nproc", "2", "-p", "overrides", "{optimizer.lr: 1e-3}", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "outputs" / "nb02_native"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    resolved = (run_dir / "config.toml").read_text()
+    assert 'flavor = "tiny-moe"' in resolved and "seq_len = 32" in resolved and "lr = 0.001" in resolved
+    text = outputs_text(tmp_path / "02_native.ipynb")
+    assert "2 rank(s)" in text
+    nb = nbformat.read(str(tmp_path / "02_native.ipynb"), as_version=4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and 'flavor = "tiny-moe"' in injected[0].source
+
+
+# ------------------------------------------------------------------------------------------------
+# Dashboard
+# ------------------------------------------------------------------------------------------------
+
+
+def _record(step: int, loss: float) -> str:
+    return json.dumps({"step": step, "loss": loss, "tokens_per_second": 100.0 + step, "mfu": 0.01,
+                       "peak_memory_bytes": 2**30, "backend": "native"}) + "\n"
+
+
+def test_dashboard_tails_metrics_and_degrades_to_static(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORKBENCH_DASHBOARD", raising=False)
+    assert live_frontend() is False  # plain Python: nobody to show widgets to
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "live")
+    assert live_frontend() is True
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(_record(1, 99.0))  # an earlier launch in the same run folder: ignored
+    with Dashboard(tmp_path, total_steps=3, title="t") as dash:
+        assert dash.live is False
+        with open(metrics, "a") as f:
+            f.write(_record(1, 12.0) + _record(2, 11.0)[:20])  # step 2 half written
+        dash("step 1/3 ...\n")
+        assert [r["step"] for r in dash.records] == [1]
+        with open(metrics, "a") as f:
+            f.write(_record(2, 11.0)[20:] + _record(3, 10.0))
+        dash("step 3/3 ...\n")
+    assert [r["loss"] for r in dash.records] == [12.0, 11.0, 10.0]
+    out = capsys.readouterr().out
+    assert "t: finished" in out and "loss 12.0000 → 10.0000" in out and "steps 1–3 of 3" in out
+    assert "step 1/3" not in out  # static mode does not echo the training output
+
+
+def test_live_dashboard_in_a_kernel(tmp_path):
+    """The live widgets path, in a real kernel (forced live), fed from a growing metrics.jsonl."""
+    metrics = tmp_path / "metrics.jsonl"
+    src = (f"import json, os\nos.environ['WORKBENCH_DASHBOARD'] = 'live'\n"
+           f"from workbench.notebook import Dashboard\n"
+           f"d = Dashboard({str(tmp_path)!r}, total_steps=2, title='live', refresh_s=0)\n"
+           f"assert d.live\n"
+           f"for s in (1, 2):\n"
+           f"    open({str(metrics)!r}, 'a').write(json.dumps(dict(step=s, loss=12.0 - s, tokens_per_second=50.0,"
+           f" mfu=0.01, peak_memory_bytes=1, backend='native')) + '\\n')\n"
+           f"    d(f'step {{s}}/2\\n')\n"
+           f"assert d._widgets['image'].value[:4] == b'\\x89PNG'\n"
+           f"d.close()\n")
+    nb = new_notebook(cells=[new_markdown_cell("live"), new_code_cell(src)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "live.ipynb"))
+    proc = cli("run", str(tmp_path / "live.ipynb"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = outputs_text(tmp_path / "out" / "live.ipynb")
+    assert "live: finished" in text and "steps 1–2 of 2" in text
+    assert has_image(tmp_path / "out" / "live.ipynb")
