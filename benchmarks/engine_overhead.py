@@ -12,8 +12,8 @@ metrics.jsonl, progress lines, profiler hooks, MFU) and `python -m torchtitan.tr
 Step time is measured the same way for both, outside either engine, when each step's log line arrives from rank 0
 (one line per step, flushed), so a step is the whole loop iteration, logging included:
   * wall: time between consecutive step lines;
-  * cpu: CPU seconds (user + system) the job's processes (torchrun and every rank) used in between. On a machine
-    shared with other work this is the steadier number: waiting for a core does not count.
+  * cpu: CPU seconds (user + system) the job's processes (torchrun and every rank) used in between. Waiting for a
+    core does not count, but spinning OpenMP threads and cache contention still carry the neighbours' load into it.
 The first `warmup_steps` steps are dropped. Printed: median and p10/p90 per engine and the ratios
 workbench / torchtitan (goal <= 1.02). On a busy machine, raise --rounds and --steps; the spread shows the noise.
 """
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: import workbench and benchmarks from this checkout
 
 from benchmarks.titan_config import ENV  # noqa: E402
+
 STEP_LINES = {"workbench": re.compile(r"^step\s+(\d+)/\d+\s"), "torchtitan": re.compile(r"step:\s*(\d+)\s+loss:")}
 
 
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     table = timed.groupby("engine", sort=False)[["wall_s", "cpu_s"]].describe(percentiles=[0.1, 0.5, 0.9])
     table = table.loc[:, (slice(None), ["count", "10%", "50%", "90%"])]
     print(table.to_string(float_format=lambda v: f"{v:.4f}"))
+    per_round = timed.groupby(["round", "engine"], sort=False)[["wall_s", "cpu_s"]].median().unstack("engine")
+    print("median per round (the spread between rounds is the noise floor):")
+    print(per_round.to_string(float_format=lambda v: f"{v:.4f}"))
     medians = timed.groupby("engine")[["wall_s", "cpu_s"]].median()
     for kind in ("wall_s", "cpu_s"):
         ratio = medians.loc["workbench", kind] / medians.loc["torchtitan", kind]

@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -109,11 +110,11 @@ class _Progress:
         self.bar = bar
         self.started = time.perf_counter()
         self.first_step_at: float | None = None
-        self.tail: list[str] = []
+        self.tail: deque[str] = deque(maxlen=300)  # enough to reach the rank's error above torchrun's report
 
     def __call__(self, line: str) -> None:
         self.log.write(line)
-        self.tail = (self.tail + [line.rstrip()])[-30:]
+        self.tail.append(line.rstrip())
         m = STEP_LINE.match(line)
         if m:
             if self.first_step_at is None:
@@ -126,10 +127,12 @@ class _Progress:
         self.log.close()
 
 
-def _failure(tail: list[str]) -> str:
-    """The most telling line of a failed run's output: the last exception line, else the last line."""
+def _failure(tail: Iterable[str]) -> str:
+    """The most telling line of a failed run's output: the last exception raised in a rank (not torchrun's own
+    ChildFailedError report), else the last line."""
+    tail = list(tail)
     for line in reversed(tail):
-        if re.match(r"^\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b", line):
+        if re.match(r"^\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line:
             return line.strip()
     return tail[-1].strip() if tail else "no output"
 

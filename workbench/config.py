@@ -75,7 +75,7 @@ class Model:
     moe_block_size: int = 128
     """nki_moe: tokens per expert block (each expert's tokens are padded to whole blocks)."""
     hf_moe_implementation: Literal["hf", "titan"] = "hf"
-    """huggingface_v5 + MoE: keep transformers' own MoE block (hf) or swap in torchtitan's (titan)."""
+    """huggingface_v5 + MoE: transformers' own MoE block (hf); "titan" (torchtitan's MoE swapped in) is reserved."""
 
 
 @dataclass
@@ -440,6 +440,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"parallelism.ep={par.ep}: expert parallelism is only wired for the native backend.")
     if m.backend == "huggingface_v5" and (par.tp > 1 or par.ep > 1):
         raise ConfigError("huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; set tp = ep = 1.")
+    if m.backend == "huggingface_v5" and m.hf_moe_implementation == "titan":
+        raise ConfigError('model.hf_moe_implementation="titan" is not implemented: huggingface_v5 trains '
+                          "transformers' own Qwen3MoeSparseMoeBlock. Use \"hf\", or --model.backend native.")
     if m.attn_backend != "sdpa" and m.backend == "huggingface_v5":
         raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
     if cfg.profiling.enable and cfg.profiling.steps <= 0:

@@ -13,6 +13,8 @@ Each adjustment is small, idempotent and says which behaviour of torchtitan 0.3.
 3. MoE experts in fp32. torchtitan's `GroupedExperts.forward` hard-casts inputs and weights to bf16 (a GPU
    choice); bf16 on these CPUs is ~40x slower than fp32 and breaks fp32 parity tests. On CPU the experts
    run in the activation dtype instead, through the same `torch._grouped_mm` seam.
+4. The MoE router's `torch.autocast(dtype=float32)` is a no-op on CPU that warns on every call (CPU autocast only
+   knows bf16/fp16); the warning is silenced.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import resource
 import sys
 import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -132,4 +135,5 @@ def apply() -> None:
     _pin_device_to_cpu()
     _force_sum_fsdp_reduction()
     _grouped_experts_in_activation_dtype()
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     _applied = True

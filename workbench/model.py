@@ -6,8 +6,7 @@
     export_hf(model, "out/")                                              # config.json + safetensors + tokenizer
 
 Models are built on CPU in fp32 and put in eval mode (the reference numerics; move them with `.to()`).
-Each backend registers one builder in `_BUILDERS`: `(job, model_config) -> nn.Module`, where model_config is
-`backends.get(name).model_spec(...).model`.
+Any backend works: its ModelSpec's model config is built on meta, materialised on CPU and initialised (seeded).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -58,32 +56,20 @@ def _build_titan(job: JobConfig, model_config) -> torch.nn.Module:
     return model
 
 
-# backend -> builder `(job, model_config from the backend's ModelSpec) -> nn.Module`.
-# The huggingface_v5 and nki_moe backends add their entry here.
-_BUILDERS: dict[str, Callable[[JobConfig, object], torch.nn.Module]] = {
-    "native": _build_titan,
-}
-
 
 def build_model(job: JobConfig) -> torch.nn.Module:
     """The job's model with seeded random weights, fp32 on CPU, in eval mode (no checkpoint is read).
 
-    The model carries `workbench_info` (backend, shape, config, tokenizer) for HF load and export.
-
-    Raises:
-        NotImplementedError: the backend has no builder yet.
+    Every backend's ModelSpec holds a torchtitan-protocol model config (huggingface_v5 wraps transformers'
+    model in one), so one builder serves all three. The model carries `workbench_info` (backend, shape, config,
+    tokenizer) for HF load and export.
     """
     from workbench import backends, hf
 
-    builder = _BUILDERS.get(job.model.backend)
-    if builder is None:
-        raise NotImplementedError(
-            f"load_model does not support backend {job.model.backend!r} yet (available: {', '.join(_BUILDERS)})."
-        )
     _prepare_device(job)
     name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
     spec = backends.get(job.model.backend).model_spec(job, name, shape)
-    model = builder(job, spec.model).float().eval()
+    model = _build_titan(job, spec.model).float().eval()
     model.workbench_info = hf.ModelInfo(job.model.backend, shape, spec.model, job.model.tokenizer_path)
     return model
 
@@ -94,7 +80,7 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
 
     Args:
         config: a JobConfig (`workbench.load_config`), a TOML path, or None (then `hf_checkpoint` gives the shape).
-        backend: "native" (others: NotImplementedError until their builder is registered).
+        backend: "native", "huggingface_v5" or "nki_moe".
         hf_checkpoint: a Hugging Face directory (config.json + *.safetensors) to load; overrides
             `model.hf_checkpoint` of the config. Its config.json must agree with `model.flavor` if both are set.
 

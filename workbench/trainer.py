@@ -279,8 +279,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
 # torchtitan warnings that are expected with the workbench's setup (we supply the peak FLOPs ourselves,
 # export without an index template, load HF weights ourselves): hidden unless job.verbose.
 _EXPECTED_TITAN_WARNINGS = ("lspci", "Peak flops undefined", "initial_load_model_only", "model.safetensors.index.json")
-_EXPECTED_PY_WARNINGS = ("DTensor random operators", "'set_vital' is deprecated",
-                         "In CPU autocast", "torch.distributed is already initialized")
+_EXPECTED_PY_WARNINGS = ("DTensor random operators", "'set_vital' is deprecated", "torch.distributed is already initialized")
 
 
 def quiet_titan_logs(verbose: bool) -> None:

@@ -59,25 +59,25 @@ which keeps the two paths numerically close."""
 # --------------------------------------------------------------------------------------------
 
 
-def hf_causal_lm(hf_cfg, *, experts_implementation: str = EXPERTS_IMPLEMENTATION, dtype=torch.float32):
-    """Builds transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` from a config (random init on a real
-    device, no init on the meta device).
+def hf_causal_lm(hf_cfg, *, experts_implementation: str = EXPERTS_IMPLEMENTATION):
+    """Builds transformers' `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` from a config, fp32 parameters (random
+    init on a real device, none on the meta device; reduced precision comes from FSDP's mixed-precision policy).
 
     Args:
         hf_cfg: `Qwen3Config` / `Qwen3MoeConfig` (e.g. `flavors.hf_config(shape)` or `AutoConfig.from_pretrained`).
             Not modified: `_from_config` mutates its argument, so it gets a deep copy.
         experts_implementation: transformers' experts kernel for MoE models ("grouped_mm", "eager", ...).
-        dtype: parameter dtype.
     """
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     cfg = copy.deepcopy(hf_cfg)
     if cfg.model_type == "qwen3_moe":
         return Qwen3MoeForCausalLM._from_config(
-            cfg, attn_implementation=ATTN_IMPLEMENTATION, experts_implementation=experts_implementation, dtype=dtype
+            cfg, attn_implementation=ATTN_IMPLEMENTATION, experts_implementation=experts_implementation,
+            dtype=torch.float32,
         )
     if cfg.model_type == "qwen3":
-        return Qwen3ForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+        return Qwen3ForCausalLM._from_config(cfg, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
     raise ValueError(f"huggingface_v5 builds Qwen3 only; got a config with model_type={cfg.model_type!r}.")
 
 
