@@ -6,8 +6,9 @@ Every option has that default; `--experts 8 64 128 --dtypes float32 bfloat16 --r
 
 All three get the same routing and weights and compute grads for x, the top-k weights and the three expert
 weights. torchtitan's path is `LocalTokenDispatcher` (sort by expert) + `GroupedExperts` (`torch._grouped_mm`)
-+ combine; note GroupedExperts hard-casts x and the weights to bf16 inside forward, so its "fp32" rows really
-run bf16 matmuls. The naive loop is Hugging Face's eager pattern (mask, gather, MLP, index_add per expert).
++ combine. Stock GroupedExperts hard-casts x and the weights to bf16 inside forward; like the training path on
+CPU, this script applies `workbench.cpu_adjustments` so GroupedExperts computes in the input dtype and the fp32
+rows compare fp32 with fp32 (pass --stock-titan to time torchtitan's unadjusted bf16-inside forward instead). The naive loop is Hugging Face's eager pattern (mask, gather, MLP, index_add per expert).
 Ratios are speedups of the reference: titan_time / ref_time and naive_time / ref_time. Not a test: numbers
 depend on the machine (2 shared CPU cores here); timing is the best of `--repeats` rounds after a warm-up round.
 """
@@ -112,12 +113,20 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads; 1 by default: on a shared 2-core box, threading the many "
                              "small per-expert GEMMs thrashes and makes the numbers noise (try 2 on an idle box)")
+    parser.add_argument("--stock-titan", action="store_true",
+                        help="time torchtitan's GroupedExperts as shipped (bf16 matmuls even for fp32 inputs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.stock_titan:
+        from workbench import cpu_adjustments
+
+        cpu_adjustments.apply()  # GroupedExperts in the input dtype, as in CPU training
 
     print(f"MoE experts fwd+bwd, CPU ({torch.get_num_threads()} threads), T={args.tokens} D={args.dim} "
           f"F={args.hidden}, reference block_size={args.block_size}; best of {args.repeats} rounds after a warm-up")
-    print("titan = LocalTokenDispatcher + GroupedExperts, which casts to bf16 internally (also in the fp32 rows)")
+    print("titan = LocalTokenDispatcher + GroupedExperts, "
+          + ("stock: casts to bf16 internally, also in the fp32 rows" if args.stock_titan
+             else "computing in the input dtype (workbench.cpu_adjustments, as in CPU training)"))
     header = f"{'E':>4} {'K':>2} {'dtype':>9} | {'reference':>10} {'titan':>10} {'naive':>10} | {'vs titan':>8} {'vs naive':>8}"
     print(header + "\n" + "-" * len(header))
     speedups = {"titan": [], "naive": []}
