@@ -70,8 +70,9 @@ class Model:
     """Directory with config.json + *.safetensors to start from (published Qwen3 weights)."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
     """Attention kernel for native/nki_moe; sdpa runs everywhere (flex/varlen: CUDA only)."""
-    moe_load_balance_coeff: float = 1e-3
-    """torchtitan's aux-loss-free expert-bias update rate; 0 = off (Hugging Face semantics, for parity)."""
+    moe_load_balance_coeff: float = 0.0
+    """torchtitan's aux-loss-free expert-bias rate (its default is 1e-3); 0 = Qwen3/HF routing. The bias has no
+    Hugging Face equivalent, so with > 0 an HF export routes differently from the trained model (export warns)."""
     moe_block_size: int = 128
     """nki_moe: tokens per expert block (each expert's tokens are padded to whole blocks)."""
     hf_moe_implementation: Literal["hf", "titan"] = "hf"

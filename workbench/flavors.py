@@ -118,7 +118,7 @@ def titan_model_config(
     shape: Qwen3Shape,
     *,
     attn_backend: str = "sdpa",
-    moe_load_balance_coeff: float | None = 1e-3,
+    moe_load_balance_coeff: float | None = 0.0,
 ):
     """Builds torchtitan's `Qwen3Model.Config` for a shape.
 
@@ -129,8 +129,8 @@ def titan_model_config(
         shape: the architecture.
         attn_backend: "sdpa" (plain causal attention; works on CPU, CUDA and Neuron), "flex" or
             "varlen" (torchtitan's masked backends; CUDA only here).
-        moe_load_balance_coeff: torchtitan's aux-loss-free expert-bias update rate; None disables it
-            (Hugging Face semantics, used for parity runs).
+        moe_load_balance_coeff: torchtitan's aux-loss-free expert-bias update rate (torchtitan uses 1e-3);
+            0/None disables it: Qwen3 / Hugging Face routing, the workbench default.
     """
     from torchtitan.models import qwen3 as tq
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear

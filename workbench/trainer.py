@@ -165,6 +165,9 @@ class WorkbenchTrainer(Trainer):
             nonlocal first_step_at, start_step
             if start_step is None:
                 start_step = self.step - 1  # the loop increments step before calling train_step
+                # torchtitan starts the first step's clock when it builds the metrics processor; restart it so
+                # step 1 measures the step (with warm-up/compile), not init and checkpoint loading.
+                self.metrics_processor.time_last_log = time.perf_counter()
             original_train_step(data_iterator)
             if first_step_at is None:
                 first_step_at = time.perf_counter()

@@ -11,9 +11,9 @@ Exit status: 0 all ran, 1 a notebook failed, 2 bad parameters or notebook names 
 
 `clean`: the form notebooks are committed in (see notebooks/README.md): outputs and execution counts removed
 from every cell except those marked `# NBVAL_CHECK_OUTPUT` — the outputs nbval compares (they keep a fixed
-execution count: nbval does not compare a cell without one). With
-`--outputs-from DIR` those cells take their outputs from the executed copies in DIR (a `run --out DIR` of the
-defaults), which is how the expected outputs are refreshed after an intended change.
+execution count: nbval does not compare a cell without one). With `--outputs-from DIR` those cells take their
+outputs from the executed copies in DIR (a `run --out DIR` of the defaults), which is how the expected outputs
+are refreshed after an intended change.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def _run(args) -> int:
                                        log_output=args.log_output)
     except (runner.NotebookParameterError, FileNotFoundError) as e:
         print(f"workbench.notebook: {e}", file=sys.stderr)
+        return 2
+    if not results:
+        print("workbench.notebook: no notebooks to run.", file=sys.stderr)
         return 2
     width = max(len(r.notebook) for r in results)
     print(f"\n{'notebook':<{width}}  status  seconds")
