@@ -10,6 +10,8 @@ import torch
 
 from conftest import ROOT, run_train
 from workbench import compare
+from workbench.config import load_config
+from workbench.model import load_model
 
 SMALL = dict(seq_len=32, rows=2, max_new_tokens=4, prompts=("ROMEO:", "To be, or not to be"))
 
@@ -67,7 +69,11 @@ def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
 
 
 def test_expert_bias_outside_the_hf_format_is_reported_and_explains_logit_differences(hf_dir):
-    a, b = compare.load_checkpoint(hf_dir), compare.load_checkpoint(hf_dir)
+    a = compare.load_checkpoint(hf_dir)
+    # torchtitan's aux-loss-free balancing keeps a per-expert bias buffer (off by default in the workbench)
+    balanced = load_config(None, model={"hf_checkpoint": str(hf_dir), "moe_load_balance_coeff": 1e-3})
+    model = load_model(balanced)
+    b = compare.Loaded(f"native:{hf_dir}", "native", model, model.workbench_info.tokenizer_path)
     name, bias = next((n, t) for n, t in b.model.named_buffers() if "expert_bias" in n)
     with torch.no_grad():
         bias.copy_(torch.linspace(-5, 5, bias.numel()))  # strong enough to change every token's routing

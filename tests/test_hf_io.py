@@ -115,11 +115,6 @@ def test_load_model_without_checkpoint_is_seeded(ids):
     assert torch.equal(logits(a, ids), logits(b, ids))  # every buffer (RoPE cache) initialised, no stray state
 
 
-def test_other_backends_are_not_built_yet():
-    with pytest.raises(NotImplementedError, match="huggingface_v5"):
-        load_model(load_config(None, model={"flavor": "tiny"}), backend="huggingface_v5")
-
-
 # ------------------------------------------------------------------------------------------------
 # Export
 # ------------------------------------------------------------------------------------------------
@@ -152,7 +147,9 @@ def test_export_bfloat16(saved, ids, tmp_path):
 
 
 def test_export_warns_about_the_expert_bias(saved, tmp_path):
-    model = load_model(None, hf_checkpoint=saved["moe"][0])
+    balanced = load_config(None, model={"hf_checkpoint": str(saved["moe"][0]), "moe_load_balance_coeff": 1e-3},
+                           training={"seq_len": 64})
+    model = load_model(balanced)
     model.layers["0"].moe.expert_bias_E.fill_(0.5)  # what torchtitan's load balancing learns in training
     with pytest.warns(UserWarning, match="expert_bias_E.*moe_load_balance_coeff = 0"):
         export_hf(model, tmp_path / "out")

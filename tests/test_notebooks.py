@@ -176,9 +176,10 @@ def test_failing_notebook_exits_nonzero_and_prints_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", sorted(TRAINING))
 def test_notebook_runs_with_defaults(name, tmp_path):
-    """Each notebook, defaults only, headless through the batch runner (papermill)."""
+    """Each training notebook, defaults only, headless through the batch runner (papermill): the dashboard degrades
+    to a static figure. (nbval executes every notebook with its defaults too; this adds the content checks.)"""
     results = runner.run_notebooks([name], out=tmp_path, echo=lambda *_: None)
     (r,) = results
     assert r.status == "ok", f"{name} failed: {r.error} (executed copy: {r.output})"
@@ -266,3 +267,31 @@ def test_live_dashboard_in_a_kernel(tmp_path):
     text = outputs_text(tmp_path / "out" / "live.ipynb")
     assert "live: finished" in text and "steps 1–2 of 2" in text
     assert has_image(tmp_path / "out" / "live.ipynb")
+
+
+def test_frontend_detection_in_a_real_kernel():
+    """Interactive frontends send allow_stdin and store_history; nbclient (papermill) and nbval do not."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORKBENCH_DASHBOARD", None)
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT / "notebooks"))
+    try:
+        def detected(**kw) -> str:
+            msg_id = kc.execute("from workbench.notebook import live_frontend; print(live_frontend())", **kw)
+            text = ""
+            while True:
+                msg = kc.get_iopub_msg(timeout=60)
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "stream":
+                    text += msg["content"]["text"]
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    return text.strip()
+
+        assert detected(allow_stdin=True, store_history=True) == "True"  # JupyterLab, Notebook, VS Code
+        assert detected(allow_stdin=False, store_history=True) == "False"  # nbclient: papermill, nbconvert
+        assert detected(allow_stdin=True, store_history=False) == "False"  # nbval
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

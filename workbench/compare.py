@@ -261,7 +261,8 @@ class Comparison:
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers: largest weight differences, key mismatches, held-out metrics, generations that agree."""
-        weights, extra = self.tensors[self.tensors.hf], self.tensors[~self.tensors.hf]
+        is_hf = self.tensors.hf.astype(bool)  # pandas 3 concat of an empty frame leaves an object column
+        weights, extra = self.tensors[is_hf], self.tensors[~is_hf]
         return {"a": self.a, "b": self.b, "tensors": len(weights),
                 "mismatched_keys": int((weights.status != "same keys").sum()),
                 "weights_max_abs": float(weights.max_abs.max()) if len(weights) else math.nan,

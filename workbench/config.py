@@ -446,8 +446,11 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                           "transformers' own Qwen3MoeSparseMoeBlock. Use \"hf\", or --model.backend native.")
     if m.attn_backend != "sdpa" and m.backend == "huggingface_v5":
         raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
-    if cfg.profiling.enable and cfg.profiling.steps <= 0:
-        raise ConfigError("profiling.steps must be positive when profiling.enable = true.")
+    if cfg.profiling.enable and (cfg.profiling.steps <= 0 or not 1 <= cfg.profiling.start_step <= t.steps):
+        raise ConfigError(
+            f"profiling: start_step={cfg.profiling.start_step}, steps={cfg.profiling.steps} must profile at least one "
+            f"of the run's steps 1..{t.steps} (start_step within them, steps positive)."
+        )
 
 
 def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:

@@ -168,6 +168,9 @@ class WorkbenchTrainer(Trainer):
                 # torchtitan starts the first step's clock when it builds the metrics processor; restart it so
                 # step 1 measures the step (with warm-up/compile), not init and checkpoint loading.
                 self.metrics_processor.time_last_log = time.perf_counter()
+                jsonl = Path(self.metrics_processor.config.jsonl_path)
+                if start_step == 0 and _rank() == 0 and jsonl.is_file():
+                    jsonl.unlink()  # a fresh (not resumed) run in a reused folder starts a new curve
             original_train_step(data_iterator)
             if first_step_at is None:
                 first_step_at = time.perf_counter()

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -247,6 +249,27 @@ class Dashboard:
         self.close(ok=exc_type is None)
 
 
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def failure_excerpt(lines: list[str], n: int = 20) -> str:
+    """The telling part of a failed torchrun's output, for an error message.
+
+    torchrun ends a failed job with its own traceback and a "Root Cause" box, which say only that a rank
+    died; the ranks' real error is printed before them. So: the `n` lines before torchrun's "failed
+    (exitcode: ...)" report, plus which rank died how; without such a report, the last `n` lines.
+    """
+    for i, line in enumerate(lines):
+        m = _AGENT_FAILED.search(line)
+        if m:
+            code = int(m[1])
+            how = f"signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                else f"exit code {code}"
+            body = "\n".join(lines[max(0, i - n):i])
+            return f"local rank {m[2]} died with {how}; its last output lines:\n{body}"
+    return "last output lines:\n" + "\n".join(lines[-n:])
+
+
 def _child_can_import_workbench() -> None:
     """Makes sure the torchrun child imports *this* workbench, whatever the kernel's working directory.
 
@@ -303,8 +326,7 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
         run_dir = train(job, nproc=nproc, extra_args=extra_args, stream=dash)
     except subprocess.CalledProcessError as e:
         dash.close(ok=False)
-        tail = "\n".join(list(dash.lines)[-25:])
-        raise TrainingFailed(f"training exited with code {e.returncode}; last output lines:\n{tail}") from None
+        raise TrainingFailed(f"training exited with code {e.returncode}; {failure_excerpt(list(dash.lines))}") from None
     except BaseException:
         dash.close(ok=False)
         raise
@@ -312,4 +334,5 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
     return Path(run_dir)
 
 
-__all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "ENV_MODE"]
+__all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "failure_excerpt",
+           "ENV_MODE"]

@@ -12,7 +12,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 

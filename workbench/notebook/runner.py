@@ -29,7 +29,6 @@ import contextlib
 import difflib
 import io
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -128,6 +127,8 @@ def parse_value(text: str) -> Any:
     """A command-line value as YAML: `8` -> 8, `true` -> True, `[native, nki_moe]` -> list, `tiny` -> "tiny"."""
     import yaml
 
+    if text.strip() == "":
+        return ""  # `-p flavor ""` means the empty string (YAML would read None)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
