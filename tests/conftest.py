@@ -1,53 +1,12 @@
-"""Shared helpers: launch real training runs (torchrun over gloo) and read their run folders."""
+"""Fixtures shared by the tests; launch helpers live in tests/run_helpers.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def train_cmd(config: str, *args: str, nproc: int = 1, extra_torchrun: tuple[str, ...] = ()) -> list[str]:
-    """The article's launch line (torchrun ... train.py --job.config_file ...) for this interpreter."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra_torchrun,
-            str(ROOT / "train.py"), "--job.config_file", str(ROOT / config), *args]
-
-
-def run_train(config: str, *args: str, nproc: int = 1, timeout: int = 600, check: bool = True,
-              extra_torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Runs a training job to completion; on failure the assertion shows its output."""
-    if "--master_port" not in " ".join(extra_torchrun) and "--rdzv" not in " ".join(extra_torchrun):
-        extra_torchrun = (*extra_torchrun, f"--master_port={free_port()}")
-    proc = subprocess.run(train_cmd(config, *args, nproc=nproc, extra_torchrun=extra_torchrun), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses_by_step(run_dir: Path) -> dict[int, float]:
-    """step -> loss; a resumed run appends to the same file, the latest record of a step wins."""
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from run_helpers import cached_run
 
 
 @pytest.fixture
@@ -55,20 +14,6 @@ def outdir(tmp_path: Path) -> Path:
     d = tmp_path / "outputs"
     d.mkdir()
     return d
-
-
-_SESSION_RUNS: dict[tuple, tuple[Path, str]] = {}
-
-
-def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
-    """Runs a training job once per test session; returns (run folder, rank-0 stdout), shared by several tests."""
-    key = (config, args, nproc)
-    if key not in _SESSION_RUNS:
-        out = tmp_path_factory.mktemp("shared_run")
-        proc = run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc)
-        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-        _SESSION_RUNS[key] = (run_dir, proc.stdout)
-    return _SESSION_RUNS[key]
 
 
 @pytest.fixture(scope="session")

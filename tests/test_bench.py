@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT, read_metrics
+from run_helpers import ROOT, read_metrics
 from workbench import bench
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, run_train
+from run_helpers import ROOT, run_train
 from workbench import compare
 from workbench.config import load_config
 from workbench.model import load_model

@@ -10,7 +10,7 @@ import pytest
 
 from workbench.config import ConfigError, help_text, load_config, parse_cli, validate
 
-from conftest import ROOT
+from run_helpers import ROOT
 
 ARTICLE = ROOT / "configs" / "qwen3_trainium.toml"
 DENSE = ROOT / "configs" / "cpu_dense.toml"

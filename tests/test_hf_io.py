@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import workbench
-from conftest import run_train
+from run_helpers import run_train
 from workbench import device, flavors, hf
 from workbench.config import load_config
 

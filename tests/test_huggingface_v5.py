@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import losses_by_step, read_metrics, run_train
+from run_helpers import losses_by_step, read_metrics, run_train
 from workbench import device
 
 device.prepare("cpu")

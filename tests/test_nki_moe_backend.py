@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import losses_by_step, run_train
+from run_helpers import losses_by_step, run_train
 from test_training_native import assert_learns
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from conftest import read_metrics, run_train
+from run_helpers import read_metrics, run_train
 from workbench import flavors, profiling
 
 # ------------------------------------------------------------------------------------------------

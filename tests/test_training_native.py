@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
+from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
 
 pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"

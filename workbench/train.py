@@ -85,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"workbench: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     run(job)
-    return 0
+    # Everything is written, closed and the process group destroyed. Skip the interpreter's teardown: a C++ thread
+    # destructor in the distributed stack occasionally aborts there ("terminate called without an active
+    # exception", SIGABRT) after a run that succeeded, which torchrun would report as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[str] | None = None,
