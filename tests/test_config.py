@@ -101,6 +101,9 @@ def test_help_lists_every_section():
 @pytest.mark.parametrize("args, message", [
     (["--model.flavor", "72B"], "Valid flavors: 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B"),
     (["--training.stepz", "3"], "training.steps"),
+    (["--job.model_parallel_size", "-1", "--training.dataset", "/nonexistent/corpus"], "does not exist. Use 'shakespeare'"),
+    (["--job.model_parallel_size", "-1", "--model.tokenizer_path", "/nonexistent/tok"], "No tokenizer.json"),
+    (["--job.model_parallel_size", "-1", "--training.holdout_docs", "38"], "leaves no training documents"),
 ])
 def test_cli_exits_nonzero_before_any_process_group(args, message):
     """The acceptance commands: `python -m workbench.train --job.config_file configs/qwen3_trainium.toml ...`."""

@@ -133,6 +133,8 @@ class Training:
     """'shakespeare' (bundled corpus) or a path: a .txt/.md file or folder, .jsonl, or .parquet files."""
     dataset_text_field: str = "text"
     """Column / key holding the document text in JSONL and parquet files."""
+    holdout_docs: int = 1
+    """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
 
 
 @dataclass
@@ -408,6 +410,8 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         )
     if t.seq_len > shape.max_seq_len:
         raise ConfigError(f"training.seq_len={t.seq_len} exceeds the model's max_seq_len {shape.max_seq_len}.")
+    if t.holdout_docs < 0:
+        raise ConfigError(f"training.holdout_docs must be >= 0; got {t.holdout_docs}.")
     if m.moe_block_size <= 0:
         raise ConfigError(f"model.moe_block_size must be positive; got {m.moe_block_size}.")
     for key, value in (("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),

@@ -7,7 +7,8 @@ A user's own tokenizer directory and own data (.txt/.md files or folders, .jsonl
 
 Packing (GPT style): documents are tokenized, each followed by <|endoftext|>, concatenated, and cut into
 rows of seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row.
-Global row g goes to data-parallel rank g % dp_world_size, so every rank sees different rows and the union
+The last `training.holdout_docs` documents of the fixed order (default 1: one play) never enter training;
+`heldout_tokens` returns them for perplexity. Global row g goes to data-parallel rank g % dp_world_size, so every rank sees different rows and the union
 is the same stream whatever the number of ranks. Document order is a seeded permutation per epoch.
 
 The dataset is resumable: its state (epoch, next document, leftover tokens, rows emitted) is saved in every
@@ -173,7 +174,8 @@ class PackedDataset(IterableDataset, Stateful):
         self.sources = document_sources(dataset, text_field)
         if holdout_docs:
             if holdout_docs >= len(self.sources):
-                raise ValueError(f"holdout_docs={holdout_docs} leaves no training documents ({len(self.sources)} total).")
+                raise ValueError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(self.sources)} "
+                                 f"in {dataset!r}); set --training.holdout_docs 0 for a single-document dataset.")
             self.sources = self.sources[:-holdout_docs]
         self.text_field = text_field
         self.tok = load_tokenizer(tokenizer_path)

@@ -42,7 +42,6 @@ def run(job: JobConfig) -> Path:
     from workbench import data, flavors
     from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
 
-    data.document_sources(job.training.dataset, job.training.dataset_text_field)  # fail fast on bad paths
     run_dir = job.run_dir
     if int(os.environ["RANK"]) == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +65,26 @@ def run(job: JobConfig) -> Path:
     return run_dir
 
 
+def preflight(job: JobConfig) -> None:
+    """Checks the files the run needs (tokenizer, dataset) before any process group starts.
+
+    Raises:
+        ConfigError: naming the bad path or setting.
+    """
+    from workbench import data
+
+    try:
+        data.tokenizer_dir(job.model.tokenizer_path)
+        sources = data.document_sources(job.training.dataset, job.training.dataset_text_field)
+    except (FileNotFoundError, KeyError) as e:
+        raise ConfigError(str(e).strip('"')) from None
+    if len(sources) <= job.training.holdout_docs:
+        raise ConfigError(
+            f"training.holdout_docs={job.training.holdout_docs} leaves no training documents ({len(sources)} in "
+            f"{job.training.dataset!r}); set --training.holdout_docs 0."
+        )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         job = load_config(argv=argv)
+        preflight(job)
     except (ConfigError, FileNotFoundError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"workbench: config error: {e}", file=sys.stderr)
