@@ -120,6 +120,8 @@ class WorkbenchTrainer(Trainer):
         self._t0 = time.perf_counter()
         super().__init__(config)
         self.init_seconds = time.perf_counter() - self._t0
+        self._start_step: int | None = None  # last step before this launch (0 = fresh), set by _on_first_step
+        self._first_step_at: float | None = None
         self._setup_performance_accounting()
 
     # ---- Performance accounting (issue 7): MFU from the model shape, profiler step window, phase labels ----------
@@ -135,8 +137,22 @@ class WorkbenchTrainer(Trainer):
         profiling.label_calls(self.optimizers, "step", "optimizer")
 
     def train_step(self, data_iterator):
+        if self._start_step is None:
+            self._on_first_step()
         with self.step_profiler.step(self.step):
             super().train_step(profiling.Labelled(data_iterator, "data"))
+        if self._first_step_at is None:
+            self._first_step_at = time.perf_counter()
+
+    def _on_first_step(self) -> None:
+        """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
+        self._start_step = self.step - 1  # the loop increments step before calling train_step; 0 = fresh run
+        # torchtitan starts the first step's clock when it builds the metrics processor; restart it so step 1
+        # measures the step (with warm-up/compile), not init and checkpoint loading.
+        self.metrics_processor.time_last_log = time.perf_counter()
+        jsonl = Path(self.metrics_processor.config.jsonl_path)
+        if self._start_step == 0 and _rank() == 0 and jsonl.is_file():
+            jsonl.unlink()  # a fresh (not resumed) run in a reused folder starts a new curve
 
     def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor,
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
@@ -156,36 +172,14 @@ class WorkbenchTrainer(Trainer):
 
     def train(self):
         run_dir = Path(self.config.dump_folder)
-        start_step = None  # last step of a resumed run (0 = fresh)
         t_start = time.perf_counter()
-        first_step_at = None
-        original_train_step = self.train_step
-
-        def timed_train_step(data_iterator):
-            nonlocal first_step_at, start_step
-            if start_step is None:
-                start_step = self.step - 1  # the loop increments step before calling train_step
-                # torchtitan starts the first step's clock when it builds the metrics processor; restart it so
-                # step 1 measures the step (with warm-up/compile), not init and checkpoint loading.
-                self.metrics_processor.time_last_log = time.perf_counter()
-                jsonl = Path(self.metrics_processor.config.jsonl_path)
-                if start_step == 0 and _rank() == 0 and jsonl.is_file():
-                    jsonl.unlink()  # a fresh (not resumed) run in a reused folder starts a new curve
-            original_train_step(data_iterator)
-            if first_step_at is None:
-                first_step_at = time.perf_counter()
-
-        self.train_step = timed_train_step  # type: ignore[method-assign]
         if self.job["model"]["hf_checkpoint"]:
             # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
             # super().train()) then overwrites them with the newer state, optimizer included.
             from workbench import hf
 
             hf.load_into_trainer(self, self.job["model"]["hf_checkpoint"])
-        try:
-            super().train()
-        finally:
-            self.train_step = original_train_step  # type: ignore[method-assign]
+        super().train()
         if self.job["checkpoint"]["export_hf"]:
             from workbench import hf
 
@@ -199,12 +193,12 @@ class WorkbenchTrainer(Trainer):
                 "backend": self.job["model"]["backend"],
                 "flavor": self.config.model_spec.flavor,
                 "steps": self.step,
-                "resumed_from": start_step or 0,
+                "resumed_from": self._start_step or 0,
                 "first_loss": losses[0],
                 "last_loss": losses[-1],
                 "median_tokens_per_second": tps[len(tps) // 2],
                 "init_seconds": self.init_seconds,
-                "time_to_first_step_s": (first_step_at - t_start) if first_step_at else None,
+                "time_to_first_step_s": (self._first_step_at - t_start) if self._first_step_at else None,
                 "train_seconds": time.perf_counter() - t_start,
                 "run_dir": str(run_dir),
             }
