@@ -77,6 +77,9 @@ class Model:
     """nki_moe: tokens per expert block (each expert's tokens are padded to whole blocks)."""
     hf_moe_implementation: Literal["hf", "titan"] = "hf"
     """huggingface_v5 + MoE: transformers' own MoE block (hf); "titan" (torchtitan's MoE swapped in) is reserved."""
+    moe_experts_impl: Literal["grouped_mm", "batched_mm", "loop"] = "grouped_mm"
+    """native / huggingface_v5 MoE experts: grouped_mm (torch._grouped_mm), or a fallback for devices without it:
+    batched_mm (each expert's tokens padded to the largest group, one bmm) or loop (one matmul per expert)."""
 
 
 @dataclass
@@ -180,6 +183,26 @@ class Profiling:
 
 
 @dataclass
+class Neuron:
+    """Adjustments for the TorchNeuron `neuron` device (`workbench/neuron_adjustments.py`); each can be switched off."""
+
+    apply: Literal["auto", "always", "never"] = "auto"
+    """auto: on the neuron device only; always: also on cpu/cuda (offline check of this code path); never."""
+    process_group: str = "neuron"
+    """torch.distributed backend the run uses when the adjustments apply (TorchNeuron registers "neuron")."""
+    force_sum_reduction: bool = True
+    """FSDP2 reduce-scatter with ReduceOp.SUM instead of PREMUL_SUM (not documented for the neuron backend)."""
+    sdpa_overrideable: bool = True
+    """Let torchtitan's SDPA use the OVERRIDEABLE backend (how PrivateUse1 devices register attention kernels)."""
+    init_timeout_s: int = 3600
+    """Collective timeout for start-up and the first step (neuronx-cc compiles the graphs then)."""
+    step_timeout_s: int = 900
+    """Collective timeout after the first step."""
+    sync_memory_stats: bool = True
+    """Synchronize the device before reading peak-memory statistics (asynchronous execution)."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 1
     """Log (and append to metrics.jsonl) every this many steps."""
@@ -198,6 +221,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     profiling: Profiling = field(default_factory=Profiling)
     metrics: Metrics = field(default_factory=Metrics)
+    neuron: Neuron = field(default_factory=Neuron)
 
     @property
     def run_dir(self) -> Path:
@@ -229,6 +253,7 @@ ALIASES: dict[str, str] = {
 SECTIONS: dict[str, type] = {
     "job": Job, "model": Model, "optimizer": Optimizer, "lr_scheduler": LRScheduler, "training": Training,
     "parallelism": Parallelism, "checkpoint": Checkpoint, "profiling": Profiling, "metrics": Metrics,
+    "neuron": Neuron,
 }
 
 
@@ -448,6 +473,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
     if m.backend == "huggingface_v5" and m.hf_moe_implementation == "titan":
         raise ConfigError('model.hf_moe_implementation="titan" is not implemented: huggingface_v5 trains '
                           "transformers' own Qwen3MoeSparseMoeBlock. Use \"hf\", or --model.backend native.")
+    if m.moe_experts_impl != "grouped_mm" and m.backend == "nki_moe":
+        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
+                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
     if m.attn_backend != "sdpa" and m.backend == "huggingface_v5":
         raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
     if cfg.profiling.enable and (cfg.profiling.steps <= 0 or not 1 <= cfg.profiling.start_step <= t.steps):

@@ -90,7 +90,8 @@ def _pin_device_to_cpu() -> None:
                 setattr(mod, name, value)
 
 
-def _force_sum_fsdp_reduction() -> None:
+def force_sum_fsdp_reduction() -> None:
+    """FSDP2 reduce-scatter with ReduceOp.SUM (also used by `neuron_adjustments`)."""
     import torchtitan.distributed.fsdp as tt_fsdp
     from torch.distributed._composable.fsdp import FSDPModule
 
@@ -127,13 +128,19 @@ def _grouped_experts_in_activation_dtype() -> None:
     GroupedExperts.forward = forward
 
 
-def apply() -> None:
-    """Applies every CPU adjustment (idempotent)."""
+def apply(force_sum: bool = True) -> None:
+    """Applies every CPU adjustment (idempotent).
+
+    Args:
+        force_sum: adjustment 2. False when `neuron_adjustments` also applies (the offline check of the Neuron
+            path): then its own `neuron.force_sum_reduction` switch alone decides, as it would on the device.
+    """
     global _applied
     if _applied:
         return
     _pin_device_to_cpu()
-    _force_sum_fsdp_reduction()
+    if force_sum:
+        force_sum_fsdp_reduction()
     _grouped_experts_in_activation_dtype()
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     _applied = True

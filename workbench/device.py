@@ -12,7 +12,9 @@ group backend ``neuron``; both are written from AWS's public docs and are unveri
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 KINDS = ("cpu", "cuda", "neuron")
 
@@ -27,9 +29,42 @@ class DeviceInfo:
     dist_backend: str  # torch.distributed backend for this kind
 
 
+class DeviceError(ValueError):
+    """The requested device cannot be used here. The message is one line naming the cause and the fix."""
+
+
+NEURON_FIX = ("install the Neuron packages into this Python from AWS's Neuron package index "
+              "(`make setup-neuron` checks them; see README 'Devices'), or set --job.device cpu")
+
+
+def neuron_device_files(dev_dir: str | None = None) -> list[str]:
+    """Neuron device nodes on this host (`/dev/neuron0`, ...): present on Trainium/Inferentia instances.
+
+    Args:
+        dev_dir: where to look; default `$WORKBENCH_DEV_DIR` or `/dev` (tests point it at a temp dir).
+    """
+    root = Path(dev_dir or os.environ.get("WORKBENCH_DEV_DIR", "/dev"))
+    return sorted(str(p) for p in root.glob("neuron[0-9]*"))
+
+
+def import_neuron() -> str | None:
+    """Imports TorchNeuron (which registers the `neuron` device and process group).
+
+    Returns:
+        None when it imported, else the import error as one line.
+    """
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return "No module named 'torch_neuronx'"
+    try:
+        import torch_neuronx  # noqa: F401
+    except Exception as e:  # a broken install raises anything from ImportError to OSError (missing libnrt)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+    return None
+
+
 def neuron_available() -> bool:
-    """True when TorchNeuron is installed (`torch_neuronx` importable)."""
-    return importlib.util.find_spec("torch_neuronx") is not None
+    """True when TorchNeuron imports."""
+    return import_neuron() is None
 
 
 def detect(requested: str = "auto") -> DeviceInfo:
@@ -39,57 +74,70 @@ def detect(requested: str = "auto") -> DeviceInfo:
         requested: "auto" (neuron > cuda > cpu), or one of "cpu", "cuda", "neuron" to force it.
 
     Raises:
-        ValueError: an unknown kind, or a forced kind that is not present.
+        DeviceError: an unknown kind; a forced kind that is not present; or "auto" on a host with Neuron device
+            files where TorchNeuron does not import (training 64 CPU ranks of a 30B model is never what was meant).
     """
     import torch
 
     if requested not in ("auto", *KINDS):
-        raise ValueError(f"job.device must be one of auto, {', '.join(KINDS)}; got {requested!r}.")
-    if requested in ("auto", "neuron") and neuron_available():
-        import torch_neuronx  # noqa: F401  (registers the `neuron` device)
-
-        count = torch.neuron.device_count() if hasattr(torch, "neuron") else 1
-        return DeviceInfo("neuron", count, "trainium (neuron)", "neuron")
-    if requested == "neuron":
-        raise ValueError(
-            "job.device='neuron' but torch_neuronx is not installed. On a trn2 instance install the Neuron "
-            "packages from AWS's Neuron package index (see environment.yml); elsewhere use 'auto' or 'cpu'."
-        )
+        raise DeviceError(f"job.device must be one of auto, {', '.join(KINDS)}; got {requested!r}.")
+    if requested in ("auto", "neuron"):
+        error = import_neuron()
+        if error is None:
+            count = torch.neuron.device_count() if hasattr(torch, "neuron") else 1
+            return DeviceInfo("neuron", count, "trainium (neuron)", "neuron")
+        files = neuron_device_files()
+        if requested == "neuron":
+            raise DeviceError(f"job.device=neuron but torch_neuronx does not import ({error}): {NEURON_FIX}.")
+        if files:
+            raise DeviceError(
+                f"this host has Neuron devices ({files[0]}, ... {len(files)} in all) but torch_neuronx does not import "
+                f"({error}): {NEURON_FIX}."
+            )
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         return DeviceInfo("cuda", torch.cuda.device_count(), torch.cuda.get_device_name(0), "nccl")
     if requested == "cuda":
-        raise ValueError("job.device='cuda' but torch.cuda.is_available() is False; use 'auto' or 'cpu'.")
+        why = "no GPU visible" if torch.version.cuda else "a CPU-only build"
+        raise DeviceError(f"job.device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}: {why}): "
+                          "run on a GPU host with a CUDA build of torch, or set --job.device auto/cpu.")
     return DeviceInfo("cpu", 1, "cpu", "gloo")
 
 
 _prepared: str | None = None
 
 
-def prepare(kind: str) -> None:
+def prepare(kind: str, neuron_cfg=None) -> list[str]:
     """Pins torchtitan to `kind` (call before torchtitan is imported; idempotent).
 
-    On CPU this also applies `workbench.cpu_adjustments` — the only place where torchtitan or
-    transformers are adjusted to run on CPU.
+    On CPU this also applies `workbench.cpu_adjustments` — the only place where torchtitan or transformers are
+    adjusted to run on CPU — and, where `[neuron] apply` says so (on the neuron device by default),
+    `workbench.neuron_adjustments`.
+
+    Args:
+        kind: "cpu", "cuda" or "neuron".
+        neuron_cfg: the job's `[neuron]` section (`workbench.config.Neuron`); None = its defaults.
+
+    Returns:
+        The Neuron adjustments applied (empty when none).
     """
     global _prepared
+    from workbench import neuron_adjustments
+    from workbench.config import Neuron
+
     if _prepared == kind:
-        return
+        return []
     if _prepared is not None:
         raise RuntimeError(f"device already prepared as {_prepared!r}; cannot switch to {kind!r} in one process")
+    neuron_cfg = neuron_cfg or Neuron()
+    on_neuron_path = neuron_adjustments.applies(neuron_cfg, kind)
     if kind == "cpu":
         from workbench import cpu_adjustments
 
-        cpu_adjustments.apply()
-    elif kind == "neuron":
-        # torchtitan asks torch.distributed which backend serves its device type; make sure "neuron" maps to
-        # TorchNeuron's process group (per the TorchNeuron docs; unverified here).
-        import torch.distributed as dist
-
-        dist.Backend.default_device_backend_map.setdefault("neuron", "neuron")
-        import torchtitan.tools.utils  # noqa: F401  (auto-detects the neuron PrivateUse1 device)
+        cpu_adjustments.apply(force_sum=not on_neuron_path)
     else:
-        import torchtitan.tools.utils  # noqa: F401  (auto-detects cuda)
+        import torchtitan.tools.utils  # noqa: F401  (auto-detects cuda, or the neuron PrivateUse1 device)
     _prepared = kind
+    return neuron_adjustments.apply(neuron_cfg, kind) if on_neuron_path else []
 
 
 def prepared_kind() -> str | None:

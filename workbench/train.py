@@ -25,12 +25,17 @@ from workbench.config import ConfigError, JobConfig, help_text, load_config
 EXIT_CONFIG_ERROR = 2
 
 
-def run(job: JobConfig) -> Path:
-    """Trains in this process (one rank of a torchrun job, or a lone process = world size 1)."""
+def run(job: JobConfig, info=None) -> Path:
+    """Trains in this process (one rank of a torchrun job, or a lone process = world size 1).
+
+    Args:
+        job: the validated config.
+        info: the device found by `device.detect` (detected here when None).
+    """
     from workbench import device
 
-    info = device.detect(job.job.device)
-    device.prepare(info.kind)
+    info = info or device.detect(job.job.device)
+    adjusted = device.prepare(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -52,6 +57,8 @@ def run(job: JobConfig) -> Path:
     quiet_titan_logs(job.job.verbose)
     say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
         f"rank(s), run folder {run_dir}")
+    if adjusted:
+        say(f"workbench: neuron adjustments: {', '.join(adjusted)}")
     cfg = build_titan_config(job, info.kind, world_size)
     if info.kind == "cpu":
         cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print(help_text())
         return 0
+    from workbench import device
+
     try:
         job = load_config(argv=argv)
         preflight(job)
@@ -104,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"workbench: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    run(job)
+    try:  # before any process group exists: a missing device is one line, not a traceback per rank
+        info = device.detect(job.job.device)
+    except device.DeviceError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"workbench: device error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    run(job, info)
     # Everything is written, closed and the process group destroyed. Skip the interpreter's teardown: a C++ thread
     # destructor in the distributed stack occasionally aborts there ("terminate called without an active
     # exception", SIGABRT) after a run that succeeded, which torchrun would report as a failed rank.

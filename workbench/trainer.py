@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data, flavors, profiling
+from workbench import data, flavors, neuron_adjustments, profiling
 from workbench.config import JobConfig, resolved_dtype
 
 
@@ -222,6 +222,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
     _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
     opt = job.optimizer
     ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[job.training.activation_checkpoint]
+    init_timeout_s, step_timeout_s = neuron_adjustments.comm_timeouts(job.neuron, device_kind)
     tcfg = WorkbenchTrainer.Config(
         model_spec=spec,
         hf_assets_path=str(data.tokenizer_dir(job.model.tokenizer_path)),
@@ -268,7 +269,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         compile=CompileConfig(enable=job.training.compile,
                               backend="neuron" if device_kind == "neuron" else "inductor"),
         profiler=Profiler.Config(enable_profiling=False),
-        comm=CommConfig(init_timeout_seconds=300, train_timeout_seconds=300),
+        comm=CommConfig(init_timeout_seconds=init_timeout_s, train_timeout_seconds=step_timeout_s),
         debug=DebugConfig(seed=job.job.seed, enable_structured_logging=False),
         # Tensor parallelism shards the vocabulary dimension of the logits: the loss needs the global size.
         loss=CrossEntropyLoss.Config(global_vocab_size=shape.vocab_size if par.tp > 1 else None),

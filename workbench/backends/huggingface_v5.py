@@ -39,6 +39,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from workbench import flavors
 from workbench.config import ConfigError, JobConfig
+from workbench.moe_experts import HF_EXPERTS
 
 PREFIX = "hf."
 """Attribute of `HFQwen3` holding the transformers model, as a state-dict key prefix."""
@@ -406,7 +407,7 @@ def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
             "trains transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
             "--model.backend native for torchtitan's MoE."
         )
-    return HFQwen3.Config(shape=shape)
+    return HFQwen3.Config(shape=shape, experts_implementation=HF_EXPERTS[job.model.moe_experts_impl])
 
 
 def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelSpec:

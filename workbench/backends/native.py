@@ -11,13 +11,16 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from workbench import flavors
 from workbench.config import JobConfig
+from workbench.moe_experts import use_fallback_experts
 
 
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
-    """torchtitan Qwen3Model.Config for the job (attention backend and MoE balancing from [model])."""
-    return flavors.titan_model_config(
+    """torchtitan Qwen3Model.Config for the job (attention backend, MoE balancing and experts impl from [model])."""
+    cfg = flavors.titan_model_config(
         shape, attn_backend=job.model.attn_backend, moe_load_balance_coeff=job.model.moe_load_balance_coeff
     )
+    use_fallback_experts(cfg, job.model.moe_experts_impl)
+    return cfg
 
 
 def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelSpec:

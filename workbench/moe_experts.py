@@ -1,0 +1,100 @@
+"""MoE expert matmuls without `torch._grouped_mm`: the fallbacks behind `model.moe_experts_impl`.
+
+Both MoE paths that compute experts with grouped GEMMs (native: torchtitan's `GroupedExperts`; huggingface_v5:
+transformers' experts kernels) call `torch._grouped_mm`, which the TorchNeuron documentation does not confirm for
+the `neuron` device. `model.moe_experts_impl` picks how the experts run:
+
+    grouped_mm   torch._grouped_mm (default; what CPU and CUDA run)
+    batched_mm   each expert's tokens padded to the largest group -> one batched matmul (`torch.bmm`)
+    loop         one matmul per expert over its token rows
+
+For native, `FallbackGroupedExperts` swaps only torchtitan's `_grouped_mm` seam (a documented override point), so
+parameters, sharding, checkpoints and the HF mapping stay torchtitan's. For huggingface_v5 the same choice maps onto
+transformers' own registered implementations (`HF_EXPERTS`). tests/test_moe_experts.py checks outputs and
+gradients of every choice against grouped_mm (1e-5, fp32).
+
+Both fallbacks read the group sizes on the host (`.tolist()` / `.item()`): fine for a fallback, but on a compiling
+device the batched capacity is a dynamic shape. Caveat documented in README "Devices".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torchtitan.models.common.moe import GroupedExperts
+
+Impl = Literal["grouped_mm", "batched_mm", "loop"]
+
+HF_EXPERTS = {"grouped_mm": "grouped_mm", "batched_mm": "batched_mm", "loop": "eager"}
+"""model.moe_experts_impl -> transformers' `experts_implementation`."""
+
+
+def grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, impl: Impl = "grouped_mm") -> torch.Tensor:
+    """Row group g of `A` (rows offs[g-1]..offs[g]) times `B_t[g]`, as `torch._grouped_mm(A, B_t, offs=offs)`.
+
+    Args:
+        A: [R, D] rows sorted by group.
+        B_t: [G, D, F] one matrix per group.
+        offs: [G] int32 cumulative row counts (end of each group).
+        impl: "grouped_mm", "batched_mm" or "loop".
+
+    Returns:
+        [R, F]; rows past offs[-1] (if any) are zero.
+    """
+    if impl == "grouped_mm":
+        return torch._grouped_mm(A, B_t, offs=offs)
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    n_rows, n_used = A.shape[0], int(ends[-1].item()) if ends.numel() else 0
+    tail = A.new_zeros(n_rows - n_used, B_t.shape[-1])  # grouped_mm leaves no group for these rows
+    if impl == "loop":
+        pieces = [A[s:e] @ B_t[g] for g, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())) if e > s]
+        return torch.cat([*pieces, tail])
+    if impl == "batched_mm":
+        counts = ends - starts
+        group_of_row = torch.repeat_interleave(torch.arange(len(counts), device=A.device), counts)
+        slot = torch.arange(n_used, device=A.device) - starts[group_of_row]  # position inside its group
+        padded = A.new_zeros(len(counts), int(counts.max().item()) if n_used else 0, A.shape[1])
+        padded = padded.index_put((group_of_row, slot), A[:n_used])
+        out = torch.bmm(padded, B_t)[group_of_row, slot]
+        return torch.cat([out, tail])
+    raise ValueError(f"unknown experts implementation {impl!r}; choose grouped_mm, batched_mm or loop")
+
+
+class FallbackGroupedExperts(GroupedExperts):
+    """torchtitan's GroupedExperts with its `_grouped_mm` seam computed by `grouped_mm(..., impl)`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        impl: str = "batched_mm"
+        """batched_mm or loop (see the module docstring)."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.impl = config.impl
+
+    def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(A, B_t, offs, self.impl)
+
+
+def use_fallback_experts(model_cfg, impl: Impl) -> int:
+    """Replaces every `GroupedExperts.Config` in a torchtitan model config by `FallbackGroupedExperts.Config`.
+
+    Returns:
+        How many were replaced (0 for a dense model, or impl "grouped_mm", which changes nothing).
+    """
+    if impl == "grouped_mm":
+        return 0
+    swapped = 0
+    for _, sub, parent, attr in list(model_cfg.traverse(GroupedExperts.Config)):
+        fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub) if f.init}
+        new = FallbackGroupedExperts.Config(**fields, impl=impl)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+        swapped += 1
+    return swapped
