@@ -362,12 +362,14 @@ def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
     return items
 
 
-def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = None, **overrides: Any) -> JobConfig:
+def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = None, *,
+                world_size: int | None = None, **overrides: Any) -> JobConfig:
     """Reads a TOML file, applies CLI-style `argv` and keyword overrides, and validates the result.
 
     Args:
         path: the TOML file (optional: defaults alone are the tiny CPU run).
         argv: command-line overrides, e.g. ["--training.steps", "30"]; may include --job.config_file.
+        world_size: total ranks the job will run on, for the parallelism checks (default: $WORLD_SIZE, else 1).
         **overrides: Python overrides; use `section__key=value` or a dict per section
             (`training={"steps": 30}`).
 
@@ -398,7 +400,7 @@ def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = 
                 _set(cfg, f"{name}.{k}", v)
         else:
             _set(cfg, name.replace("__", "."), value)
-    validate(cfg)
+    validate(cfg, world_size)
     return cfg
 
 

@@ -1,0 +1,107 @@
+"""`python -m workbench.doctor`: each check read from stand-in inputs (device files in a temp dir, environment
+variables, installed-package metadata on PYTHONPATH), never by replacing the doctor's own logic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from run_helpers import ROOT
+
+
+def doctor(*args: str, dev_dir=None, extra_path=None, **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "NEURON_LOGICAL_NC_CONFIG"}
+    e.update(env)
+    e["WORKBENCH_DEV_DIR"] = str(dev_dir or ROOT / "no-such-dev-dir")
+    if extra_path:
+        e["PYTHONPATH"] = os.pathsep.join([str(extra_path), str(ROOT)])
+    return subprocess.run([sys.executable, "-m", "workbench.doctor", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def rows(out: str) -> dict[str, tuple[str, str]]:
+    """name -> (status, rest of the line)."""
+    table = {}
+    for line in out.splitlines():
+        status, rest = line[:4].strip(), line[6:]
+        name = rest.split("  ")[0].strip()
+        table[name] = (status, rest[len(name):].strip())
+    return table
+
+
+def trn2_host(tmp_path, chips: int = 16):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for i in range(chips):
+        (dev / f"neuron{i}").touch()
+    return dev
+
+
+def fake_dist(tmp_path, name: str, version: str):
+    """An installed-package record as pip leaves it (metadata only): what the doctor reads for versions."""
+    site = tmp_path / "site"
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return site
+
+
+def test_cpu_host_is_ready(tmp_path):
+    proc = doctor("--job.config_file", "configs/cpu_dense.toml", "--job.dump_folder", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    t = rows(proc.stdout)
+    assert t["python"] == ("ok", "%d.%d" % sys.version_info[:2])
+    assert t["torch"][0] == "ok" and t["torch"][1].startswith("2.14.0")
+    assert t["torch-neuronx"][0] == "ok" and "only needed on Trainium" in t["torch-neuronx"][1]
+    assert t["neuron devices"] == ("ok", "none (not a Trainium host)")
+    assert t["disk"][0] == "ok" and "one tiny checkpoint" in t["disk"][1]
+
+
+def test_trn2_host_without_torch_neuronx_fails_with_fix(tmp_path):
+    proc = doctor("--nproc", "64", dev_dir=trn2_host(tmp_path), NEURON_LOGICAL_NC_CONFIG="2")
+    assert proc.returncode == 1
+    t = rows(proc.stdout)
+    assert t["torch-neuronx"][0] == "fail" and "AWS's Neuron package index" in t["torch-neuronx"][1]
+    assert t["nki"][0] == "warn"
+    assert t["neuron devices"][1].startswith("16 (")
+    assert t["ranks per node"] == ("ok", "64 at LNC=2 (asked: 64)")
+    assert t["memory per rank"] == ("ok", "24 GiB HBM")
+
+
+@pytest.mark.parametrize("version, status", [("2.14.3.0.1234", "ok"), ("2.13.3.0.1234", "fail")])
+def test_torch_neuronx_version_against_the_support_matrix(tmp_path, version, status):
+    site = fake_dist(tmp_path, "torch-neuronx", version)
+    proc = doctor(dev_dir=trn2_host(tmp_path), extra_path=site, NEURON_LOGICAL_NC_CONFIG="2")
+    t = rows(proc.stdout)
+    assert t["torch-neuronx"] == (status, version if status == "ok" else t["torch-neuronx"][1])
+    if status == "fail":
+        assert "2.14.3.* family" in t["torch-neuronx"][1]
+
+
+@pytest.mark.parametrize("lnc, status, ranks", [("1", "ok", "128 at LNC=1"), ("", "warn", "64 at LNC=2"),
+                                                ("4", "fail", None)])
+def test_logical_nc_config(tmp_path, lnc, status, ranks):
+    proc = doctor(dev_dir=trn2_host(tmp_path), NEURON_LOGICAL_NC_CONFIG=lnc)
+    t = rows(proc.stdout)
+    assert t["NEURON_LOGICAL_NC_CONFIG"][0] == status
+    if ranks:
+        assert t["ranks per node"][1] == ranks
+    else:
+        assert proc.returncode == 1 and "supports 1 or 2" in t["NEURON_LOGICAL_NC_CONFIG"][1]
+
+
+def test_too_many_ranks_for_the_node(tmp_path):
+    proc = doctor("--nproc", "128", dev_dir=trn2_host(tmp_path), NEURON_LOGICAL_NC_CONFIG="2")
+    assert rows(proc.stdout)["ranks per node"] == ("fail", "64 at LNC=2 (asked: 128)  -> use --nproc_per_node <= 64")
+
+
+def test_disk_too_small_for_one_checkpoint(tmp_path):
+    # 235B-A22B: ~2.8 TB per checkpoint, more than any disk this suite runs on
+    proc = doctor("--job.config_file", "configs/cpu_moe.toml", "--model.flavor", "235B-A22B",
+                  "--job.dump_folder", str(tmp_path))
+    assert proc.returncode == 1
+    status, rest = rows(proc.stdout)["disk"]
+    assert status == "fail" and "one 235B-A22B checkpoint 2,8" in rest and "larger volume" in rest

@@ -1,0 +1,235 @@
+"""Readiness report: `python -m workbench.doctor [--job.config_file X] [--nproc N] [--json] [--section.key value ...]`.
+
+One line per check, `ok` / `warn` / `fail`, each with the fix; exit code 1 if any check fails. Checks the software
+against TorchNeuron's support matrix (`SUPPORT`), the Neuron devices of this host, the logical-core setting, ranks
+and memory per rank, and free disk for the configured flavor's checkpoints. Notebook 00_setup shows the same table.
+
+Everything is read from the environment as it is: installed package metadata (`importlib.metadata`), device files
+under `$WORKBENCH_DEV_DIR` (default `/dev`), `NEURON_LOGICAL_NC_CONFIG`, the disk. Tests point those at stand-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+# TorchNeuron's support matrix (Neuron 2.33 release notes, "Release Notes for Neuron Component: TorchNeuron"):
+# torch-neuronx 2.14.3.0.* <-> PyTorch 2.14.0, Python 3.12 / 3.13 / 3.14. The rest are this project's pins.
+SUPPORT = {
+    "python": ((3, 12), (3, 14)),
+    "torch": "2.14.0",
+    "torch-neuronx": "2.14.",  # version prefix of the package family that matches torch 2.14.0
+    "nki": (0, 3),  # the standalone `nki` package; the kernels use its >= 0.3 API
+    "torchtitan": "0.3.0",
+    "transformers": "5.23.0",
+}
+MATRIX_SOURCE = "Neuron 2.33 TorchNeuron release notes (support matrix)"
+
+# trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (engine-notes.md; AWS trn2 docs).
+TRN2_CORES_PER_CHIP = 8
+TRN2_HBM_PER_CHIP = 96 * 2**30
+CHECKPOINT_BYTES_PER_PARAM = 12  # DCP: fp32 weights + AdamW's two fp32 moments
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    value: str
+    fix: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _base(version: str) -> str:
+    return version.split("+", 1)[0]  # PyPI's torch is "2.14.0+cu130": the local tag does not change the API
+
+
+def neuron_host() -> list[str]:
+    from workbench.device import neuron_device_files
+
+    return neuron_device_files()
+
+
+def software_checks(on_neuron: bool) -> list[Check]:
+    """Python and package versions against `SUPPORT`. `on_neuron`: this host has Neuron devices (stricter)."""
+    checks = []
+    lo, hi = SUPPORT["python"]
+    py = sys.version_info[:2]
+    checks.append(Check("python", "ok" if lo <= py <= hi else "fail", "%d.%d" % py,
+                        "" if lo <= py <= hi else f"use Python {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} ({MATRIX_SOURCE})"))
+
+    torch_v = _version("torch")
+    if torch_v is None:
+        checks.append(Check("torch", "fail", "not installed",
+                            "on trn2: install torch-neuronx (it brings torch 2.14.0); elsewhere: `make setup`"))
+    elif _base(torch_v) == SUPPORT["torch"]:
+        checks.append(Check("torch", "ok", torch_v))
+    else:
+        checks.append(Check("torch", "fail" if on_neuron else "warn", torch_v,
+                            f"TorchNeuron supports torch {SUPPORT['torch']} only ({MATRIX_SOURCE}); install "
+                            f"torch=={SUPPORT['torch']} (on trn2: the one torch-neuronx 2.14.3 installs)"))
+
+    tnx = _version("torch-neuronx")
+    if tnx is None:
+        checks.append(Check("torch-neuronx", "fail" if on_neuron else "ok", "not installed",
+                            "install torch-neuronx 2.14.3.* from AWS's Neuron package index, then `make setup-neuron`"
+                            if on_neuron else "only needed on Trainium"))
+    elif tnx.startswith(SUPPORT["torch-neuronx"]):
+        checks.append(Check("torch-neuronx", "ok", tnx))
+    else:
+        checks.append(Check("torch-neuronx", "fail", tnx,
+                            f"the workbench needs the 2.14.3.* family (PyTorch 2.14.0) ({MATRIX_SOURCE})"))
+
+    nki_v = _version("nki")
+    if nki_v is None:
+        checks.append(Check("nki", "warn" if on_neuron else "ok", "not installed",
+                            "nki_moe on Trainium needs `nki` >= 0.3 from AWS's Neuron package index" if on_neuron
+                            else "only needed on Trainium (the kernels run on the CPU emulator here)"))
+    else:
+        parts = tuple(int(p) for p in _base(nki_v).split(".")[:2] if p.isdigit())
+        ok = parts >= SUPPORT["nki"]
+        checks.append(Check("nki", "ok" if ok else "fail", nki_v,
+                            "" if ok else "the kernels use the standalone nki >= 0.3 API; upgrade nki"))
+
+    for dist in ("torchtitan", "transformers"):
+        v = _version(dist)
+        if v is None:
+            checks.append(Check(dist, "fail", "not installed", "`make setup` (or `make setup-neuron` on trn2)"))
+        else:
+            good = _base(v) == SUPPORT[dist]
+            checks.append(Check(dist, "ok" if good else "warn", v,
+                                "" if good else f"tested with {dist}=={SUPPORT[dist]} (pyproject.toml)"))
+    return checks
+
+
+def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
+    """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
+    from workbench import neuron_adjustments
+
+    checks = []
+    if not files:
+        checks.append(Check("neuron devices", "ok", "none (not a Trainium host)"))
+    else:
+        checks.append(Check("neuron devices", "ok", f"{len(files)} ({files[0]} ...)"))
+    visible = "cpu"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            visible = f"{torch.cuda.device_count()} cuda"
+        if files and hasattr(torch, "neuron"):
+            visible = f"{torch.neuron.device_count()} neuron"
+    except ImportError:
+        visible = "torch not importable"
+    checks.append(Check("visible devices", "ok", visible))
+
+    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "")
+    try:
+        lnc = neuron_adjustments.read_lnc("neuron" if files else "cpu")
+        lnc_check = Check("NEURON_LOGICAL_NC_CONFIG", "ok", raw or f"unset (= {lnc})")
+        if files and not raw:
+            lnc_check.fix = "set it explicitly (export NEURON_LOGICAL_NC_CONFIG=2) so compiler, runtime and NKI agree"
+            lnc_check.status = "warn"
+    except ValueError as e:
+        lnc, lnc_check = 1, Check("NEURON_LOGICAL_NC_CONFIG", "fail", raw, str(e))
+    checks.append(lnc_check)
+
+    if files:
+        ranks = len(files) * TRN2_CORES_PER_CHIP // lnc
+        per_rank = len(files) * TRN2_HBM_PER_CHIP / ranks
+        fits = nproc is None or nproc <= ranks
+        checks.append(Check("ranks per node", "ok" if fits else "fail", f"{ranks} at LNC={lnc}"
+                            + (f" (asked: {nproc})" if nproc else ""),
+                            "" if fits else f"use --nproc_per_node <= {ranks}"))
+        checks.append(Check("memory per rank", "ok", f"{per_rank / 2**30:.0f} GiB HBM"))
+    else:
+        import psutil
+
+        ranks = nproc or 1
+        checks.append(Check("ranks per node", "ok", f"{ranks} (CPU cores: {os.cpu_count()})"))
+        checks.append(Check("memory per rank", "ok", f"{psutil.virtual_memory().total / ranks / 2**30:.1f} GiB host RAM"))
+    return checks
+
+
+def disk_check(job) -> Check:
+    """Free space in job.dump_folder against `keep_latest_k` checkpoints of the configured flavor."""
+    from workbench import flavors
+
+    _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+    params = flavors.count_params(shape)["total"]
+    one = params * CHECKPOINT_BYTES_PER_PARAM
+    keep = job.checkpoint.keep_latest_k or 1
+    where = Path(job.job.dump_folder).resolve()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    value = f"{free / 1e9:,.1f} GB free in {where}; one {job.model.flavor or 'model'} checkpoint {one / 1e9:,.2f} GB"
+    if free < one:
+        return Check("disk", "fail", value, "free space or point job.dump_folder at a larger volume")
+    if free < one * (keep + 1):  # keep_latest_k complete ones plus the one being written
+        return Check("disk", "warn", value, f"checkpoint.keep_latest_k={keep} needs {one * (keep + 1) / 1e9:,.1f} GB "
+                                            "while a new one is written; lower it or free space")
+    return Check("disk", "ok", value)
+
+
+def run_checks(job=None, nproc: int | None = None) -> list[Check]:
+    """Every check, in report order. `job`: a JobConfig for the disk check (None skips it)."""
+    files = neuron_host()
+    checks = software_checks(on_neuron=bool(files)) + device_checks(nproc, files)
+    if job is not None:
+        checks.append(disk_check(job))
+    return checks
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        line = f"{c.status:<4}  {c.name:<{width}}  {c.value}"
+        if c.fix:
+            line += f"  ({c.fix})" if c.status == "ok" else f"  -> {c.fix}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from workbench.config import ConfigError, load_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    nproc = None
+    if "--nproc" in argv:
+        i = argv.index("--nproc")
+        nproc = int(argv[i + 1])
+        del argv[i:i + 2]
+    job = None
+    if argv:  # a config (and overrides) to check the disk against; without one the disk check is skipped
+        try:
+            job = load_config(argv=argv, world_size=nproc)
+        except ConfigError as e:
+            print(f"workbench: config error: {e}", file=sys.stderr)
+            return 2
+    checks = run_checks(job, nproc)
+    if job is None:
+        checks.append(Check("disk", "ok", "not checked", "pass --job.config_file X to check checkpoint space"))
+    print(json.dumps([asdict(c) for c in checks], indent=2) if as_json else format_table(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
