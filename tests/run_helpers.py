@@ -6,11 +6,12 @@ ambiguous.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from workbench.run_folder import read_metrics  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,10 +34,6 @@ def run_train(config: str, *args: str, nproc: int = 1, timeout: int = 600, check
     if check:
         assert proc.returncode == 0, f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses_by_step(run_dir: Path) -> dict[int, float]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from run_helpers import losses_by_step, read_metrics, run_train
+from run_helpers import cached_run, losses_by_step, read_metrics, run_train
 from workbench import device
 
 device.prepare("cpu")
@@ -120,19 +120,15 @@ def assert_learns(run_dir: Path, steps: int = 30) -> None:
 
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory) -> Path:
-    """30 steps of configs/cpu_dense.toml: the learning check and the resume reference."""
-    out = tmp_path_factory.mktemp("hf_dense")
-    run_train(DENSE, *BACKEND, "--job.dump_folder", str(out), nproc=2)
-    return out / "cpu_dense"
+    """30 steps of configs/cpu_dense.toml: the learning check and the resume reference (and a golden curve)."""
+    return cached_run(tmp_path_factory, DENSE, *BACKEND, nproc=2)[0]
 
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory) -> Path:
-    """30 steps of configs/cpu_moe.toml, exported to <run>/hf at the end."""
-    out = tmp_path_factory.mktemp("hf_moe")
-    run_train(MOE, *BACKEND, "--job.dump_folder", str(out), "--checkpoint.export_hf", "true",
-              "--checkpoint.export_dtype", "float32", nproc=2)
-    return out / "cpu_moe"
+    """30 steps of configs/cpu_moe.toml, exported to <run>/hf at the end (and a golden curve)."""
+    return cached_run(tmp_path_factory, MOE, *BACKEND, "--checkpoint.export_hf", "true",
+                      "--checkpoint.export_dtype", "float32", nproc=2)[0]
 
 
 @pytest.mark.slow

@@ -10,16 +10,16 @@ import math
 
 import pytest
 
-from run_helpers import losses_by_step, run_train
+from run_helpers import cached_run, losses_by_step, run_train
 from test_training_native import assert_learns
 
 pytestmark = pytest.mark.slow
 
 
-def test_nki_moe_trains_and_matches_native(native_moe_2rank, outdir):
-    run_train("configs/cpu_moe.toml", "--model.backend", "nki_moe", "--model.moe_block_size", "32",
-              "--job.dump_folder", str(outdir), nproc=2)
-    nki = assert_learns(outdir / "cpu_moe")
+def test_nki_moe_trains_and_matches_native(native_moe_2rank, tmp_path_factory):
+    run_dir, _ = cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "nki_moe",
+                            "--model.moe_block_size", "32", nproc=2)  # shared with test_golden_losses
+    nki = assert_learns(run_dir)
     native = losses_by_step(native_moe_2rank)
     assert abs(nki[0] - native[1]) <= 1e-4, (nki[0], native[1])  # step-0 loss (first logged step, same init)
     for step in range(1, 21):

@@ -46,6 +46,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from workbench.config import BACKENDS, ConfigError, load_config
+from workbench.run_folder import read_metrics
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
 # Every config change the matrix makes to each run: nothing but training is timed.
@@ -60,14 +61,6 @@ COLUMNS = ["backend", "status", *METRIC_COLUMNS, "steps", "timed_steps", "wall_s
 # ------------------------------------------------------------------------------------------------
 # Reading a finished run
 # ------------------------------------------------------------------------------------------------
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of `<run>/metrics.jsonl` (rank 0's), in order."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: the run logged no step (see its log).")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _percentile(values: list[float], q: float) -> float:

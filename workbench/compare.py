@@ -81,17 +81,12 @@ def _run_of(step_dir: Path) -> Path:
 
 
 def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
-    from workbench.export_hf import checkpoint_steps
+    from workbench.run_folder import step_dir
 
-    steps = checkpoint_steps(run / folder)
-    if not steps:
-        raise CheckpointError(f"No DCP checkpoint in {run / folder}. Train with --checkpoint.enable true, or compare "
-                              f"its Hugging Face export ({run / 'hf'}) if it has one.")
-    if step is None:
-        return steps[max(steps)]
-    if step not in steps:
-        raise CheckpointError(f"{run / folder} has no step {step}; available: {', '.join(map(str, sorted(steps)))}.")
-    return steps[step]
+    try:
+        return step_dir(run, folder, step)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e} Or compare its Hugging Face export ({run / 'hf'}) if it has one.") from None
 
 
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-BACKENDS = ("huggingface_v5", "native", "nki_moe")
+Backend = Literal["huggingface_v5", "native", "nki_moe"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
 
 
 class ConfigError(ValueError):
@@ -60,7 +61,7 @@ class Model:
     """Model family; only qwen3 (dense and MoE) is supported."""
     flavor: str = ""
     """Qwen3 flavor: 0.6B 1.7B 4B 8B 14B 32B 30B-A3B 235B-A22B, tiny / tiny-moe (CPU); empty = from hf_checkpoint."""
-    backend: Literal["huggingface_v5", "native", "nki_moe"] = "native"
+    backend: Backend = "native"
     """Training path: huggingface_v5 (transformers' modeling), native (torchtitan), nki_moe (NKI experts)."""
     norm_type: str = "RMSNorm"
     """Normalisation layer; Qwen3 uses RMSNorm (accepted for the article's config; nothing else is valid)."""

@@ -12,40 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
+from workbench.run_folder import step_dir as _step_dir
+
 EXIT_USER_ERROR = 2
-_STEP_DIR = re.compile(r"step-(\d+)")
-
-
-def checkpoint_steps(folder: Path) -> dict[int, Path]:
-    """step -> directory, for every complete DCP checkpoint (one with .metadata) in a checkpoint folder."""
-    if not folder.is_dir():
-        return {}
-    steps = {}
-    for d in folder.iterdir():
-        m = _STEP_DIR.fullmatch(d.name)
-        if m and (d / ".metadata").is_file():
-            steps[int(m[1])] = d
-    return steps
-
-
-def _step_dir(run: Path, folder: str, step: int | None) -> Path:
-    steps = checkpoint_steps(run / folder)
-    if not steps:
-        raise FileNotFoundError(f"No DCP checkpoint in {run / folder}: train with --checkpoint.enable true "
-                                "(and --checkpoint.interval N) to write one.")
-    if step is None:
-        return steps[max(steps)]
-    if step not in steps:
-        raise FileNotFoundError(f"No checkpoint for step {step} in {run / folder}; available steps: "
-                                f"{', '.join(map(str, sorted(steps)))}.")
-    return steps[step]
 
 
 def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:

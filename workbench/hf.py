@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from workbench import flavors
+from workbench.dist_utils import rank as _rank
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -404,12 +405,6 @@ def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------
 # Export
 # ------------------------------------------------------------------------------------------------
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _agree(decide: Callable[[], str | None]) -> None:

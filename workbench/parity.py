@@ -36,8 +36,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from workbench.config import BACKENDS
+
 REFERENCE = "transformers"
-BACKENDS = ("huggingface_v5", "native", "nki_moe")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +34,7 @@ from torchtitan.trainer import Trainer
 
 from workbench import data, flavors, neuron_adjustments, profiling
 from workbench.config import JobConfig, resolved_dtype
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+from workbench.dist_utils import rank as _rank
 
 
 def say(msg: str) -> None:

@@ -13,14 +13,11 @@ import importlib
 
 from workbench.config import BACKENDS, JobConfig
 
-_MODULES = {"native": "native", "huggingface_v5": "huggingface_v5", "nki_moe": "nki_moe"}
-
-
 def get(name: str):
     """The backend module for `name` (has `model_spec(job, flavor_name, shape)`)."""
-    if name not in _MODULES:
+    if name not in BACKENDS:
         raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
-    return importlib.import_module(f"workbench.backends.{_MODULES[name]}")
+    return importlib.import_module(f"workbench.backends.{name}")  # one module per backend, named after it
 
 
 def model_spec(job: JobConfig):

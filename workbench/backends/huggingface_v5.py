@@ -211,18 +211,16 @@ def _retie_embeddings(hf_model: nn.Module) -> None:
 
 
 def nparams_and_flops(model: nn.Module, shape: flavors.Qwen3Shape, seq_len: int) -> tuple[int, int]:
-    """(unique parameters, training FLOPs per token) with torchtitan's formula, so MFU compares across paths.
+    """(unique parameters, training FLOPs per token) as torchtitan counts them for the same shape.
 
-    FLOPs/token = 6 x (parameters in matmuls, MoE experts counted at top_k / num_experts, the input embedding
-    excluded unless tied to lm_head) + 6 x layers x heads x 2 x head_dim x seq_len (attention scores).
+    torchtitan's protocol asks every model for this pair; rather than keep a second formula here, ask
+    torchtitan's own model of the shape (built on meta: no memory). The workbench's MFU uses one formula for
+    every backend, `profiling.flops_per_token`, which the trainer sets in place of this value.
     """
-    params = {id(p): p for p in model.parameters()}.values()
-    total = sum(p.numel() for p in params)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    active = total - experts + (experts * shape.top_k // shape.num_experts if shape.is_moe else 0)
-    matmul = active if shape.tied else active - shape.vocab_size * shape.dim
-    attention = 6 * shape.n_layers * shape.n_heads * 2 * shape.head_dim * seq_len
-    return total, 6 * matmul + attention
+    config = flavors.titan_model_config(shape)
+    with torch.device("meta"):
+        titan = config.build()
+    return config.get_nparams_and_flops(titan, seq_len)
 
 
 # --------------------------------------------------------------------------------------------

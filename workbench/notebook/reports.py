@@ -19,6 +19,7 @@ import pandas as pd
 
 from workbench.config import JobConfig
 from workbench.notebook.params import repo_root
+from workbench.run_folder import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Environment (00_setup)
@@ -174,14 +175,6 @@ def flavor_table(job: JobConfig) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------
 
 
-def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """metrics.jsonl as a list of records (empty when the file does not exist yet)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def metrics_frame(run_dir: str | os.PathLike, latest_run: bool = True) -> pd.DataFrame:
     """metrics.jsonl as a DataFrame indexed by step.
 
@@ -193,7 +186,7 @@ def metrics_frame(run_dir: str | os.PathLike, latest_run: bool = True) -> pd.Dat
         latest_run: keep only the newest series (from the last record of step 1 on, resumptions included);
             False = every record. Either way, when a step was logged twice the newest record wins.
     """
-    records = read_metrics(run_dir)
+    records = read_metrics(run_dir, missing_ok=True)  # a live run may not have logged a step yet
     if latest_run:
         starts = [i for i, r in enumerate(records) if r.get("step") == 1]
         records = records[starts[-1]:] if starts else records

@@ -1,0 +1,119 @@
+"""Guards on the torchtitan internals the workbench leans on, so a torchtitan upgrade announces itself.
+
+1. Every official flavor, built from our shape table through torchtitan's layer builders, has exactly the
+   state-dict (names and shapes, on the meta device) of torchtitan's own `qwen3_configs` entry.
+2. The torchtitan functions we override, wrap, copy or call by a private name still have the source they had in
+   the version we adapted them to (a hash of their installed source, read from the file with `ast`, so our own
+   monkeypatches cannot hide a change). A mismatch is not a bug by itself: it names what to re-read.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench import device, flavors
+
+device.prepare("cpu")
+
+TORCHTITAN_VERSION = "0.3.0"
+OFFICIAL = ["0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B", "235B-A22B"]
+
+
+def meta_state_dict_shapes(model_config) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = model_config.build()
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("flavor", OFFICIAL)
+def test_flavor_state_dict_equals_torchtitans_own(flavor):
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    # torchtitan's MoE flavors balance experts with a bias (coefficient 1e-3), whose buffers are in the state dict;
+    # the workbench default (0: Hugging Face routing) drops them, so compare at torchtitan's setting.
+    ours = meta_state_dict_shapes(flavors.titan_model_config(flavors.get_shape(flavor), moe_load_balance_coeff=1e-3))
+    theirs = meta_state_dict_shapes(qwen3_configs[flavor](attn_backend="flex"))
+    assert ours.keys() == theirs.keys(), (f"{flavor}: only ours {sorted(ours.keys() - theirs.keys())[:5]}, "
+                                          f"only torchtitan's {sorted(theirs.keys() - ours.keys())[:5]}")
+    diff = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    assert not diff, f"{flavor}: shapes differ (ours, torchtitan's): {dict(list(diff.items())[:5])}"
+
+
+# (module, qualified name) -> (sha256[:16] of the installed source, what depends on it / what to re-check).
+UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
+    ("torchtitan.trainer", "Trainer._forward_backward_body"): (
+        "713182f4f13a628a", "copied verbatim (plus record_function labels) into WorkbenchTrainer._forward_backward_body"),
+    ("torchtitan.trainer", "Trainer.train_step"): (
+        "ab44cd6384aa6071", "wrapped by WorkbenchTrainer.train_step (step counter before the call, profiler window)"),
+    ("torchtitan.trainer", "Trainer.train"): (
+        "64fec79828ddfaf7", "wrapped by WorkbenchTrainer.train (HF load before, export and summary after)"),
+    ("torchtitan.trainer", "Trainer.__init__"): (
+        "2d0b1a810a03eabe", "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
+    ("torchtitan.components.metrics", "MetricsProcessor.log"): (
+        "fe2e88a0f9ff3817", "overridden by WorkbenchMetrics.log (same arguments; metrics.jsonl and the progress line)"),
+    ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (
+        "a1c29626cd6a3b01", "WorkbenchMetrics relies on time_last_log / num_flops_per_token set here"),
+    ("torchtitan.models.common.moe", "GroupedExperts.forward"): (
+        "e48dfd8129d95c13", "replaced by cpu_adjustments._grouped_experts_in_activation_dtype (no bf16 cast on CPU)"),
+    ("torchtitan.distributed.fsdp", "disable_fsdp_gradient_division"): (
+        "74f226fab0a93a86", "wrapped by cpu_adjustments._force_sum_fsdp_reduction (gloo has no PreMulSum)"),
+    ("torchtitan.tools.utils", "get_device_info"): (
+        "87aa7a5a0ddc2683", "sets the module globals device_type/device_module that cpu_adjustments._pin_device_to_cpu rebinds"),
+    ("torchtitan.models.qwen3", "_build_qwen3_layers"): (
+        "abb595f921c9cc1f", "private builder called by flavors.titan_model_config (dense)"),
+    ("torchtitan.models.qwen3", "_build_qwen3_moe_layers"): (
+        "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
+    ("torchtitan.models.qwen3", "_qwen3_norm"): ("ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
+}
+# Private module-level names we read: they must still exist (their values are checked by the shape test above).
+PRIVATE_NAMES = {"torchtitan.models.qwen3": ["_EMBEDDING_INIT", "_EMBEDDING_SKIP_INIT", "_LINEAR_INIT"],
+                 "torchtitan.tools.utils": ["device_type", "device_module", "get_local_device"],
+                 "torchtitan.models.common.moe": ["GroupedExperts._grouped_mm"]}
+
+
+def installed_source(module: str, qualname: str) -> str:
+    """The source text of `module.qualname` as installed (parsed from the file, not the live object)."""
+    spec = importlib.util.find_spec(module)
+    path = Path(spec.origin)
+    text = path.read_text()
+    nodes: list[ast.AST] = ast.parse(text).body
+    for part in qualname.split("."):
+        found = [n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
+        assert found, f"torchtitan {module}.{qualname} is gone (no {part!r} in {path})"
+        node = found[0]
+        nodes = node.body
+    return ast.get_source_segment(text, node)
+
+
+def source_hash(module: str, qualname: str) -> str:
+    return hashlib.sha256(installed_source(module, qualname).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("target", list(UPSTREAM), ids=[f"{m}.{q}" for m, q in UPSTREAM])
+def test_overridden_torchtitan_code_is_unchanged(target):
+    import torchtitan
+
+    module, qualname = target
+    recorded, depends = UPSTREAM[target]
+    now = source_hash(module, qualname)
+    assert now == recorded, (
+        f"torchtitan's {module}.{qualname} changed (source hash {now}, recorded {recorded} for torchtitan "
+        f"{TORCHTITAN_VERSION}; installed {getattr(torchtitan, '__version__', '?')}). Depends on it: {depends}. "
+        f"Re-read the new source, adapt the workbench, then record the new hash in tests/test_titan_guards.py.")
+
+
+@pytest.mark.parametrize("module", list(PRIVATE_NAMES))
+def test_private_torchtitan_names_exist(module):
+    mod = importlib.import_module(module)
+    for name in PRIVATE_NAMES[module]:
+        obj = mod
+        for part in name.split("."):
+            assert hasattr(obj, part), f"torchtitan {module}.{name} is gone: the workbench reads it (grep for it)"
+            obj = getattr(obj, part)
+

@@ -1,0 +1,70 @@
+"""Reading a run folder: `metrics.jsonl` and the DCP checkpoints under `<checkpoint.folder>/step-N/`.
+
+The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, export_hf and the
+tests read it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of `<run>/metrics.jsonl` (rank 0's), in file order.
+
+    A resumed run appends to the file; a fresh run in a reused folder starts it again.
+
+    Args:
+        run_dir: the run folder.
+        missing_ok: return [] when the file does not exist yet (a run that has not finished a step: dashboards
+            polling a live run); False = raise.
+
+    Raises:
+        FileNotFoundError: no metrics.jsonl and not `missing_ok` (the message says why it may be missing).
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        if missing_ok:
+            return []
+        raise FileNotFoundError(f"{path} does not exist: the run logged no step (see its log), or {run_dir} "
+                                "is not a run folder.")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_steps(folder: Path) -> dict[int, Path]:
+    """step -> directory, for every complete DCP checkpoint (one with .metadata) in a checkpoint folder."""
+    if not folder.is_dir():
+        return {}
+    steps = {}
+    for d in folder.iterdir():
+        m = _STEP_DIR.fullmatch(d.name)
+        if m and (d / ".metadata").is_file():
+            steps[int(m[1])] = d
+    return steps
+
+
+def step_dir(run: Path, folder: str, step: int | None) -> Path:
+    """The DCP directory of `step` (None = the newest) in `<run>/<folder>`.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint there, or none for `step` (the message lists those there are).
+    """
+    steps = checkpoint_steps(run / folder)
+    if not steps:
+        raise FileNotFoundError(f"No DCP checkpoint in {run / folder}: train with --checkpoint.enable true "
+                                "(and --checkpoint.interval N) to write one.")
+    if step is None:
+        return steps[max(steps)]
+    if step not in steps:
+        raise FileNotFoundError(f"No checkpoint for step {step} in {run / folder}; available steps: "
+                                f"{', '.join(map(str, sorted(steps)))}.")
+    return steps[step]
+
+
+__all__ = ["read_metrics", "checkpoint_steps", "step_dir"]
