@@ -18,11 +18,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from workbench.config import ConfigError, JobConfig, help_text, load_config
 
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = 2  # also a checkpoint written for another model; 3 = non-finite loss, 4 = checkpoint/disk
 
 
 def run(job: JobConfig) -> Path:
@@ -85,6 +86,31 @@ def preflight(job: JobConfig) -> None:
         )
 
 
+def _report(e) -> int:
+    """One readable line for a failure the workbench knows (ConfigError, RunError), not a traceback per rank.
+
+    Every rank raised the same error (the decisions behind them are collective). Under torchrun the line goes into
+    each rank's torchelastic error file, whose `py_callstack` torchrun prints in its failure summary, the last
+    lines of its output: rank 0's (dated a second earlier, so torchrun names it the root cause) holds the line and
+    the fix, the other ranks' point at it. Alone (no torchrun), rank 0 prints the line on stderr. Every rank exits
+    with the error's code (3 non-finite, 4 checkpoint/disk, 2 config), shown as `exitcode` in the summary.
+    """
+    line = e.one_line() if hasattr(e, "one_line") else f"workbench: config error: {e}"
+    code = getattr(e, "exit_code", EXIT_CONFIG_ERROR)
+    rank = int(os.environ.get("RANK", "0"))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        text = line if rank == 0 else f"stopped with rank 0's error (the root cause below), exit code {code}"
+        when = str(int(time.time()) - (1 if rank == 0 else 0))
+        Path(error_file).write_text(json.dumps(
+            {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": when}}}))
+    elif rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # same reason as after a successful run: skip the distributed stack's teardown
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"workbench: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    run(job)
+    from workbench.checkpoint import RunError  # torch-heavy: after the config is known to be good
+
+    try:
+        run(job)
+    except (ConfigError, RunError) as e:
+        return _report(e)
     # Everything is written, closed and the process group destroyed. Skip the interpreter's teardown: a C++ thread
     # destructor in the distributed stack occasionally aborts there ("terminate called without an active
     # exception", SIGABRT) after a run that succeeded, which torchrun would report as a failed rank.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,6 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
@@ -34,6 +34,7 @@ from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from workbench import data, flavors, profiling
+from workbench.checkpoint import NonFiniteError, WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
 
 
@@ -45,6 +46,35 @@ def say(msg: str) -> None:
     """Prints on global rank 0 only (the workbench's user-facing output)."""
     if _rank() == 0:
         print(msg, flush=True)
+
+
+def _grad_norm(model_parts) -> float:
+    """Total norm of the gradients left by the failed step (a collective: every rank calls it)."""
+    grads = [p.grad for m in model_parts for p in m.parameters() if p.grad is not None]
+    if not grads:
+        return float("nan")
+    norm = torch.nn.utils.get_total_norm(grads)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def non_finite_error(step: int, loss: float, grad_norm: float, jsonl_path: str) -> NonFiniteError:
+    """The one-line report of a diverged run: what, where, what is kept, what to try."""
+    ckpt = Path(jsonl_path).parent / "checkpoint" if jsonl_path else None
+    job = {}
+    if jsonl_path and (Path(jsonl_path).parent / "config.toml").is_file():
+        import tomllib
+
+        job = tomllib.loads((Path(jsonl_path).parent / "config.toml").read_text())
+        ckpt = Path(jsonl_path).parent / job["checkpoint"]["folder"]
+    kept = newest_complete(ckpt) if ckpt else None
+    kept_s = f"the last checkpoint kept is {ckpt}/step-{kept}" if kept is not None else "no checkpoint was kept"
+    lr = job.get("optimizer", {}).get("lr")
+    return NonFiniteError(
+        f"step {step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this state was "
+        f"saved; {kept_s}.",
+        f"lower --optimizer.lr{f' (now {lr:g})' if lr is not None else ''}, lengthen --lr_scheduler.warmup_steps "
+        "or lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
+    )
 
 
 class WorkbenchMetrics(MetricsProcessor):
@@ -67,6 +97,8 @@ class WorkbenchMetrics(MetricsProcessor):
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None):
         cfg = self.config
+        if not math.isfinite(grad_norm):  # torchtitan checks the loss only; a non-finite norm poisons the weights
+            raise non_finite_error(step, global_avg_loss, grad_norm, cfg.jsonl_path)
         time_delta = time.perf_counter() - self.time_last_log
         steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
         # tokens per second per device (torchtitan's definition)
@@ -140,7 +172,16 @@ class WorkbenchTrainer(Trainer):
         if self._start_step is None:
             self._on_first_step()
         with self.step_profiler.step(self.step):
-            super().train_step(profiling.Labelled(data_iterator, "data"))
+            try:
+                super().train_step(profiling.Labelled(data_iterator, "data"))
+            except RuntimeError as e:
+                # torchtitan raises before logging (and before the step's checkpoint save) when the loss is not
+                # finite; it is all-reduced, so every rank gets here. Same for the grad norm (WorkbenchMetrics.log).
+                if not str(e).startswith("Loss is not finite"):
+                    raise
+                loss = float(str(e).split("global_avg_loss=")[1].split(")")[0])
+                raise non_finite_error(self.step, loss, _grad_norm(self.model_parts),
+                                       self.metrics_processor.config.jsonl_path) from None
         if self._first_step_at is None:
             self._first_step_at = time.perf_counter()
 
@@ -259,10 +300,12 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
             data_parallel_shard_degree=par.dp_shard, data_parallel_replicate_degree=par.dp_replicate,
             tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep,
         ),
-        checkpoint=CheckpointManager.Config(
+        checkpoint=WorkbenchCheckpointManager.Config(
             enable=job.checkpoint.enable, folder=job.checkpoint.folder, interval=job.checkpoint.interval,
             keep_latest_k=job.checkpoint.keep_latest_k, load_step=job.checkpoint.load_step,
             last_save_model_only=False, export_dtype=job.checkpoint.export_dtype,
+            on_corrupt=job.checkpoint.on_corrupt, refuse_low_disk=job.checkpoint.refuse_low_disk,
+            total_steps=job.training.steps,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=job.training.compile,
