@@ -126,6 +126,17 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
     return None
 
 
+def stale_checkpoints(folder: str | os.PathLike, keep_latest_k: int) -> list[Path]:
+    """The step folders to delete: complete ones beyond the newest `keep_latest_k`, and partial ones older than
+    the newest complete one (leftovers of killed or failed saves). Newer partial ones may be a save in flight."""
+    dirs = step_dirs(folder)
+    complete = sorted(s for s, p in dirs.items() if is_complete(p))
+    doomed = complete[:-keep_latest_k] if keep_latest_k > 0 else []
+    newest = complete[-1] if complete else -1
+    doomed += [s for s, p in dirs.items() if not is_complete(p) and s < newest]
+    return [dirs[s] for s in sorted(doomed)]
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -288,15 +299,9 @@ class WorkbenchCheckpointManager(CheckpointManager):
         torchtitan's version counts every step folder, so a partial save (or an async one still in flight) could
         push the last complete checkpoint out.
         """
-        if not self._should_purge():
-            return
-        dirs = step_dirs(self.folder)
-        complete = sorted(s for s, p in dirs.items() if is_complete(p))
-        doomed = complete[: -self.keep_latest_k] if len(complete) > self.keep_latest_k else []
-        newest = complete[-1] if complete else -1
-        doomed += [s for s, p in dirs.items() if not is_complete(p) and s < newest]
-        for step in sorted(doomed):
-            self.purge_queue.put(str(dirs[step]))
+        if self._should_purge():
+            for path in stale_checkpoints(self.folder, self.keep_latest_k):
+                self.purge_queue.put(str(path))
 
     # ---- disk space -------------------------------------------------------------------------------------------
 
@@ -377,4 +382,4 @@ def _tensors(obj: Any):
 
 
 __all__ = ["RunError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError", "WorkbenchCheckpointManager",
-           "check_checkpoint", "newest_complete", "step_dirs", "EXIT_NON_FINITE", "EXIT_CHECKPOINT"]
+           "check_checkpoint", "newest_complete", "stale_checkpoints", "step_dirs", "EXIT_NON_FINITE", "EXIT_CHECKPOINT"]
