@@ -307,11 +307,8 @@ class WorkbenchCheckpointManager(CheckpointManager):
 
     def _check_disk_space(self) -> None:
         """Before the first save: room for the checkpoints this run will hold at its peak? Warn or refuse."""
-        size = self._checkpoint_bytes()
-        if dist.get_rank() == 0:
-            message = self._disk_space_message(size)
-        else:
-            message = None
+        model_bytes = self._model_bytes()
+        message = self._disk_space_message(model_bytes) if dist.get_rank() == 0 else None
         message = _broadcast(message)
         if not message:
             return
@@ -320,24 +317,26 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                            "--checkpoint.refuse_low_disk false to only warn.")
         _say(f"workbench: warning: {message}")
 
-    def _checkpoint_bytes(self) -> int:
-        """Bytes of one checkpoint: every rank's local shards of the model and optimizer states, summed."""
+    def _model_bytes(self) -> int:
+        """Bytes of the model's weights over all ranks (each rank's local FSDP/TP shards, summed)."""
         local = 0
-        states = self._flattened_model_states_sd()
-        for key, value in states.items():
-            obj = value.state_dict() if hasattr(value, "state_dict") and key != MODEL else value
-            for t in _tensors(obj):
+        for t in self.states[MODEL].state_dict().values():
+            if isinstance(t, torch.Tensor):
                 t = t.to_local() if hasattr(t, "to_local") else t
                 local += t.numel() * t.element_size()
         total = torch.tensor(local, dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)  # gloo / CPU: the check runs once, before the first save
+            dist.all_reduce(total)  # once per launch; gloo on CPU
         return int(total)
 
-    def _disk_space_message(self, size: int) -> str | None:
+    def _disk_space_message(self, model_bytes: int) -> str | None:
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         dirs = step_dirs(folder)
+        newest = newest_complete(folder)
+        # A checkpoint on disk is the best measure; else weights + Adam's two moments (the optimizer's own state
+        # is not asked for: materialising it before the first step would advance Adam's step count).
+        size = dir_bytes(dirs[newest]) if newest is not None else 3 * model_bytes
         existing = sum(dir_bytes(p) for p in dirs.values())
         saves_left = max(self.wb_config.total_steps - self._current_step(), 0) // self.interval + 1
         k = self.keep_latest_k
@@ -368,17 +367,6 @@ class _SlowCommitWriter:
                 return super().finish(metadata, results)
 
         return Slow(path)
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 __all__ = ["RunError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError", "WorkbenchCheckpointManager",
