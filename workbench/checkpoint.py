@@ -307,8 +307,8 @@ class WorkbenchCheckpointManager(CheckpointManager):
 
     def _check_disk_space(self) -> None:
         """Before the first save: room for the checkpoints this run will hold at its peak? Warn or refuse."""
-        model_bytes = self._model_bytes()
-        message = self._disk_space_message(model_bytes) if dist.get_rank() == 0 else None
+        estimate = self._checkpoint_estimate()
+        message = self._disk_space_message(estimate) if dist.get_rank() == 0 else None
         message = _broadcast(message)
         if not message:
             return
@@ -317,26 +317,28 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                            "--checkpoint.refuse_low_disk false to only warn.")
         _say(f"workbench: warning: {message}")
 
-    def _model_bytes(self) -> int:
-        """Bytes of the model's weights over all ranks (each rank's local FSDP/TP shards, summed)."""
-        local = 0
-        for t in self.states[MODEL].state_dict().values():
-            if isinstance(t, torch.Tensor):
-                t = t.to_local() if hasattr(t, "to_local") else t
-                local += t.numel() * t.element_size()
+    def _checkpoint_estimate(self) -> int:
+        """Bytes of one checkpoint over all ranks: the model state dict as DCP writes it (a tied embedding twice)
+        plus Adam's two moments per parameter (each rank's local FSDP/TP shards, summed over ranks)."""
+        def nbytes(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        local = sum(nbytes(t) for t in self.states[MODEL].state_dict().values() if isinstance(t, torch.Tensor))
+        local += 2 * sum(nbytes(p) for m in self.states[MODEL].model for p in m.parameters() if p.requires_grad)
         total = torch.tensor(local, dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)  # once per launch; gloo on CPU
         return int(total)
 
-    def _disk_space_message(self, model_bytes: int) -> str | None:
+    def _disk_space_message(self, estimate: int) -> str | None:
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
         dirs = step_dirs(folder)
         newest = newest_complete(folder)
-        # A checkpoint on disk is the best measure; else weights + Adam's two moments (the optimizer's own state
-        # is not asked for: materialising it before the first step would advance Adam's step count).
-        size = dir_bytes(dirs[newest]) if newest is not None else 3 * model_bytes
+        # A checkpoint on disk is the best measure; else the estimate (the optimizer's own state is not asked for:
+        # materialising it before the first step would advance Adam's step count and change the run).
+        size = dir_bytes(dirs[newest]) if newest is not None else estimate
         existing = sum(dir_bytes(p) for p in dirs.values())
         saves_left = max(self.wb_config.total_steps - self._current_step(), 0) // self.interval + 1
         k = self.keep_latest_k

@@ -87,16 +87,24 @@ def preflight(job: JobConfig) -> None:
 
 
 def _report(e) -> int:
-    """One readable line for a failure the workbench knows (ConfigError, RunError), not a traceback per rank.
-
-    Every rank raised the same error (the decisions behind them are collective). Under torchrun the line goes into
-    each rank's torchelastic error file, whose `py_callstack` torchrun prints in its failure summary, the last
-    lines of its output: rank 0's (dated a second earlier, so torchrun names it the root cause) holds the line and
-    the fix, the other ranks' point at it. Alone (no torchrun), rank 0 prints the line on stderr. Every rank exits
-    with the error's code (3 non-finite, 4 checkpoint/disk, 2 config), shown as `exitcode` in the summary.
-    """
-    line = e.one_line() if hasattr(e, "one_line") else f"workbench: config error: {e}"
+    """One readable line for a failure the workbench knows (ConfigError, RunError), then exit with its code."""
     code = getattr(e, "exit_code", EXIT_CONFIG_ERROR)
+    _announce(e.one_line() if hasattr(e, "one_line") else f"workbench: config error: {e}", code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # same reason as after a successful run: skip the distributed stack's teardown
+
+
+def _announce(line: str, code: int) -> None:
+    """Shows `line` once, at the end of the output, instead of a traceback per rank.
+
+    Every rank got the same error (the decisions behind them are collective or deterministic). Under torchrun the
+    line goes into each rank's torchelastic error file, whose `py_callstack` torchrun prints in its failure summary
+    (the last lines of its output): rank 0's, dated a second earlier so that torchrun names it the root cause,
+    holds the line and the fix; the other ranks' point at it. The ranks' exit code (2 config, 3 non-finite loss,
+    4 checkpoint/disk) shows as `exitcode` there; torchrun itself exits 1. Alone (no torchrun), rank 0 prints
+    the line on stderr.
+    """
     rank = int(os.environ.get("RANK", "0"))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -106,9 +114,6 @@ def _report(e) -> int:
             {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": when}}}))
     elif rank == 0:
         print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # same reason as after a successful run: skip the distributed stack's teardown
 
 
 def _free_port() -> int:
@@ -127,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(argv=argv)
         preflight(job)
     except (ConfigError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"workbench: config error: {e}", file=sys.stderr)
+        _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
     from workbench.checkpoint import RunError  # torch-heavy: after the config is known to be good
 
