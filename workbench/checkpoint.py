@@ -250,9 +250,9 @@ class WorkbenchCheckpointManager(CheckpointManager):
                     "use another --job.experiment_name for the new model.")
         try:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        except (RunError, KeyboardInterrupt):
+        except (RunError, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as e:  # DCP's CheckpointException is multi-screen; keep its first line
+        except BaseException as e:  # DCP's CheckpointException (a BaseException) is multi-screen: first line only
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"loading {checkpoint_id} failed: {first[:300]}",
                                   f"move {checkpoint_id} away to resume from an older checkpoint.") from e
@@ -270,8 +270,13 @@ class WorkbenchCheckpointManager(CheckpointManager):
         _barrier()
         try:
             return super()._save(curr_step, last_step)
-        except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
-            full = "No space left on device" in str(e) or "ENOSPC" in str(e) or "[Errno 28]" in str(e)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException (a BaseException), raised on every rank
+            # ENOSPC often surfaces as a zip-writer "unexpected pos" error: look at the disk too.
+            usage = shutil.disk_usage(self.folder)
+            full = any(s in str(e) for s in ("No space left", "Errno 28")) or usage.free < max(64 << 20,
+                                                                                               usage.total // 100)
             if dist.get_rank() == 0 and path.exists():
                 shutil.rmtree(path, ignore_errors=True)  # the partial save: free its space, never resume from it
             kept = newest_complete(self.folder)
