@@ -57,24 +57,12 @@ def _grad_norm(model_parts) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def non_finite_error(step: int, loss: float, grad_norm: float, jsonl_path: str) -> NonFiniteError:
-    """The one-line report of a diverged run: what, where, what is kept, what to try."""
-    ckpt = Path(jsonl_path).parent / "checkpoint" if jsonl_path else None
-    job = {}
-    if jsonl_path and (Path(jsonl_path).parent / "config.toml").is_file():
-        import tomllib
+class _NonFiniteGradNorm(Exception):
+    """Raised by WorkbenchMetrics.log on every rank (the norm is global); WorkbenchTrainer.train_step reports it."""
 
-        job = tomllib.loads((Path(jsonl_path).parent / "config.toml").read_text())
-        ckpt = Path(jsonl_path).parent / job["checkpoint"]["folder"]
-    kept = newest_complete(ckpt) if ckpt else None
-    kept_s = f"the last checkpoint kept is {ckpt}/step-{kept}" if kept is not None else "no checkpoint was kept"
-    lr = job.get("optimizer", {}).get("lr")
-    return NonFiniteError(
-        f"step {step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this state was "
-        f"saved; {kept_s}.",
-        f"lower --optimizer.lr{f' (now {lr:g})' if lr is not None else ''}, lengthen --lr_scheduler.warmup_steps "
-        "or lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
-    )
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"grad norm {grad_norm}")
+        self.loss, self.grad_norm = loss, grad_norm
 
 
 class WorkbenchMetrics(MetricsProcessor):
@@ -98,7 +86,7 @@ class WorkbenchMetrics(MetricsProcessor):
             extra_metrics: dict[str, Any] | None = None):
         cfg = self.config
         if not math.isfinite(grad_norm):  # torchtitan checks the loss only; a non-finite norm poisons the weights
-            raise non_finite_error(step, global_avg_loss, grad_norm, cfg.jsonl_path)
+            raise _NonFiniteGradNorm(global_avg_loss, grad_norm)
         time_delta = time.perf_counter() - self.time_last_log
         steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
         # tokens per second per device (torchtitan's definition)
@@ -174,16 +162,29 @@ class WorkbenchTrainer(Trainer):
         with self.step_profiler.step(self.step):
             try:
                 super().train_step(profiling.Labelled(data_iterator, "data"))
+            except _NonFiniteGradNorm as e:
+                raise self._non_finite(e.loss, e.grad_norm) from None
             except RuntimeError as e:
-                # torchtitan raises before logging (and before the step's checkpoint save) when the loss is not
-                # finite; it is all-reduced, so every rank gets here. Same for the grad norm (WorkbenchMetrics.log).
+                # torchtitan raises this before logging (and before the step's checkpoint save); the loss is
+                # all-reduced, so every rank gets here together.
                 if not str(e).startswith("Loss is not finite"):
                     raise
                 loss = float(str(e).split("global_avg_loss=")[1].split(")")[0])
-                raise non_finite_error(self.step, loss, _grad_norm(self.model_parts),
-                                       self.metrics_processor.config.jsonl_path) from None
+                raise self._non_finite(loss, _grad_norm(self.model_parts)) from None
         if self._first_step_at is None:
             self._first_step_at = time.perf_counter()
+
+    def _non_finite(self, loss: float, grad_norm: float) -> NonFiniteError:
+        """The one-line report of a diverged run: where, what is kept, what to try."""
+        kept = newest_complete(self.checkpointer.folder) if self.checkpointer.enable else None
+        kept_s = (f"the last checkpoint kept is {self.checkpointer.folder}/step-{kept}" if kept is not None
+                  else "no checkpoint was kept")
+        return NonFiniteError(
+            f"step {self.step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this "
+            f"state was saved; {kept_s}.",
+            f"lower --optimizer.lr (now {self.job['optimizer']['lr']:g}), lengthen --lr_scheduler.warmup_steps or "
+            "lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
+        )
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
