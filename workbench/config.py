@@ -169,6 +169,11 @@ class Checkpoint:
     """Write <run>/hf/ (safetensors + config.json + tokenizer) at the end of training."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """dtype of the exported safetensors."""
+    on_corrupt: Literal["fallback", "error"] = "fallback"
+    """Newest checkpoint unreadable on resume (truncated/missing file): warn and resume from the newest readable
+    one (fallback), or stop with exit code 4 (error)."""
+    refuse_low_disk: bool = False
+    """Stop (exit 4) instead of warning when the checkpoint folder lacks room for keep_latest_k checkpoints."""
 
 
 @dataclass
@@ -467,6 +472,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
                 f"training.gradient_accumulation_steps={t.gradient_accumulation_steps} contradicts global_batch_size="
                 f"{t.global_batch_size} ({t.global_batch_size // per_pass} accumulation steps); set only one of them."
             )
+    if cfg.checkpoint.keep_latest_k == 1 or cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k={cfg.checkpoint.keep_latest_k}: keep 0 (all) or at least 2, so "
+                          "that the last complete checkpoint survives while the next one is written.")
     if par.tp > 1 and t.seq_len % par.tp:
         raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={par.tp}.")
     if par.ep > 1 and m.backend != "native":

@@ -18,11 +18,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from workbench.config import ConfigError, JobConfig, help_text, load_config
 
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = 2  # also a checkpoint written for another model; 3 = non-finite loss, 4 = checkpoint/disk
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -92,6 +93,36 @@ def preflight(job: JobConfig) -> None:
         )
 
 
+def _report(e) -> int:
+    """One readable line for a failure the workbench knows (ConfigError, RunError), then exit with its code."""
+    code = getattr(e, "exit_code", EXIT_CONFIG_ERROR)
+    _announce(e.one_line() if hasattr(e, "one_line") else f"workbench: config error: {e}", code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # same reason as after a successful run: skip the distributed stack's teardown
+
+
+def _announce(line: str, code: int) -> None:
+    """Shows `line` once, at the end of the output, instead of a traceback per rank.
+
+    Every rank got the same error (the decisions behind them are collective or deterministic). Under torchrun the
+    line goes into each rank's torchelastic error file, whose `py_callstack` torchrun prints in its failure summary
+    (the last lines of its output): rank 0's, dated a second earlier so that torchrun names it the root cause,
+    holds the line and the fix; the other ranks' point at it. The ranks' exit code (2 config, 3 non-finite loss,
+    4 checkpoint/disk) shows as `exitcode` there; torchrun itself exits 1. Alone (no torchrun), rank 0 prints
+    the line on stderr.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        text = line if rank == 0 else f"stopped with rank 0's error (the root cause below), exit code {code}"
+        when = str(int(time.time()) - (1 if rank == 0 else 0))
+        Path(error_file).write_text(json.dumps(
+            {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": when}}}))
+    elif rank == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,16 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(argv=argv)
         preflight(job)
     except (ConfigError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"workbench: config error: {e}", file=sys.stderr)
+        _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
     try:  # before any process group exists: a missing device is one line, not a traceback per rank
         info = device.detect(job.job.device)
     except device.DeviceError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"workbench: device error: {e}", file=sys.stderr)
+        _announce(f"workbench: device error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
-    run(job, info)
+    from workbench.checkpoint import RunError  # torch-heavy: after the config is known to be good
+
+    try:
+        run(job, info)
+    except (ConfigError, RunError) as e:
+        return _report(e)
     # Everything is written, closed and the process group destroyed. Skip the interpreter's teardown: a C++ thread
     # destructor in the distributed stack occasionally aborts there ("terminate called without an active
     # exception", SIGABRT) after a run that succeeded, which torchrun would report as a failed rank.

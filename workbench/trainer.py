@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,6 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
@@ -33,6 +33,7 @@ from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from workbench import data, flavors, neuron_adjustments, profiling
+from workbench.checkpoint import NonFiniteError, WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
 from workbench.dist_utils import rank as _rank
 
@@ -41,6 +42,23 @@ def say(msg: str) -> None:
     """Prints on global rank 0 only (the workbench's user-facing output)."""
     if _rank() == 0:
         print(msg, flush=True)
+
+
+def _grad_norm(model_parts) -> float:
+    """Total norm of the gradients left by the failed step (a collective: every rank calls it)."""
+    grads = [p.grad for m in model_parts for p in m.parameters() if p.grad is not None]
+    if not grads:
+        return float("nan")
+    norm = torch.nn.utils.get_total_norm(grads)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+class _NonFiniteGradNorm(Exception):
+    """Raised by WorkbenchMetrics.log on every rank (the norm is global); WorkbenchTrainer.train_step reports it."""
+
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"grad norm {grad_norm}")
+        self.loss, self.grad_norm = loss, grad_norm
 
 
 class WorkbenchMetrics(MetricsProcessor):
@@ -63,6 +81,8 @@ class WorkbenchMetrics(MetricsProcessor):
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None):
         cfg = self.config
+        if not math.isfinite(grad_norm):  # torchtitan checks the loss only; a non-finite norm poisons the weights
+            raise _NonFiniteGradNorm(global_avg_loss, grad_norm)
         time_delta = time.perf_counter() - self.time_last_log
         steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
         # tokens per second per device (torchtitan's definition)
@@ -136,9 +156,31 @@ class WorkbenchTrainer(Trainer):
         if self._start_step is None:
             self._on_first_step()
         with self.step_profiler.step(self.step):
-            super().train_step(profiling.Labelled(data_iterator, "data"))
+            try:
+                super().train_step(profiling.Labelled(data_iterator, "data"))
+            except _NonFiniteGradNorm as e:
+                raise self._non_finite(e.loss, e.grad_norm) from None
+            except RuntimeError as e:
+                # torchtitan raises this before logging (and before the step's checkpoint save); the loss is
+                # all-reduced, so every rank gets here together.
+                if not str(e).startswith("Loss is not finite"):
+                    raise
+                loss = float(str(e).split("global_avg_loss=")[1].split(")")[0])
+                raise self._non_finite(loss, _grad_norm(self.model_parts)) from None
         if self._first_step_at is None:
             self._first_step_at = time.perf_counter()
+
+    def _non_finite(self, loss: float, grad_norm: float) -> NonFiniteError:
+        """The one-line report of a diverged run: where, what is kept, what to try."""
+        kept = newest_complete(self.checkpointer.folder) if self.checkpointer.enable else None
+        kept_s = (f"the last checkpoint kept is {self.checkpointer.folder}/step-{kept}" if kept is not None
+                  else "no checkpoint was kept")
+        return NonFiniteError(
+            f"step {self.step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this "
+            f"state was saved; {kept_s}.",
+            f"lower --optimizer.lr (now {self.job['optimizer']['lr']:g}), lengthen --lr_scheduler.warmup_steps or "
+            "lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
+        )
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
@@ -256,10 +298,12 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
             data_parallel_shard_degree=par.dp_shard, data_parallel_replicate_degree=par.dp_replicate,
             tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep,
         ),
-        checkpoint=CheckpointManager.Config(
+        checkpoint=WorkbenchCheckpointManager.Config(
             enable=job.checkpoint.enable, folder=job.checkpoint.folder, interval=job.checkpoint.interval,
             keep_latest_k=job.checkpoint.keep_latest_k, load_step=job.checkpoint.load_step,
             last_save_model_only=False, export_dtype=job.checkpoint.export_dtype,
+            on_corrupt=job.checkpoint.on_corrupt, refuse_low_disk=job.checkpoint.refuse_low_disk,
+            total_steps=job.training.steps,
         ),
         activation_checkpoint=ac,
         compile=CompileConfig(enable=job.training.compile,

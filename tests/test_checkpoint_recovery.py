@@ -1,0 +1,199 @@
+"""Crashes and corrupt files (issue 13): resume from the last good checkpoint, saves that cannot hurt older ones,
+a non-finite stop, and one readable error per failure, with real torchrun over gloo and a real full filesystem."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from run_helpers import ROOT, free_port, losses_by_step, run_train, train_cmd
+from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints
+
+DENSE = "configs/cpu_dense.toml"
+# The lr schedule is fixed to 12 steps, so that runs of any length (and any checkpoint interval) follow one curve.
+COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """12 uninterrupted steps on 2 ranks, checkpoints at 4, 8, 12: the reference curve and checkpoints to damage."""
+    out = tmp_path_factory.mktemp("ref")
+    run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12", "--job.dump_folder", str(out),
+              nproc=2)
+    return out / "cpu_dense", losses_by_step(out / "cpu_dense")
+
+
+def copy_checkpoints(src_run: Path, dst_run: Path, steps: list[int]) -> Path:
+    (dst_run / "checkpoint").mkdir(parents=True)
+    for s in steps:
+        shutil.copytree(src_run / "checkpoint" / f"step-{s}", dst_run / "checkpoint" / f"step-{s}")
+    return dst_run / "checkpoint"
+
+
+def last_lines(proc: subprocess.CompletedProcess, n: int) -> str:
+    return "\n".join((proc.stderr.strip().splitlines())[-n:])
+
+
+# ---- cheap checks (no training) -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_check_checkpoint_names_the_broken_file(reference, tmp_path):
+    ckpt = copy_checkpoints(reference[0], tmp_path / "run", [4])
+    step = ckpt / "step-4"
+    assert check_checkpoint(step) is None
+    shard = step / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 3])
+    assert f"{shard} is truncated ({len(data) // 3:,} of" in check_checkpoint(step)
+    shard.unlink()
+    assert check_checkpoint(step) == f"{shard} is missing"
+    shard.write_bytes(data)
+    md = pickle.loads((step / ".metadata").read_bytes())  # metadata that names a file the checkpoint lacks
+    first = next(iter(md.storage_data))
+    info = md.storage_data[first]
+    md.storage_data[first] = type(info)("__7_0.distcp", info.offset, info.length)
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    assert check_checkpoint(step) == f"{step / '__7_0.distcp'} is missing"
+    (step / ".metadata").write_bytes(b"not a pickle")
+    assert "unreadable" in check_checkpoint(step)
+    (step / ".metadata").unlink()
+    assert "the save did not finish" in check_checkpoint(step)
+
+
+def test_purge_keeps_complete_checkpoints_only(tmp_path):
+    for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"x")
+    # keep 2 complete (6, 8); the partial 4 goes, the partial 10 may be a save in flight and stays
+    assert [p.name for p in stale_checkpoints(tmp_path, 2)] == ["step-2", "step-4"]
+    assert [p.name for p in stale_checkpoints(tmp_path, 3)] == ["step-4"]
+    assert newest_complete(tmp_path) == 8
+
+
+# ---- acceptance: truncated shard -> warning, resume from step 4, the same losses ---------------------------------
+
+@pytest.mark.slow
+def test_truncated_shard_resumes_from_last_good(reference, tmp_path):
+    ref_dir, ref = reference
+    ckpt = copy_checkpoints(ref_dir, tmp_path / "cpu_dense", [4, 8])  # a run stopped after its step-8 save ...
+    shard = ckpt / "step-8" / "__1_0.distcp"
+    with open(shard, "r+b") as f:  # ... whose step-8 shard was then cut short (interrupted copy, full disk)
+        f.truncate(shard.stat().st_size // 2)
+    proc = run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
+                     "--job.dump_folder", str(tmp_path), nproc=2)
+    assert f"checkpoint step 8 is unreadable: {shard} is truncated" in proc.stdout
+    assert "resuming from step 4" in proc.stdout and "steps 5-12" in proc.stdout
+    resumed = losses_by_step(tmp_path / "cpu_dense")
+    assert sorted(resumed) == list(range(5, 13))
+    for step in range(5, 13):
+        assert abs(resumed[step] - ref[step]) <= 1e-6, (step, resumed[step], ref[step])
+    print(f"truncated-shard resume: max |loss - reference| over steps 5-12 = "
+          f"{max(abs(resumed[s] - ref[s]) for s in range(5, 13)):.3g}")
+    assert check_checkpoint(ckpt / "step-8") is None  # re-saved whole, not mixed with the truncated file
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_is_a_config_error(reference, tmp_path):
+    copy_checkpoints(reference[0], tmp_path / "cpu_dense", [4])
+    proc = run_train(DENSE, *COMMON, "--model.flavor", "tiny-moe", "--training.steps", "12",
+                     "--job.dump_folder", str(tmp_path), nproc=1, check=False)
+    assert proc.returncode != 0
+    tail = last_lines(proc, 4)
+    assert "exitcode  : 2" in proc.stderr and "workbench: config error: checkpoint" in tail, tail
+    assert re.search(r"layers\.\d+\.\S+: expected \(.*\), found (\(.*\)|no such key)", tail), tail
+    assert "Traceback" not in proc.stdout and "[rank0]" not in proc.stderr
+
+
+# ---- non-finite loss: one line, exit code 3, nothing of that state saved ------------------------------------------
+
+@pytest.mark.slow
+def test_diverging_run_stops_with_one_line(tmp_path):
+    proc = run_train(DENSE, *COMMON, "--optimizer.lr", "1e4", "--checkpoint.interval", "1", "--training.steps", "8",
+                     "--job.dump_folder", str(tmp_path), nproc=2, check=False)
+    assert proc.returncode != 0
+    both = proc.stdout + proc.stderr
+    m = re.search(r"workbench: non-finite loss: step (\d+): loss (\S+), grad norm (\S+);", both)
+    assert m, both[-3000:]
+    step = int(m.group(1))
+    ckpt = tmp_path / "cpu_dense" / "checkpoint"
+    assert newest_complete(ckpt) == step - 1 and not (ckpt / f"step-{step}").exists()
+    assert f"the last checkpoint kept is {ckpt}/step-{step - 1}" in both and "Fix: lower --optimizer.lr" in both
+    # once, at the end of torchrun's output (its failure summary), with the distinct exit code; no rank tracebacks
+    assert both.count("workbench: non-finite loss") == 1 and m.group(0) in last_lines(proc, 3)
+    assert proc.stderr.count("exitcode  : 3") == 2 and "[rank0]" not in both and "[rank1]" not in both
+
+
+# ---- saves that cannot hurt older checkpoints: full disk, kill -9 mid-save ----------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 400 MB filesystem (tmpfs): room for two checkpoints of the tiny model (158 MB each), not three."""
+    mnt = tmp_path / "small_fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", f"wb-{uuid.uuid4().hex[:8]}", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_full_disk_keeps_older_checkpoints(small_fs):
+    args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(small_fs))
+    proc = run_train(DENSE, *args, nproc=2, check=False)
+    both = proc.stdout + proc.stderr
+    ckpt = small_fs / "cpu_dense" / "checkpoint"
+    assert "workbench: warning: " in proc.stdout and "a save will fail with a full disk" in proc.stdout
+    assert proc.returncode != 0 and "exitcode  : 4" in proc.stderr, both[-3000:]
+    assert "saving step 6" in last_lines(proc, 3) and "the disk is full" in both and "step 4 is intact" in both
+    assert both.count("workbench: checkpoint error") == 1 and "[rank0]" not in both
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]  # the partial step 6 is gone
+    assert check_checkpoint(ckpt / "step-2") is None and check_checkpoint(ckpt / "step-4") is None
+    # The relaunch loads step 4 (intact), then refuses before its first save when asked to.
+    proc = run_train(DENSE, *args, "--checkpoint.refuse_low_disk", "true", nproc=2, check=False)
+    assert proc.returncode != 0 and "exitcode  : 4" in proc.stderr
+    assert "GiB free" in last_lines(proc, 3) and "refuse_low_disk false" in last_lines(proc, 3)
+    assert "step 5/6" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
+    run_dir = tmp_path / "cpu_dense"
+    ckpt = run_dir / "checkpoint"
+    args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(tmp_path))
+    env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "15"}  # every save pauses before its .metadata
+    proc = subprocess.Popen(train_cmd(DENSE, *args, nproc=2, extra_torchrun=(f"--master_port={free_port()}",)),
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 400
+    step4 = ckpt / "step-4"
+    while time.time() < deadline and proc.poll() is None:
+        # inside the step-4 save: both shard files written, the commit (.metadata) not yet
+        if (ckpt / "step-2" / ".metadata").is_file() and len(list(step4.glob("*.distcp"))) == 2:
+            break
+        time.sleep(0.05)
+    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert not (step4 / ".metadata").exists(), "the kill did not land inside the step-4 save"
+    assert check_checkpoint(ckpt / "step-2") is None
+    # The relaunch ignores the partial step 4 and continues from step 2 on the reference curve.
+    proc = run_train(DENSE, *args[:-4], "--training.steps", "4", "--job.dump_folder", str(tmp_path), nproc=2)
+    assert "steps 3-4" in proc.stdout
+    after = losses_by_step(run_dir)
+    for step in (3, 4):
+        assert abs(after[step] - reference[1][step]) <= 1e-6, (step, after[step], reference[1][step])
+    assert check_checkpoint(ckpt / "step-2") is None and check_checkpoint(ckpt / "step-4") is None
