@@ -246,6 +246,45 @@ def test_dashboard_tails_metrics_and_degrades_to_static(tmp_path, capsys, monkey
     assert "step 1/3" not in out  # static mode does not echo the training output
 
 
+def test_dashboard_follows_a_replaced_or_truncated_metrics_file(tmp_path, capsys, monkeypatch):
+    """Re-run in the same folder (issue 14): the trainer replaces metrics.jsonl at its first step; the dashboard
+    must read the new file from its start, also when the new inode number equals the old one or the new file
+    has already outgrown the old read position; a truncation in place likewise."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 9)))  # the previous run: 8 steps
+    dash = Dashboard(tmp_path, total_steps=8, title="rerun")
+    dash("building model\n")
+    assert dash.records == []
+    metrics.unlink()  # what workbench.trainer does on a fresh run
+    metrics.write_text(_record(1, 12.0))
+    dash("step 1/8\n")
+    assert [r["loss"] for r in dash.records] == [12.0]
+    # replaced by a file longer than the read position (9 records) whose first record differs
+    metrics.unlink()
+    metrics.write_text("".join(_record(s, 30.0 - s) for s in range(1, 10)))
+    dash("step 9\n")
+    assert [r["step"] for r in dash.records] == list(range(1, 10)) and dash.records[0]["loss"] == 29.0
+    metrics.write_text(_record(1, 5.0))  # truncated in place (same inode)
+    dash("again\n")
+    assert [r["loss"] for r in dash.records] == [5.0]
+    dash.close()
+    assert "rerun: finished" in capsys.readouterr().out
+
+
+def test_dashboard_shows_the_resumed_step_range(tmp_path, capsys, monkeypatch):
+    """A resumed run appends to metrics.jsonl: only its own steps count, and the summary says it resumed."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 5)))
+    with Dashboard(tmp_path, total_steps=8, title="resume") as dash:
+        with open(metrics, "a") as f:
+            f.write("".join(_record(s, 20.0 - s) for s in range(5, 9)))
+        dash("step 8/8\n")
+    assert [r["step"] for r in dash.records] == [5, 6, 7, 8]
+    assert "steps 5–8 of 8 (resumed after step 4)" in capsys.readouterr().out
+
+
 def test_live_dashboard_in_a_kernel(tmp_path):
     """The live widgets path, in a real kernel (forced live), fed from a growing metrics.jsonl."""
     metrics = tmp_path / "metrics.jsonl"

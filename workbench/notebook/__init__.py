@@ -27,7 +27,7 @@ _EXPORTS = {
     "parity_facts": "reports", "bench_table": "reports",
     # dashboard
     "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
-    "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard",
+    "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard", "transient_progress": "dashboard",
     # runner
     "run_notebooks": "runner", "NotebookParameterError": "runner",
 }
