@@ -297,15 +297,24 @@ def test_live_dashboard_in_a_kernel(tmp_path):
            f" mfu=0.01, peak_memory_bytes=1, backend='native')) + '\\n')\n"
            f"    d(f'step {{s}}/2\\n')\n"
            f"assert d._widgets['image'].value[:4] == b'\\x89PNG'\n"
-           f"d.close()\n")
+           f"d.close()\n"
+           f"from tqdm.auto import tqdm\n"
+           f"from workbench.notebook import transient_progress\n"
+           f"with transient_progress('bars done'):\n"
+           f"    for _ in tqdm(range(3), desc='bench bar'): pass\n")
     nb = new_notebook(cells=[new_markdown_cell("live"), new_code_cell(src)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(tmp_path / "live.ipynb"))
     proc = cli("run", str(tmp_path / "live.ipynb"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = outputs_text(tmp_path / "out" / "live.ipynb")
-    assert "live: finished" in text and "steps 1–2 of 2" in text
+    assert "live: finished" in text and "steps 1–2 of 2" in text and "bars done" in text
     assert has_image(tmp_path / "out" / "live.ipynb")
+    # The widgets were replaced in place (issue 14): the saved notebook holds no dead widget views or their text.
+    nb = nbformat.read(str(tmp_path / "out" / "live.ipynb"), as_version=4)
+    saved = json.dumps([c.get("outputs", []) for c in nb.cells], ensure_ascii=False)
+    for stale in ("application/vnd.jupyter.widget-view+json", "VBox(children", "waiting for the first step", "0%|"):
+        assert stale not in saved, stale
 
 
 def test_frontend_detection_in_a_real_kernel():
