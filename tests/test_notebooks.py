@@ -366,3 +366,17 @@ def test_kernel_registration_never_takes_over_another_clones_kernel(tmp_path, mo
     spec.write_text(spec.read_text().replace(sys.executable, str(other)))
     assert register(echo=lambda *_: None, warn=warnings.append) and len(warnings) == 1
     assert registered_python() == Path(sys.executable)
+
+
+def test_bench_table_is_readable():
+    """Issue 14: short headers with units, MFU in percent, 4 significant digits (bench.csv keeps full precision)."""
+    import pandas as pd
+
+    from workbench.notebook.reports import bench_table
+
+    df = pd.DataFrame({"backend": ["native", "nki_moe"], "status": ["ok", "failed"], "tokens_per_s": [401.98765, None],
+                       "step_time_median_s": [0.3188812, None], "mfu": [0.0623456, None], "error": ["", "boom"]})
+    t = bench_table(df)
+    assert list(t.columns) == ["status", "tok/s", "step median (s)", "MFU (%)", "error"]
+    assert t.loc["native"].tolist() == ["ok", 402.0, 0.3189, 6.235, ""]
+    assert t.loc["nki_moe", "error"] == "boom" and pd.isna(t.loc["nki_moe", "tok/s"])
