@@ -220,6 +220,10 @@ class _Page:
 
     def run_all_and_watch(self, label: str) -> dict:
         """Run → Run All Cells; records the dashboard's step counter while training; returns what was seen."""
+        def count(prompt: str) -> int:  # "[14]:" -> 14; "[ ]:", "[*]:" -> 0
+            return int(m[1]) if (m := re.fullmatch(r"\[(\d+)\]:", prompt)) else 0
+
+        before = count(self.last_prompt())  # done = the last cell shows a newer execution count than that
         self.menu("Run", "Run All Cells")
         steps, image_seen, shot_taken = [], False, False
         deadline = time.monotonic() + 300
@@ -234,7 +238,7 @@ class _Page:
                 self.scroll_to_training_cell()
                 self.shot(f"{label}-training")
                 shot_taken = True
-            if re.fullmatch(r"\[\d+\]:", self.last_prompt()) and "[*]" not in state.get("prompt", "[*]"):
+            if count(self.last_prompt()) > before:
                 break
             time.sleep(0.1)
         else:
