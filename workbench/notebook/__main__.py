@@ -3,6 +3,7 @@
     python -m workbench.notebook run [NOTEBOOK ...] [-p NAME VALUE ...] [-f params.yaml] [--out DIR]
     python -m workbench.notebook params [NOTEBOOK ...]
     python -m workbench.notebook clean [NOTEBOOK ...] [--outputs-from DIR]
+    python -m workbench.notebook kernel [--replace]
 
 `run`: see `workbench.notebook.runner`. NOTEBOOK is a path, a stem (02_native) or a number (02); none = all.
 Exit status: 0 all ran, 1 a notebook failed, 2 bad parameters or notebook names (nothing was executed).
@@ -14,6 +15,9 @@ from every cell except those marked `# NBVAL_CHECK_OUTPUT` — the outputs nbval
 execution count: nbval does not compare a cell without one). With `--outputs-from DIR` those cells take their
 outputs from the executed copies in DIR (a `run --out DIR` of the defaults), which is how the expected outputs
 are refreshed after an intended change.
+
+`kernel`: registers this Python as the notebooks' kernel "Qwen3 workbench" (`qwen3-workbench`), without taking
+the name over from another clone's environment unless `--replace` (see `workbench.notebook.kernel`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="a parameter for every notebook that declares it (value read as YAML)")
     run.add_argument("-f", "--parameters-file", help="YAML: name: value, or <stem>: {name: value} for one notebook")
     run.add_argument("--out", help="folder for executed notebooks + summary (default runs/notebooks-<time>)")
-    run.add_argument("-k", "--kernel", help="Jupyter kernel name (default: the notebook's, python3)")
+    run.add_argument("-k", "--kernel", help="Jupyter kernel name (default: python3, i.e. this Python)")
     run.add_argument("--cell-timeout", type=int, default=None, help="seconds per cell (default: no limit)")
     run.add_argument("--stop-on-failure", action="store_true", help="skip the remaining notebooks after a failure")
     run.add_argument("--log-output", action="store_true", help="stream the notebooks' output here")
@@ -46,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     clean = sub.add_parser("clean", help="strip outputs except the nbval-checked cells")
     clean.add_argument("notebooks", nargs="*")
     clean.add_argument("--outputs-from", help="folder of executed copies to take the checked cells' outputs from")
+    ker = sub.add_parser("kernel", help="register this Python as the notebooks' kernel (qwen3-workbench)")
+    ker.add_argument("--replace", action="store_true", help="also when it points at another clone's Python")
     return ap
 
 
@@ -135,9 +141,16 @@ def _clean(args) -> int:
     return 0
 
 
+def _kernel(args) -> int:
+    from workbench.notebook.kernel import register
+
+    register(replace=args.replace)
+    return 0  # a kept foreign kernel is a warning, not a failed setup
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"run": _run, "params": _params, "clean": _clean}[args.command](args)
+    return {"run": _run, "params": _params, "clean": _clean, "kernel": _kernel}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,17 @@ the trainer appended to `<run>/metrics.jsonl` (the run-folder contract: one JSON
 updates from those, so nothing depends on the wording of the progress lines. The lines themselves are kept
 (the last `log_tail`) and printed if training fails, because they hold the real error.
 
+Which records belong to this launch: a resumed run appends to the metrics.jsonl already in the run folder, so the
+dashboard starts reading at its end. A fresh run in a reused folder makes the trainer *replace* the file at its
+first step (and anything may truncate it), so every poll checks that the file is still the one it was reading
+(same inode, not shorter than the read position, same first bytes); if not, it reads the new file from the start.
+
 Two modes:
-  * live — a frontend is attached (JupyterLab, classic Notebook, VS Code): a `tqdm.auto` bar, a one-line status
-    and a PNG of the curves in ipywidgets, redrawn at most every `refresh_s` seconds. At the end the widgets are
-    replaced by a plain image + text summary, so the saved notebook shows the result without widget state.
+  * live — a frontend is attached (JupyterLab, classic Notebook, VS Code): a progress bar, a one-line status
+    and a PNG of the curves in ipywidgets, redrawn at most every `refresh_s` seconds. They are displayed under a
+    display id, and at the end that output is *updated in place* to the static figure (then the widgets are
+    closed), so a saved notebook (and GitHub / nbviewer) holds the figure and the summary line only, no dead
+    widget placeholders ("0%| | 0/8", "VBox(children=...)").
   * static — nobody is watching (papermill, nbconvert --execute, nbval, plain Python): nothing per step; at the
     end one static matplotlib figure and a short text summary. Widget outputs would be dead weight in an
     executed notebook and would make nbval outputs differ from run to run.
@@ -27,6 +34,7 @@ Only this package imports ipywidgets; the trainer and `workbench.train` never do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +49,7 @@ from typing import Any
 from workbench.config import JobConfig
 
 ENV_MODE = "WORKBENCH_DASHBOARD"
+_HEAD = 256  # bytes of metrics.jsonl compared on every poll to notice that the file was replaced
 
 
 class TrainingFailed(RuntimeError):
@@ -112,14 +121,19 @@ class Dashboard:
         self.echo = echo
         self.lines: deque[str] = deque(maxlen=log_tail)
         self.records: list[dict[str, Any]] = []
-        # Only this launch's records: a rerun in the same run folder appends to an existing metrics.jsonl.
-        self._offset = self.metrics_path.stat().st_size if self.metrics_path.is_file() else 0
-        self._partial = ""
+        # Only this launch's records: a resumed run appends to the existing metrics.jsonl, so start at its end;
+        # `poll` notices when a fresh run replaces the file instead (module docstring).
+        self._offset, self._partial, self._inode, self._head = 0, "", None, b""
+        with contextlib.suppress(FileNotFoundError):
+            with open(self.metrics_path, "rb") as f:
+                self._inode, self._head = os.fstat(f.fileno()).st_ino, f.read(_HEAD)
+                self._offset = f.seek(0, os.SEEK_END)
         self._t0 = time.perf_counter()
         self._last_draw = 0.0
         self._closed = False
         self._widgets: dict[str, Any] = {}
         self._fig = None
+        self._handle = None  # the live widgets' display handle
         if self.live:
             self._open_widgets()
 
@@ -134,10 +148,27 @@ class Dashboard:
             self._update_live()
 
     def poll(self) -> int:
-        """Reads records appended to metrics.jsonl since the last call; returns how many were new."""
-        if not self.metrics_path.is_file():
+        """Reads records appended to metrics.jsonl since the last call; returns how many were new.
+
+        If the file is no longer the one read so far (replaced by a fresh run, truncated), this launch's records
+        are those of the new file, read from its start.
+        """
+        try:
+            f = open(self.metrics_path, "rb")
+        except (FileNotFoundError, IsADirectoryError):
             return 0
-        with open(self.metrics_path, "rb") as f:
+        with f:
+            inode, size = os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_size
+            # The inode alone is not enough: unlink + create often reuses the freed inode number; a new file
+            # that already outgrew the read position is caught by its different first record.
+            if self._inode is not None and (inode != self._inode or size < self._offset
+                                            or f.read(len(self._head)) != self._head):
+                self._offset, self._partial = 0, ""
+                self.records.clear()
+            self._inode = inode
+            if len(self._head) < _HEAD:  # the first bytes may still be being written
+                f.seek(0)
+                self._head = f.read(_HEAD)
             f.seek(self._offset)
             chunk = f.read()
         if not chunk:
@@ -160,19 +191,20 @@ class Dashboard:
     def _open_widgets(self) -> None:
         import ipywidgets as widgets
         from IPython.display import display
-        from tqdm.auto import tqdm
 
-        self._widgets["bar"] = tqdm(total=self.total_steps, desc=self.title, unit="step")
-        self._widgets["status"] = widgets.HTML("waiting for the first step (process start, model build)…")
-        self._widgets["image"] = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
-        self._widgets["box"] = widgets.VBox([self._widgets["status"], self._widgets["image"]])
-        display(self._widgets["box"])
+        w = self._widgets
+        w["bar"] = widgets.IntProgress(value=0, min=0, max=self.total_steps, description=self.title,
+                                       style={"description_width": "initial"},
+                                       layout=widgets.Layout(width="100%", max_width="900px"))
+        w["status"] = widgets.HTML("waiting for the first step (process start, model build)…")
+        w["image"] = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        w["box"] = widgets.VBox([w["bar"], w["status"], w["image"]])
+        # A display id, so that `close` can replace this very output with the static result.
+        self._handle = display(w["box"], display_id=True)
 
     def _update_live(self, force: bool = False) -> None:
-        bar, last = self._widgets["bar"], self.records[-1]
-        bar.n = min(int(last["step"]), self.total_steps)
-        bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_second']:,.0f}", refresh=False)
-        bar.refresh()
+        last = self.records[-1]
+        self._widgets["bar"].value = min(int(last["step"]), self.total_steps)
         self._widgets["status"].value = self._status_html(last)
         now = time.perf_counter()
         if force or now - self._last_draw >= self.refresh_s:
@@ -181,7 +213,9 @@ class Dashboard:
 
     def _status_html(self, r: dict[str, Any]) -> str:
         mem = r.get("peak_memory_bytes", 0) / 2**30
-        return (f"<code>step {r['step']}/{self.total_steps} · loss {r['loss']:.4f} · "
+        resumed = self.records[0]["step"] - 1 if self.records else 0
+        return (f"<code>step {r['step']}/{self.total_steps}{f' (resumed after step {resumed})' if resumed else ''}"
+                f" · loss {r['loss']:.4f} · "
                 f"{r['tokens_per_second']:,.0f} tok/s · MFU {100 * r.get('mfu', 0):.2f}% · "
                 f"{mem:.2f} GiB · {time.perf_counter() - self._t0:.0f} s</code>")
 
@@ -216,10 +250,11 @@ class Dashboard:
         if not self.records:
             return f"{self.title}: no steps logged ({'finished' if ok else 'FAILED'} after {seconds:.0f} s)."
         first, last = self.records[0], self.records[-1]
+        resumed = f" (resumed after step {first['step'] - 1})" if first["step"] > 1 else ""
         tps = sorted(r["tokens_per_second"] for r in (self.records[1:] or self.records))  # step 1 includes warm-up
         mfu = sorted(r.get("mfu", 0.0) for r in (self.records[1:] or self.records))
         return (f"{self.title}: {'finished' if ok else 'FAILED'} · backend {last.get('backend', '?')} · "
-                f"steps {first['step']}–{last['step']} of {self.total_steps} · "
+                f"steps {first['step']}–{last['step']} of {self.total_steps}{resumed} · "
                 f"loss {first['loss']:.4f} → {last['loss']:.4f} · median {tps[len(tps) // 2]:,.0f} tok/s · "
                 f"median MFU {100 * mfu[len(mfu) // 2]:.2f}% · {seconds:.0f} s wall")
 
@@ -229,15 +264,19 @@ class Dashboard:
             return
         self._closed = True
         self.poll()
+        final = self.figure() if self.records else None
         if self.live:
-            bar = self._widgets.pop("bar")
-            if ok:
-                bar.n = bar.total
-            bar.close()
-            # Static outputs replace the widgets: a saved notebook keeps them, widget state it would not.
-            self._widgets.pop("box").close()
-        if self.records:
-            _display(self.figure())
+            # The widgets' output becomes the figure (or nothing): a saved notebook keeps static outputs only.
+            # Update first, then close the widget models, so the frontend never shows a dangling view.
+            if final is not None:
+                self._handle.update(final)
+            else:
+                self._handle.update({}, raw=True)
+            for w in self._widgets.values():
+                w.close()
+            self._widgets.clear()
+        elif final is not None:
+            _display(final)
         print(self.summary_text(ok), flush=True)
         if not ok:
             print("--- last output lines ---\n" + "\n".join(self.lines), file=sys.stderr, flush=True)
@@ -268,6 +307,30 @@ def failure_excerpt(lines: list[str], n: int = 20) -> str:
             body = "\n".join(lines[max(0, i - n):i])
             return f"local rank {m[2]} died with {how}; its last output lines:\n{body}"
     return "last output lines:\n" + "\n".join(lines[-n:])
+
+
+@contextlib.contextmanager
+def transient_progress(done: str = ""):
+    """Shows what the body displays (e.g. tqdm progress bars) while it runs, then removes it from the notebook.
+
+    In a live frontend the body's display output goes into an `ipywidgets.Output` shown under a display id; at
+    the end that output is replaced by `done` (plain text; empty: nothing), so the saved notebook holds no
+    widget placeholders. Headless (papermill, nbval, plain Python) the body runs as is.
+    """
+    if not live_frontend():
+        yield
+        return
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    out = widgets.Output()
+    handle = display(out, display_id=True)
+    try:
+        with out:
+            yield
+    finally:
+        handle.update({"text/plain": done} if done else {}, raw=True)
+        out.close()
 
 
 def _child_can_import_workbench() -> None:
@@ -335,4 +398,4 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
 
 
 __all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "failure_excerpt",
-           "ENV_MODE"]
+           "transient_progress", "ENV_MODE"]

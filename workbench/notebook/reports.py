@@ -381,9 +381,38 @@ BENCH_SHOWN = ["backend", "status", "tokens_per_s", "step_time_median_s", "step_
                "peak_memory_gib", "first_step_s", "time_to_first_step_s", "final_loss", "speed_vs_native", "error"]
 
 
+# Short headers with units, so the table fits a 1600 px window (bench.csv keeps the full names and precision).
+BENCH_HEADERS = {"tokens_per_s": "tok/s", "step_time_median_s": "step median (s)", "step_time_p90_s": "step p90 (s)",
+                 "mfu": "MFU (%)", "peak_memory_gib": "peak mem (GiB)", "first_step_s": "1st step (s)",
+                 "time_to_first_step_s": "to 1st step (s)", "final_loss": "final loss",
+                 "speed_vs_native": "× native"}
+
+
+def significant(x: Any, digits: int = 4) -> Any:
+    """`x` rounded to `digits` significant digits (non-numbers unchanged): 1234.567 -> 1235, 0.0123456 -> 0.01235."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x == 0:
+        return x
+    return float(f"{x:.{digits}g}")
+
+
 def bench_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The benchmark matrix's main columns, indexed by backend (the columns `workbench.bench` documents)."""
-    return df[[c for c in BENCH_SHOWN if c in df]].set_index("backend")
+    """The benchmark matrix's main columns, indexed by backend (the columns `workbench.bench` documents), for
+    reading: units in short headers, MFU in percent, 4 significant digits."""
+    shown = df[[c for c in BENCH_SHOWN if c in df]].set_index("backend").copy()
+    if "mfu" in shown:
+        shown["mfu"] = shown["mfu"] * 100
+    for col in shown.columns:
+        if pd.api.types.is_float_dtype(shown[col]):
+            shown[col] = shown[col].map(significant)
+    return shown.rename(columns=BENCH_HEADERS)
+
+
+def wrapped(df: pd.DataFrame, *columns: str):
+    """`df` for display with `columns` shown whole and wrapped (a plain DataFrame cuts long text at 50 characters),
+    e.g. asset paths in 00_setup. Returns a pandas Styler (HTML in a notebook)."""
+    return (df.style.hide(axis="index")
+            .set_properties(subset=list(columns), **{"white-space": "pre-wrap", "word-break": "break-all",
+                                                     "text-align": "left"}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -431,5 +460,5 @@ __all__ = [
     "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "param_counts", "read_metrics",
     "metrics_frame", "read_summary", "summary_table", "run_folder_table", "plot_metrics", "PATH_KEYS",
     "ProfileReport", "profile_report", "performance_table", "plot_breakdown", "comparison_summary",
-    "largest_differences", "parity_facts", "bench_table",
+    "largest_differences", "parity_facts", "bench_table", "BENCH_HEADERS", "significant", "wrapped",
 ]

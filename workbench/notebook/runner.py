@@ -301,7 +301,7 @@ def execute(path: Path, params: dict[str, Any], out_dir: Path, *, kernel: str | 
     try:
         with _environ(_kernel_env()):
             papermill.execute_notebook(
-                str(path), str(out), parameters=params, kernel_name=kernel, cwd=str(path.parent),
+                str(path), str(out), parameters=params, kernel_name=kernel or "python3", cwd=str(path.parent),
                 progress_bar=False, log_output=log_output, execution_timeout=cell_timeout,
             )
     except papermill.PapermillExecutionError as e:
@@ -342,7 +342,8 @@ def run_notebooks(names: Iterable[str] = (), parameters: dict[str, Any] | None =
         parameters: parameters for every notebook that declares them.
         per_notebook: {stem: {name: value}}.
         out: folder for executed copies, summary.csv/.md and (unless dump_folder is given) training outputs.
-        kernel: Jupyter kernel name; None = the notebook's own (python3, i.e. this environment).
+        kernel: Jupyter kernel name; None = "python3", i.e. this Python (not the notebooks' `qwen3-workbench`,
+            which may be another clone's environment: a batch run tests this checkout).
         cell_timeout: seconds per cell (None = no limit).
         keep_going: run the remaining notebooks after a failure.
         log_output: stream the notebooks' output to this process's log (papermill --log-output).
