@@ -391,14 +391,13 @@ def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok):
         nisa.dma_copy(dst=_expert_rows(dw, e, r0, rl), src=total)
 
 
-def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, weights, ones, dx_slots, d_slot,
-                    grads, kb):
-    wgT, wuT, wd, wg, wu = weights
-    dw_gate, dw_up, dw_down = grads
-    io, D, F = x_pad.dtype, x_pad.shape[1], wgT.shape[2]
-    row0 = _load_scalar(block_row, 0, b)
-    x_tok, dy_tok = _load_block([x_pad, dout_pad], token_index, b, kb)
-    affinity = _affinities(slot_weight, b, kb)
+def _block_activation_grads(x_tok, dy_tok, weights, ones, slot_weight, d_slot, b, kb):
+    """Recompute the block's forward and return feature-major (hT, dgT, duT); writes d_slot[b, :].
+
+    A helper of its own so xT, dyT, gT, uT, dhT and the SwiGLU intermediates are freed (SBUF) on return.
+    """
+    wgT, wuT, wd = weights[0], weights[1], weights[2]
+    io, D, F = x_tok[0].dtype, x_tok[0].shape[1], wgT.shape[2]
     xT = _feature_major(x_tok, kb, D, io)
     gT = _project_feature_major(wgT, xT, kb, D, F)
     uT = _project_feature_major(wuT, xT, kb, D, F)
@@ -407,7 +406,18 @@ def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, 
     dhT = _project_feature_major(wd, dyT, kb, D, F)  # (dy @ W_down[e])^T
     affinity_b = _broadcast_row(slot_weight, b, ones, min(P, F), kb)
     dgT, duT = _swiglu_backward(dhT, hT, uT, sig, silu, affinity_b, ones, d_slot, b, kb, F, io)
-    _dx_block(dx_slots, dgT, duT, wg, wu, row0, kb, D, F, io)
+    return hT, dgT, duT
+
+
+def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, weights, ones, dx_slots, d_slot,
+                    grads, kb):
+    dw_gate, dw_up, dw_down = grads
+    io, D, F = x_pad.dtype, x_pad.shape[1], weights[0].shape[2]
+    row0 = _load_scalar(block_row, 0, b)
+    x_tok, dy_tok = _load_block([x_pad, dout_pad], token_index, b, kb)
+    affinity = _affinities(slot_weight, b, kb)
+    hT, dgT, duT = _block_activation_grads(x_tok, dy_tok, weights, ones, slot_weight, d_slot, b, kb)
+    _dx_block(dx_slots, dgT, duT, weights[3], weights[4], row0, kb, D, F, io)
     # weight grads contract over the block's tokens: token-major operands
     dy_scaled = []
     for s in range(len(dy_tok)):
@@ -444,6 +454,18 @@ def _zero_rows(t, zeros, pid, lnc):
         nisa.dma_copy(dst=t[r0:r0 + rl, 0:C], src=zeros[0:rl, 0:C])
 
 
+def _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc):
+    """Zero this core's share of the gradient outputs; padding blocks and experts without tokens keep the zeros,
+    the segment owners overwrite (d_slot) or accumulate into (dW) the rest after the barrier."""
+    width = max(d_slot.shape[1], dw_gate.shape[2], dw_down.shape[2])
+    zeros = nl.ndarray((P, width), dtype=F32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    _zero_rows(d_slot, zeros, pid, lnc)
+    _zero_fill(dw_gate, zeros, pid, lnc)
+    _zero_fill(dw_up, zeros, pid, lnc)
+    _zero_fill(dw_down, zeros, pid, lnc)
+
+
 @nki.jit
 def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
                       seg_count, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t):
@@ -470,13 +492,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_
     dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_down = nl.ndarray(w_down.shape, dtype=F32, buffer=nl.shared_hbm)
-    zeros = nl.ndarray((P, max(D, F, kb)), dtype=F32, buffer=nl.sbuf)
-    nisa.memset(dst=zeros, value=0.0)
-    # padding blocks and experts without tokens keep these zeros; the segment owner overwrites/accumulates the rest
-    _zero_rows(d_slot, zeros, pid, lnc)
-    _zero_fill(dw_gate, zeros, pid, lnc)
-    _zero_fill(dw_up, zeros, pid, lnc)
-    _zero_fill(dw_down, zeros, pid, lnc)
+    _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc)
     if lnc > 1:
         nisa.core_barrier(data=d_slot, cores=(0, 1))
         nisa.core_barrier(data=dw_gate, cores=(0, 1))
