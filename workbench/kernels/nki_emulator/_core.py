@@ -254,7 +254,7 @@ class Tensor:
         self._access("r")
         if not bool(self._init.all()):
             raise violation("uninitialized-read", f"{self} is read before every element was written "
-                            "(NKI allocations are not initialised)", URL_TILING)
+                            f"(NKI allocations are not initialised){_lnc_hint(self._storage)}", URL_TILING)
         return self._data.clone()
 
     def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
@@ -355,7 +355,8 @@ class AccessPattern:
     def read(self) -> torch.Tensor:
         flat = self._flat_index("r")
         if not bool(self.root._storage.init.reshape(-1)[flat].all()):
-            raise violation("uninitialized-read", f"{self} reads elements never written", URL_TILING)
+            raise violation("uninitialized-read", f"{self} reads elements never written"
+                            f"{_lnc_hint(self.root._storage)}", URL_TILING)
         return self.root._storage.data.reshape(-1)[flat].clone()
 
     def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
@@ -377,6 +378,14 @@ def _check_owner(storage: _Storage) -> None:
         raise violation("lnc-private-memory", f"core {launch.core} touches {storage.buffer} tensor "
                         f"{storage.name or '?'} of core {storage.core}: each physical core has its own SBUF/PSUM "
                         "(and nl.hbm is private); exchange data through nl.shared_hbm and a core_barrier", URL_LNC)
+
+
+def _lnc_hint(storage: _Storage) -> str:
+    launch = _runtime.current()
+    if launch is None or launch.lnc == 1 or not storage.shared:
+        return ""
+    return (f"; under LNC {launch.lnc} the emulator runs core 0 up to its next core_barrier before core 1: if another "
+            "core writes these elements, a nisa.core_barrier must separate the write from this read")
 
 
 # -- kernel entry point --------------------------------------------------------------------------------------------
