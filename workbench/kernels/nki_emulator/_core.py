@@ -83,10 +83,11 @@ class _Budget:
     def __init__(self):
         self.live = {"sbuf": 0, "psum": 0}
 
-    def claim(self, storage: "_Storage", per_partition: int) -> None:
+    def claim(self, storage: "_Storage", per_partition: int) -> "_Claim | None":
+        """Count the allocation; it stays live while the returned claim (held by the kernel's views) is alive."""
         kind = storage.buffer.name
         if kind not in self.live:
-            return
+            return None
         if kind == "psum":
             per_partition = PSUM_BANK_BYTES * math.ceil(per_partition / PSUM_BANK_BYTES)  # whole banks
         cap, url = (PSUM_PARTITION_BYTES, URL_MEMORY) if kind == "psum" else (SBUF_PARTITION_BYTES, URL_TRN2)
@@ -101,10 +102,20 @@ class _Budget:
                 url,
             )
         self.live[kind] += per_partition
-        weakref.finalize(storage, self._release, kind, per_partition)
+        claim = _Claim()
+        weakref.finalize(claim, self._release, kind, per_partition)
+        return claim
 
     def _release(self, kind: str, per_partition: int) -> None:
         self.live[kind] -= per_partition
+
+
+class _Claim:
+    """Liveness token of one on-chip allocation. Views the kernel holds reference it; the copies of views that
+    recorded instructions keep (dynamic-loop bodies) do not, so a tile the kernel drops frees its space even while
+    a traced loop body still uses it: the compiler reuses space by liveness within the body the same way."""
+
+    __slots__ = ("__weakref__",)
 
 
 class _Storage:
@@ -171,9 +182,10 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "Tensor":
     storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
+    claim = None
     if buffer.on_chip:
-        launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize)
-    return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
+        claim = launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize)
+    return Tensor(storage, storage.data, storage.init, storage.mm, root=True, claim=claim)
 
 
 def _from_array(value, buffer: Buffer, name: str) -> "Tensor":
@@ -188,8 +200,13 @@ def _from_array(value, buffer: Buffer, name: str) -> "Tensor":
 class Tensor:
     """Emulated `NkiTensor`: a view (basic slicing) of one storage. dim 0 is the partition dim on chip."""
 
-    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool):
+    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool, claim=None):
         self._storage, self._data, self._init, self._mm, self._root = storage, data, init, mm, root
+        self._claim = claim
+
+    def detached(self) -> "Tensor":
+        """The same view without the liveness claim (what a recorded instruction keeps)."""
+        return Tensor(self._storage, self._data, self._init, self._mm, self._root)
 
     shape = property(lambda self: tuple(self._data.shape))
     dtype = property(lambda self: self._data.dtype)
@@ -230,7 +247,7 @@ class Tensor:
                 raise NotImplementedError(f"index {ix!r}: only ints and slices are emulated")
         idx = tuple(norm)
         mm = None if self._mm is None else self._mm[idx]
-        return Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False)
+        return Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
 
     def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
            dtype=None) -> "AccessPattern":
@@ -311,6 +328,16 @@ class AccessPattern:
                             f"outer pattern dim iterates {pattern[0][1]} times", URL_AP)
         self.root, self.pattern, self.offset = root, pattern, int(offset)
         self.scalar_offset, self.vector_offset, self.indirect_dim = scalar_offset, vector_offset, indirect_dim
+
+    def detached(self) -> "AccessPattern":
+        ap = object.__new__(AccessPattern)
+        ap.__dict__.update(self.__dict__)
+        ap.root = self.root.detached()
+        if isinstance(self.scalar_offset, Tensor):
+            ap.scalar_offset = self.scalar_offset.detached()
+        if self.vector_offset is not None:
+            ap.vector_offset = self.vector_offset.detached()
+        return ap
 
     shape = property(lambda self: tuple(n for _, n in self.pattern))
     dtype = property(lambda self: self.root.dtype)

@@ -149,6 +149,7 @@ class Launch:
         node = (engine, op, run, site)
         stack = self.trace[self.core]
         if stack:
+            _detach_closure(run)
             stack[-1].append(node)
         else:
             self.execute(node)
@@ -196,6 +197,27 @@ class Launch:
                             URL_BARRIER)
         self.log.clear()
         self.epoch += 1
+
+
+def _detach_closure(run) -> None:
+    """Swap the views a recorded instruction captured for claim-free copies (see _core._Claim)."""
+    for cell in run.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "detached"):
+            cell.cell_contents = value.detached()
+        elif isinstance(value, (list, tuple)):
+            cell.cell_contents = type(value)(_detach_item(v) for v in value)
+
+
+def _detach_item(v):
+    if hasattr(v, "detached"):
+        return v.detached()
+    if isinstance(v, tuple):
+        return tuple(_detach_item(x) for x in v)
+    return v
 
 
 def _elements(rec) -> torch.Tensor:
