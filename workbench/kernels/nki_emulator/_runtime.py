@@ -179,24 +179,40 @@ class Launch:
         entry[1].append((self.core, kind, lo, hi, start, tuple(pattern), outer, self.current))
 
     def check_races(self, where: str) -> None:
+        """Raise `lnc-race` if, since the last barrier, one core wrote an element another core read or wrote."""
         for storage, recs in self.log.values():
-            writes = [r for r in recs if r[1] == "w"]
-            for w in writes:
-                for r in recs:
-                    if r[0] == w[0] or r[3] < w[2] or r[2] > w[3]:
-                        continue
-                    common = torch.isin(_elements(w), _elements(r))
-                    if bool(common.any()):
-                        elem = int(_elements(w)[common][0])
-                        verb = "writes" if r[1] == "w" else "reads"
-                        raise _violation(
-                            "lnc-race",
-                            f"between two core barriers ({where}) {w[7]} writes element {elem} of shared HBM tensor "
-                            f"{storage.name or '?'} that {r[7]} {verb}; the cores run concurrently, so split the "
-                            "work so each core touches disjoint elements, or order them with nisa.core_barrier",
-                            URL_BARRIER)
+            if not any(r[1] == "w" for r in recs):
+                continue
+            numel = storage.data.numel()
+            writes = [torch.zeros(numel, dtype=torch.bool) for _ in range(self.lnc)]
+            touched = [torch.zeros(numel, dtype=torch.bool) for _ in range(self.lnc)]
+            for r in recs:
+                elems = _elements(r)
+                touched[r[0]][elems] = True
+                if r[1] == "w":
+                    writes[r[0]][elems] = True
+            for a in range(self.lnc):
+                for b in range(self.lnc):
+                    clash = writes[a] & touched[b] if a != b else None
+                    if clash is not None and bool(clash.any()):
+                        self._report(storage, recs, a, b, int(clash.nonzero()[0]), where)
         self.log.clear()
         self.epoch += 1
+
+    def _report(self, storage, recs, a: int, b: int, elem: int, where: str):
+        def first(core, kinds):
+            for r in recs:
+                if r[0] == core and r[1] in kinds and r[2] <= elem <= r[3] and bool((_elements(r) == elem).any()):
+                    return r
+            return None
+
+        w, other = first(a, "w"), first(b, "w") or first(b, "r")
+        verb = "writes" if other[1] == "w" else "reads"
+        raise _violation(
+            "lnc-race",
+            f"between two core barriers ({where}) {w[7]} writes element {elem} of shared HBM tensor "
+            f"{storage.name or '?'} that {other[7]} {verb}; the cores run concurrently, so split the work so each "
+            "core touches disjoint elements, or order them with nisa.core_barrier", URL_BARRIER)
 
 
 def _detach_closure(run) -> None:
