@@ -79,15 +79,6 @@ def _block_column(table, b, s0, sl, dtype):
     return tile
 
 
-def _gather_rows(src, index, rows, dtype):
-    """SBUF [rows, C] with row i = src[index[i], :] (indirect DMA; `index` is an int32 SBUF [rows, 1] tile)."""
-    cols = src.shape[1]
-    tile = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src.ap(pattern=[[cols, rows], [1, cols]], offset=0, vector_offset=index,
-                                       indirect_dim=0))
-    return tile
-
-
 def _load_expert_matrix(w, e):
     """SBUF [min(P, R), ceil(R / P), C] <- w[e] of an [E, R, C] HBM tensor: row r at [r % P, r // P, :].
 
@@ -119,52 +110,94 @@ def _expert_rows(w, e, r0, rows):
     return w.ap(pattern=[[cols, rows], [1, cols]], offset=r0 * cols, scalar_offset=e, indirect_dim=0)
 
 
+# -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ------------------
+# A dynamic loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
+# the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
+# backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
+def _psum_pool(io_dtype):
+    return {
+        "t": nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"),
+        "acc": nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"),
+        "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad"),
+    }
+
+
+def _block_tiles(kb, width, dtype, name):
+    """One [sl, width] SBUF tile per 128-token sub-tile of a block (tokens on partitions)."""
+    tiles = []
+    for s in range(_ntiles(kb, P)):
+        tiles.append(nl.ndarray((_width(kb, P, s), width), dtype=dtype, buffer=nl.sbuf, name=name))
+    return tiles
+
+
+def _workspace(kb, D, F, io_dtype, backward):
+    dp, fp, nD, nF = min(P, D), min(P, F), _ntiles(D, P), _ntiles(F, P)
+    ws = {
+        "x": _block_tiles(kb, D, io_dtype, "x_tok"),
+        "xT": nl.ndarray((dp, nD, kb), dtype=io_dtype, buffer=nl.sbuf, name="xT"),  # backward: then dyT
+        "g": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="gT"),  # backward: then dhT
+        "u": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="uT"),
+        "sig": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="sigT"),
+        "silu": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="siluT"),
+        "h": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
+        "chunk": nl.ndarray((P, MOVING_FMAX), dtype=io_dtype, buffer=nl.sbuf, name="out_chunk"),
+    }
+    if backward:
+        ws["dy"] = _block_tiles(kb, D, io_dtype, "dy_tok")
+        ws["dg"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="dgT")
+        ws["du"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="duT")
+        ws["tmp1"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp1")
+        ws["tmp2"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp2")
+        ws["aff_b"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="affinity_bcast")
+        ws["row"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row")
+        ws["tok"] = _block_tiles(kb, F, io_dtype, "grad_tok")  # dg, then du, then h, token-major
+        ws["band"] = nl.ndarray((P, max(D, F)), dtype=F32, buffer=nl.sbuf, name="dw_band")
+        ws["ones"] = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="ones")
+        nisa.memset(dst=ws["ones"], value=1.0)
+    return ws
+
+
 # -- layout changes (Tensor Engine transposes through PSUM) -------------------------------------------------------------
-def _transpose_into(dst, src):
+def _transpose_into(dst, src, ps):
     """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
     p, f = src.shape
-    staged = nl.ndarray((f, p), dtype=src.dtype, buffer=nl.psum)
+    staged = ps["t"][0:f, 0:p]
     nisa.nc_transpose(dst=staged, data=src)
     nisa.tensor_copy(dst=dst, src=staged)
 
 
-def _feature_major(tok, kb, width, dtype):
-    """[min(P, width), n_tiles, kb] SBUF: the block's token-major [sl, width] tiles with features on partitions."""
-    n = _ntiles(width, P)
-    out = nl.ndarray((min(P, width), n, kb), dtype=dtype, buffer=nl.sbuf)
-    for j in range(n):
+def _feature_major(out, tok, kb, width, ps):
+    """out [min(P, width), n_tiles, kb] <- the block's token-major [sl, width] tiles, features on partitions."""
+    for j in range(_ntiles(width, P)):
         fl = _width(width, P, j)
         for s in range(len(tok)):
             sl = _width(kb, P, s)
-            _transpose_into(out[0:fl, j, s * P:s * P + sl], tok[s][0:sl, j * P:j * P + fl])
-    return out
+            _transpose_into(out[0:fl, j, s * P:s * P + sl], tok[s][0:sl, j * P:j * P + fl], ps)
 
 
-def _token_major(feature, kb, width, dtype):
-    """Inverse of `_feature_major`: one [sl, width] SBUF tile per token sub-tile."""
-    out = []
-    for s in range(_ntiles(kb, P)):
+def _token_major(tiles, feature, kb, width, ps):
+    """Inverse of `_feature_major`: fill one [sl, width] tile per token sub-tile."""
+    for s in range(len(tiles)):
         sl = _width(kb, P, s)
-        tile = nl.ndarray((sl, width), dtype=dtype, buffer=nl.sbuf)
         for j in range(_ntiles(width, P)):
             fl = _width(width, P, j)
-            _transpose_into(tile[0:sl, j * P:j * P + fl], feature[0:fl, j, s * P:s * P + sl])
-        out.append(tile)
-    return out
+            _transpose_into(tiles[s][0:sl, j * P:j * P + fl], feature[0:fl, j, s * P:s * P + sl], ps)
 
 
 # -- expert MLP pieces ---------------------------------------------------------------------------------------------------
-def _load_block(srcs, token_index, b, kb):
-    """Gather the block's rows from each [T+1, D] HBM tensor in `srcs` (padding slots read the zero row T)."""
-    loaded = []
-    for src in srcs:
-        loaded.append([])
+def _gather_into(dst, src, index):
+    """dst [rows, C] with row i = src[index[i], :] (indirect DMA; `index` an int32 SBUF [rows, 1] tile)."""
+    rows, cols = dst.shape[0], src.shape[1]
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[cols, rows], [1, cols]], offset=0, vector_offset=index,
+                                      indirect_dim=0))
+
+
+def _load_block(dsts, srcs, token_index, b, kb):
+    """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` (padding slots read the zero row T)."""
     for s in range(_ntiles(kb, P)):
-        sl = _width(kb, P, s)
-        index = _block_column(token_index, b, s * P, sl, I32)
+        index = _block_column(token_index, b, s * P, _width(kb, P, s), I32)
         for i in range(len(srcs)):
-            loaded[i].append(_gather_rows(srcs[i], index, sl, srcs[i].dtype))
-    return loaded
+            _gather_into(dsts[i][s], srcs[i], index)
 
 
 def _affinities(slot_weight, b, kb):
@@ -174,33 +207,33 @@ def _affinities(slot_weight, b, kb):
     return out
 
 
-def _project_feature_major(w_res, xT, kb, D, n_out):
-    """fp32 SBUF [min(P, n_out), n_tiles, kb] = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]."""
-    out = nl.ndarray((min(P, n_out), _ntiles(n_out, P), kb), dtype=F32, buffer=nl.sbuf)
+def _project(out, w_res, xT, kb, D, n_out, ps):
+    """out (fp32 [min(P, n_out), n_tiles, kb]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
-        acc = nl.ndarray((fl, kb), dtype=F32, buffer=nl.psum)
+        acc = ps["acc"][0:fl, 0:kb]
         for j in range(_ntiles(D, P)):
             dl = _width(D, P, j)
             nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:kb],
                            accumulate=j > 0)
         nisa.tensor_copy(dst=out[0:fl, i, 0:kb], src=acc)
-    return out
 
 
-def _swiglu(gT, uT, F, kb, io_dtype):
+def _swiglu(ws, F, kb):
     """sig = sigmoid(g), silu = g * sig (fp32) and hT = silu * u (io dtype: it feeds the matmuls)."""
-    sig = nl.ndarray(gT.shape, dtype=F32, buffer=nl.sbuf)
-    silu = nl.ndarray(gT.shape, dtype=F32, buffer=nl.sbuf)
-    hT = nl.ndarray(gT.shape, dtype=io_dtype, buffer=nl.sbuf)
     for i in range(_ntiles(F, P)):
         fl = _width(F, P, i)
-        g = gT[0:fl, i, 0:kb]
-        nisa.activation(dst=sig[0:fl, i, 0:kb], op=nl.sigmoid, data=g)
-        nisa.tensor_tensor(dst=silu[0:fl, i, 0:kb], data1=g, data2=sig[0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=hT[0:fl, i, 0:kb], data1=silu[0:fl, i, 0:kb], data2=uT[0:fl, i, 0:kb],
-                           op=nl.multiply)
-    return sig, silu, hT
+        g, sig, silu = ws["g"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb]
+        nisa.activation(dst=sig, op=nl.sigmoid, data=g)
+        nisa.tensor_tensor(dst=silu, data1=g, data2=sig, op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:kb], data1=silu, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
+
+
+def _recompute(ws, w_gate_res, w_up_res, kb, D, F, ps):
+    _feature_major(ws["xT"], ws["x"], kb, D, ps)
+    _project(ws["g"], w_gate_res, ws["xT"], kb, D, F, ps)
+    _project(ws["u"], w_up_res, ws["xT"], kb, D, F, ps)
+    _swiglu(ws, F, kb)
 
 
 def _combine(out, slots, slot_of_assignment, pid, lnc):
@@ -214,18 +247,19 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
     lo = min(nT, pid * per)
     hi = min(nT, lo + per)
     if hi > lo:
+        where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
+        part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
+        acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
+        result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
         for t in nl.dynamic_range(lo, hi):
-            where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf)
             nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
                                                                indirect_dim=0))
-            acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf)
             for k in range(K):
-                part = _gather_rows(slots, where[0:TT, k:k + 1], TT, slots.dtype)
+                _gather_into(part, slots, where[0:TT, k:k + 1])
                 if k == 0:
                     nisa.tensor_copy(dst=acc, src=part)
                 else:
                     nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-            result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=result, src=acc)
             nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0),
                           src=result)
@@ -245,28 +279,47 @@ def _segment_count(seg_count, pid):
     return _register(tile)
 
 
+def _store_chunk(dst_slots, chunk, row0, s0, sl, c0, cl):
+    """dst_slots[row0 + s0 : row0 + s0 + sl, c0 : c0 + cl] <- chunk [sl, cl] (row0 an int32 SBUF [1, 1] tile)."""
+    D = dst_slots.shape[1]
+    nisa.dma_copy(dst=dst_slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0,
+                                   indirect_dim=0), src=chunk)
+
+
 # -- forward -------------------------------------------------------------------------------------------------------------
-def _forward_block(b, x_pad, token_index, slot_weight, block_row, wgT, wuT, wdT, y_slots, kb):
-    io, D, F = x_pad.dtype, x_pad.shape[1], wgT.shape[2]
+def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb):
+    D, F = x_pad.shape[1], w[0].shape[2]
     row0 = _load_scalar(block_row, 0, b)
-    x_tok = _load_block([x_pad], token_index, b, kb)[0]
+    _load_block([ws["x"]], [x_pad], token_index, b, kb)
     affinity = _affinities(slot_weight, b, kb)
-    xT = _feature_major(x_tok, kb, D, io)
-    gT = _project_feature_major(wgT, xT, kb, D, F)
-    uT = _project_feature_major(wuT, xT, kb, D, F)
-    hT = _swiglu(gT, uT, F, kb, io)[2]
-    for s in range(len(x_tok)):
+    _recompute(ws, w[0], w[1], kb, D, F, ps)
+    for s in range(len(ws["x"])):
         sl = _width(kb, P, s)
-        y = nl.ndarray((sl, D), dtype=io, buffer=nl.sbuf)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
-            acc = nl.ndarray((sl, cl), dtype=F32, buffer=nl.psum)
+            acc = ps["acc"][0:sl, 0:cl]
             for i in range(_ntiles(F, P)):
                 fl = _width(F, P, i)
-                nisa.nc_matmul(dst=acc, stationary=hT[0:fl, i, s * P:s * P + sl], moving=wdT[0:fl, i, c0:c0 + cl],
-                               accumulate=i > 0)
-            nisa.tensor_scalar(dst=y[0:sl, c0:c0 + cl], data=acc, op0=nl.multiply, operand0=affinity[s])
-        nisa.dma_copy(dst=_rows_view(y_slots, s * P, sl, row0), src=y)
+                nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
+                               moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
+            chunk = ws["chunk"][0:sl, 0:cl]
+            nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=affinity[s])
+            _store_chunk(y_slots, chunk, row0, s * P, sl, c0, cl)
+
+
+def _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+                      w_gate_t, w_up_t, w_down_t, y_slots, kb):
+    """This core's expert segments (its own function so the workspace is freed before the combine)."""
+    D, F = x_pad.shape[1], w_gate_t.shape[2]
+    ws = _workspace(kb, D, F, x_pad.dtype, False)
+    ps = _psum_pool(x_pad.dtype)
+    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
+        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        w = (_load_expert_matrix(w_gate_t, e),  # [min(P, D), nD, F] W_gate^T, reused by every block of the segment
+             _load_expert_matrix(w_up_t, e),  # [min(P, D), nD, F] W_up^T
+             _load_expert_matrix(w_down_t, e))  # [min(P, F), nF, D] W_down^T
+        for b in nl.dynamic_range(begin, end):
+            _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb)
 
 
 @nki.jit
@@ -294,14 +347,9 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, se
     D = x_pad.shape[1]
     S = seg_expert.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    y_slots = nl.ndarray((nb * kb, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
-    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
-        wgT = _load_expert_matrix(w_gate_t, e)  # [min(P, D), nD, F], reused by every block of the segment
-        wuT = _load_expert_matrix(w_up_t, e)
-        wdT = _load_expert_matrix(w_down_t, e)  # [min(P, F), nF, D]
-        for b in nl.dynamic_range(begin, end):
-            _forward_block(b, x_pad, token_index, slot_weight, block_row, wgT, wuT, wdT, y_slots, kb)
+    y_slots = nl.ndarray((nb * kb, D), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
+    _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+                      w_gate_t, w_up_t, w_down_t, y_slots, kb)
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
@@ -310,67 +358,59 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, se
 
 
 # -- backward ------------------------------------------------------------------------------------------------------------
-def _broadcast_row(slot_weight, b, ones, parts, kb):
-    """SBUF [parts, kb] fp32, every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row on the PE."""
-    row = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0))
-    acc = nl.ndarray((parts, kb), dtype=F32, buffer=nl.psum)
-    nisa.nc_matmul(dst=acc, stationary=ones[0:1, 0:parts], moving=row, accumulate=False)
-    out = nl.ndarray((parts, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=acc)
-    return out
+def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
+    """ws["aff_b"] [parts, kb] fp32, every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
+    nisa.dma_copy(dst=ws["row"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
+                                                    indirect_dim=0))
+    acc = ps["acc"][0:parts, 0:kb]
+    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["row"], accumulate=False)
+    nisa.tensor_copy(dst=ws["aff_b"], src=acc)
 
 
-def _swiglu_backward(dhT, hT, uT, sig, silu, affinity_b, ones, d_slot, b, kb, F, io_dtype):
-    """Feature-major dgT, duT (io dtype) of one block; writes the affinity gradient row d_slot[b, :].
+def _swiglu_backward(ws, d_slot, b, kb, F, ps):
+    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (in ws["g"]); writes the affinity grads d_slot[b, :].
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
     then dh *= affinity, du = dh * silu(g), dg = dh * u * (sig + silu * (1 - sig)).
     """
-    n_f = hT.shape[1]
-    d_aff = nl.ndarray((1, kb), dtype=F32, buffer=nl.psum)
-    dgT = nl.ndarray(hT.shape, dtype=io_dtype, buffer=nl.sbuf)
-    duT = nl.ndarray(hT.shape, dtype=io_dtype, buffer=nl.sbuf)
-    for i in range(n_f):
+    d_aff = ps["aff"][0:1, 0:kb]
+    for i in range(_ntiles(F, P)):
         fl = _width(F, P, i)
-        dh = dhT[0:fl, i, 0:kb]
-        h = hT[0:fl, i, 0:kb]
-        scaled = nl.ndarray((fl, kb), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=scaled, data1=h, data2=dh, op=nl.multiply)
-        nisa.nc_matmul(dst=d_aff, stationary=ones[0:fl, 0:1], moving=scaled, accumulate=i > 0)
-        nisa.tensor_tensor(dst=scaled, data1=dh, data2=affinity_b[0:fl, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=duT[0:fl, i, 0:kb], data1=scaled, data2=silu[0:fl, i, 0:kb], op=nl.multiply)
-        dsilu = nl.ndarray((fl, kb), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=dsilu, data1=silu[0:fl, i, 0:kb], data2=sig[0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=dsilu, data1=silu[0:fl, i, 0:kb], data2=dsilu, op=nl.subtract)
-        nisa.tensor_tensor(dst=dsilu, data1=sig[0:fl, i, 0:kb], data2=dsilu, op=nl.add)
-        nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=uT[0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=dgT[0:fl, i, 0:kb], data1=scaled, data2=dsilu, op=nl.multiply)
-    staged = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=staged, src=d_aff)
-    nisa.dma_copy(dst=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0), src=staged)
-    return dgT, duT
+        dh, silu, sig = ws["g"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb]
+        t1, t2 = ws["tmp1"][0:fl, 0:kb], ws["tmp2"][0:fl, 0:kb]
+        nisa.tensor_tensor(dst=t1, data1=ws["h"][0:fl, i, 0:kb], data2=dh, op=nl.multiply)
+        nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=t1, accumulate=i > 0)
+        nisa.tensor_tensor(dst=t1, data1=dh, data2=ws["aff_b"][0:fl, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:kb], data1=t1, data2=silu, op=nl.multiply)
+        nisa.tensor_tensor(dst=t2, data1=silu, data2=sig, op=nl.multiply)
+        nisa.tensor_tensor(dst=t2, data1=silu, data2=t2, op=nl.subtract)
+        nisa.tensor_tensor(dst=t2, data1=sig, data2=t2, op=nl.add)
+        nisa.tensor_tensor(dst=t2, data1=t2, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["dg"][0:fl, i, 0:kb], data1=t1, data2=t2, op=nl.multiply)
+    nisa.tensor_copy(dst=ws["row"], src=d_aff)
+    nisa.dma_copy(dst=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0),
+                  src=ws["row"])
 
 
-def _dx_block(dx_slots, dgT, duT, wg, wu, row0, kb, D, F, io_dtype):
+def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps):
     """dx_slots rows of the block = dg @ W_gate[e] + du @ W_up[e] (resident natural [min(P, F), nF, D] tiles)."""
     for s in range(_ntiles(kb, P)):
         sl = _width(kb, P, s)
-        dx = nl.ndarray((sl, D), dtype=io_dtype, buffer=nl.sbuf)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
-            acc = nl.ndarray((sl, cl), dtype=F32, buffer=nl.psum)
+            acc = ps["acc"][0:sl, 0:cl]
             for i in range(_ntiles(F, P)):
                 fl = _width(F, P, i)
-                nisa.nc_matmul(dst=acc, stationary=dgT[0:fl, i, s * P:s * P + sl], moving=wg[0:fl, i, c0:c0 + cl],
-                               accumulate=i > 0)
-                nisa.nc_matmul(dst=acc, stationary=duT[0:fl, i, s * P:s * P + sl], moving=wu[0:fl, i, c0:c0 + cl],
-                               accumulate=True)
-            nisa.tensor_copy(dst=dx[0:sl, c0:c0 + cl], src=acc)
-        nisa.dma_copy(dst=_rows_view(dx_slots, s * P, sl, row0), src=dx)
+                nisa.nc_matmul(dst=acc, stationary=ws["dg"][0:fl, i, s * P:s * P + sl],
+                               moving=wg[0:fl, i, c0:c0 + cl], accumulate=i > 0)
+                nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
+                               moving=wu[0:fl, i, c0:c0 + cl], accumulate=True)
+            chunk = ws["chunk"][0:sl, 0:cl]
+            nisa.tensor_copy(dst=chunk, src=acc)
+            _store_chunk(dx_slots, chunk, row0, s * P, sl, c0, cl)
 
 
-def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok):
+def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps):
     """dw[e] += sum_s lhs_tok[s]^T @ rhs_tok[s] (tokens on partitions; dw an [E, R, C] fp32 HBM accumulator).
 
     Read-modify-write one [<=128, C] row band at a time (C * 4 bytes per partition per DMA).
@@ -378,55 +418,56 @@ def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok):
     R, C = dw.shape[1], dw.shape[2]
     for r in range(_ntiles(R, P)):
         r0, rl = r * P, _width(R, P, r)
-        total = nl.ndarray((rl, C), dtype=F32, buffer=nl.sbuf)
+        total = band[0:rl, 0:C]
         nisa.dma_copy(dst=total, src=_expert_rows(dw, e, r0, rl))
         for c in range(_ntiles(C, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(C, MOVING_FMAX, c)
-            acc = nl.ndarray((rl, cl), dtype=F32, buffer=nl.psum)
+            acc = ps["acc"][0:rl, 0:cl]
             for s in range(len(lhs_tok)):
                 sl = lhs_tok[s].shape[0]
                 nisa.nc_matmul(dst=acc, stationary=lhs_tok[s][0:sl, r0:r0 + rl], moving=rhs_tok[s][0:sl, c0:c0 + cl],
                                accumulate=s > 0)
-            nisa.tensor_tensor(dst=total[0:rl, c0:c0 + cl], data1=total[0:rl, c0:c0 + cl], data2=acc, op=nl.add)
+            nisa.tensor_tensor(dst=band[0:rl, c0:c0 + cl], data1=band[0:rl, c0:c0 + cl], data2=acc, op=nl.add)
         nisa.dma_copy(dst=_expert_rows(dw, e, r0, rl), src=total)
 
 
-def _block_activation_grads(x_tok, dy_tok, weights, ones, slot_weight, d_slot, b, kb):
-    """Recompute the block's forward and return feature-major (hT, dgT, duT); writes d_slot[b, :].
-
-    A helper of its own so xT, dyT, gT, uT, dhT and the SwiGLU intermediates are freed (SBUF) on return.
-    """
-    wgT, wuT, wd = weights[0], weights[1], weights[2]
-    io, D, F = x_tok[0].dtype, x_tok[0].shape[1], wgT.shape[2]
-    xT = _feature_major(x_tok, kb, D, io)
-    gT = _project_feature_major(wgT, xT, kb, D, F)
-    uT = _project_feature_major(wuT, xT, kb, D, F)
-    sig, silu, hT = _swiglu(gT, uT, F, kb, io)
-    dyT = _feature_major(dy_tok, kb, D, io)
-    dhT = _project_feature_major(wd, dyT, kb, D, F)  # (dy @ W_down[e])^T
-    affinity_b = _broadcast_row(slot_weight, b, ones, min(P, F), kb)
-    dgT, duT = _swiglu_backward(dhT, hT, uT, sig, silu, affinity_b, ones, d_slot, b, kb, F, io)
-    return hT, dgT, duT
-
-
-def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, weights, ones, dx_slots, d_slot,
-                    grads, kb):
-    dw_gate, dw_up, dw_down = grads
-    io, D, F = x_pad.dtype, x_pad.shape[1], weights[0].shape[2]
+def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot, grads,
+                    kb):
+    D, F = x_pad.shape[1], w[0].shape[2]
     row0 = _load_scalar(block_row, 0, b)
-    x_tok, dy_tok = _load_block([x_pad, dout_pad], token_index, b, kb)
+    _load_block([ws["x"], ws["dy"]], [x_pad, dout_pad], token_index, b, kb)
     affinity = _affinities(slot_weight, b, kb)
-    hT, dgT, duT = _block_activation_grads(x_tok, dy_tok, weights, ones, slot_weight, d_slot, b, kb)
-    _dx_block(dx_slots, dgT, duT, weights[3], weights[4], row0, kb, D, F, io)
+    _recompute(ws, w[0], w[1], kb, D, F, ps)
+    _feature_major(ws["xT"], ws["dy"], kb, D, ps)  # dyT (xT is no longer needed)
+    _project(ws["g"], w[2], ws["xT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T (gT is no longer needed)
+    _broadcast_row(ws, slot_weight, b, min(P, F), kb, ps)
+    _swiglu_backward(ws, d_slot, b, kb, F, ps)
+    _dx_block(dx_slots, ws, w[3], w[4], row0, kb, D, F, ps)
     # weight grads contract over the block's tokens: token-major operands
-    dy_scaled = []
-    for s in range(len(dy_tok)):
-        scaled = nl.ndarray(dy_tok[s].shape, dtype=io, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=scaled, data=dy_tok[s], op0=nl.multiply, operand0=affinity[s])
-        dy_scaled.append(scaled)
-    _accumulate_weight_grad(dw_gate, e, _token_major(dgT, kb, F, io), x_tok)
-    _accumulate_weight_grad(dw_up, e, _token_major(duT, kb, F, io), x_tok)
-    _accumulate_weight_grad(dw_down, e, dy_scaled, _token_major(hT, kb, F, io))
+    for s in range(len(ws["dy"])):
+        nisa.tensor_scalar(dst=ws["dy"][s], data=ws["dy"][s], op0=nl.multiply, operand0=affinity[s])
+    _token_major(ws["tok"], ws["dg"], kb, F, ps)
+    _accumulate_weight_grad(grads[0], e, ws["tok"], ws["x"], ws["band"], ps)
+    _token_major(ws["tok"], ws["du"], kb, F, ps)
+    _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps)
+    _token_major(ws["tok"], ws["h"], kb, F, ps)
+    _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps)
+
+
+def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
+                       seg_count, weights, dx_slots, d_slot, grads, kb):
+    """This core's expert segments (its own function so the workspace is freed before the combine)."""
+    D, F = x_pad.shape[1], weights[0].shape[2]
+    ws = _workspace(kb, D, F, x_pad.dtype, True)
+    ps = _psum_pool(x_pad.dtype)
+    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
+        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        w = (_load_expert_matrix(weights[0], e), _load_expert_matrix(weights[1], e),  # [min(P, D), nD, F] W^T
+             _load_expert_matrix(weights[2], e),  # [min(P, D), nD, F] natural W_down
+             _load_expert_matrix(weights[3], e), _load_expert_matrix(weights[4], e))  # [min(P, F), nF, D] natural
+        for b in nl.dynamic_range(begin, end):
+            _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot,
+                            grads, kb)
 
 
 def _zero_fill(t, zeros, pid, lnc):
@@ -483,11 +524,11 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
     nb, kb = token_index.shape
-    D, F = x_pad.shape[1], w_gate.shape[1]
+    D = x_pad.shape[1]
     S = seg_expert.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
     io = x_pad.dtype
-    dx_slots = nl.ndarray((nb * kb, D), dtype=io, buffer=nl.shared_hbm)
+    dx_slots = nl.ndarray((nb * kb, D), dtype=io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((nb, kb), dtype=F32, buffer=nl.shared_hbm)
     dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
@@ -498,17 +539,9 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_
         nisa.core_barrier(data=dw_gate, cores=(0, 1))
         nisa.core_barrier(data=dw_up, cores=(0, 1))
         nisa.core_barrier(data=dw_down, cores=(0, 1))
-    ones = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    grads = (dw_gate, dw_up, dw_down)
-    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
-        weights = (_load_expert_matrix(w_gate_t, e), _load_expert_matrix(w_up_t, e),  # [min(P, D), nD, F]
-                   _load_expert_matrix(w_down, e),  # [min(P, D), nD, F] natural W_down
-                   _load_expert_matrix(w_gate, e), _load_expert_matrix(w_up, e))  # [min(P, F), nF, D]
-        for b in nl.dynamic_range(begin, end):
-            _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, weights, ones, dx_slots,
-                            d_slot, grads, kb)
+    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
+                       seg_count, (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot,
+                       (dw_gate, dw_up, dw_down), kb)
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
