@@ -13,6 +13,12 @@ nl, nisa = nki.language, nki.isa
 RNG = np.random.default_rng(1)
 
 
+@pytest.fixture(autouse=True)
+def _plain_calls_at_lnc1(monkeypatch):
+    """A plain kernel(...) call takes its LNC from NEURON_LOGICAL_NC_CONFIG; these tests mean LNC 1 by it."""
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+
+
 def rand(*shape):
     return RNG.standard_normal(shape).astype(np.float32)
 
@@ -53,6 +59,15 @@ def test_lnc2_split_with_barrier_matches_numpy():
     expected = np.concatenate([x[:4] + x[4:], x[4:] + x[:4]])
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(split_rows_then_swap(x), 2 * x)  # LNC 1: one core, its own half twice
+
+
+def test_plain_call_takes_lnc_from_environment(monkeypatch):
+    x = rand(8, 6)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    np.testing.assert_array_equal(split_rows_then_swap(x), np.concatenate([x[:4] + x[4:], x[4:] + x[:4]]))
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
+    with raises("lnc-grid"):
+        split_rows_then_swap(x)
 
 
 def test_program_id_and_num_programs():

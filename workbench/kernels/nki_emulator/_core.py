@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 from typing import Any
 
@@ -27,7 +28,7 @@ URL_TRN2 = f"{DOCS}/latest/nki/about/trainium2_arch.html"
 URL_TILE_SIZE = f"{DOCS}/v2.33.0/nki/api/nki.language.tile_size.html"
 URL_NKI_TENSOR = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.NkiTensor.html"
 URL_AP = f"{DOCS}/latest/nki/deep-dives/nki-aps.html"
-URL_LNC = f"{DOCS}/latest/about-neuron/arch/neuron-features/logical-neuroncore-config.html"
+URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
 
 # Hardware numbers (NeuronCore-v3 / Trainium2). 128 partitions; PSUM is 2 MiB = 128 x 16 KiB organised in
 # 8 banks of 2 KiB (512 fp32) per partition; SBUF is 28 MiB = 128 x 224 KiB on NeuronCore-v3.
@@ -417,7 +418,8 @@ def _lnc_hint(storage: _Storage) -> str:
 
 # -- kernel entry point --------------------------------------------------------------------------------------------
 class Kernel:
-    """An emulated `@nki.jit` kernel: `kernel(*args)` launches at LNC 1, `kernel[lnc](*args)` on an LNC grid.
+    """An emulated `@nki.jit` kernel: `kernel[lnc](*args)` launches on an LNC grid; `kernel(*args)` at the LNC of
+    NEURON_LOGICAL_NC_CONFIG (1 when unset), as the NKI LNC page describes.
 
     Call it with torch tensors or numpy arrays (they become shared HBM tensors). Returns torch tensors when any
     argument was a torch tensor, numpy arrays otherwise (bfloat16 outputs come back as float32 numpy, numpy having
@@ -425,7 +427,7 @@ class Kernel:
     source (and the helpers it calls) against the NKI Python subset (`_subset.py`).
     """
 
-    def __init__(self, func, options: dict, lnc: int = 1):
+    def __init__(self, func, options: dict, lnc: int | None = None):
         functools.update_wrapper(self, func)
         self.func, self.options, self.lnc = func, options, lnc
         self.__wrapped_kernel__ = func
@@ -447,7 +449,8 @@ class Kernel:
                 _from_array(a, SHARED_HBM, f"arg{i}") if isinstance(a, (torch.Tensor, np.ndarray)) else a
                 for i, a in enumerate(args)
             ]
-            results = _runtime.run_launch(self.lnc, lambda: self.func(*hbm_args, **kwargs))
+            lnc = self.lnc if self.lnc is not None else _env_lnc()
+            results = _runtime.run_launch(lnc, lambda: self.func(*hbm_args, **kwargs))
             result = results[0]
             outs = result if isinstance(result, tuple) else (result,)
             for k, other in enumerate(results[1:], start=1):
@@ -460,6 +463,14 @@ class Kernel:
         finally:
             torch.set_num_threads(threads)
         return converted if isinstance(result, tuple) else converted[0]
+
+
+def _env_lnc() -> int:
+    """LNC of a launch without brackets: NEURON_LOGICAL_NC_CONFIG when set, else 1 (the LNC page and NCC_EVRF066)."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1")
+    if value not in ("1", "2"):
+        raise violation("lnc-grid", f"NEURON_LOGICAL_NC_CONFIG={value!r}: the LNC degree is 1 or 2", URL_LNC)
+    return int(value)
 
 
 def jit(func=None, **options):

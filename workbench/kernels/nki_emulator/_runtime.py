@@ -26,7 +26,7 @@ URL_PROGRAM_ID = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.program_id.html
 URL_BARRIER = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.core_barrier.html"
 URL_DYNAMIC = f"{DOCS}/latest/nki/deep-dives/nki-dynamic-loops.html"
 URL_REGISTER = f"{DOCS}/v2.32.0/nki/api/generated/nki.isa.VirtualRegister.html"
-URL_LNC = f"{DOCS}/latest/about-neuron/arch/neuron-features/logical-neuroncore-config.html"
+URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
 
 
 def _violation(rule, detail, url):
@@ -375,8 +375,9 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     if tuple(cores) != (0, 1):
         raise _violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
     if launch.lnc == 1:
-        raise _violation("lnc-barrier", "core_barrier at LNC 1: the instruction is only allowed when LNC is enabled "
-                         "(launch kernel[2]); at LNC 1 no other core runs this kernel", URL_BARRIER)
+        raise _violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: the paired physical core is a "
+                         "separate logical core that does not run this kernel, so nothing in it reaches the barrier "
+                         "(it would hang); launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
     if not isinstance(data, View) or data.buffer is not SHARED_HBM:
         raise _violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
                          f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
