@@ -400,12 +400,15 @@ def test_counters_dma_sizes_and_pe_flops():
         nisa.tensor_copy(dst=res, src=acc)
         out = nl.ndarray(acc.shape, dtype=nl.float32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=res)
+        t_psum = nl.ndarray((acc.shape[1], acc.shape[0]), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=t_psum, data=res)  # SBUF -> PSUM: Tensor Engine
         return out
 
     a, b = rand(16, 8), rand(16, 32)
     with counters() as c:
         np.testing.assert_allclose(matmul[1](a, b), a.T @ b, rtol=1e-5, atol=1e-5)
-    assert c.pe_flops == 2 * 16 * 8 * 32
+    assert c.pe_transpose_flops == 2 * 8 * 8 * 32
+    assert c.pe_flops == 2 * 16 * 8 * 32 + c.pe_transpose_flops
     assert c.dma_count == 3 and c.dma_bytes == 4 * (16 * 8 + 16 * 32 + 8 * 32)
     assert [s[:2] for s in c.dma_sizes] == [(16 * 8 * 4, 8 * 4), (16 * 32 * 4, 32 * 4), (8 * 32 * 4, 32 * 4)]
-    assert c.executed == {"dma": 3, "tensor": 1, "vector": 1} and c.static == c.executed
+    assert c.executed == {"dma": 3, "tensor": 2, "vector": 1} and c.static == c.executed

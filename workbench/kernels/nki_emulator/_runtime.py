@@ -43,7 +43,8 @@ class Counters:
     static: engine -> instructions in the traced program (one launch: max over its cores);
     executed: engine -> instructions executed by all cores, every dynamic-loop iteration counted;
     dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
-    pe_flops: 2*K*M*N per executed nc_matmul; loop_trips: "file:line" of a dynamic_range -> iterations run.
+    pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
+    on the PE array; that part alone is pe_transpose_flops); loop_trips: "file:line" of a dynamic_range -> iterations run.
     """
 
     static: dict = field(default_factory=dict)
@@ -52,6 +53,7 @@ class Counters:
     dma_bytes: int = 0
     dma_sizes: list = field(default_factory=list)
     pe_flops: int = 0
+    pe_transpose_flops: int = 0
     loop_trips: dict = field(default_factory=dict)
     launches: int = 0
 
@@ -304,6 +306,7 @@ def _merge(into: Counters, add: Counters) -> None:
     into.dma_bytes += add.dma_bytes
     into.dma_sizes.extend(add.dma_sizes)
     into.pe_flops += add.pe_flops
+    into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
 
 

@@ -180,8 +180,15 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     elif p > 32 or f > 32:
         raise violation("transpose-size", f"Vector Engine transpose (dst in {dst.buffer}) handles up to [32, 32]; "
                         f"data is {(p, f)}; write the result to PSUM to use the Tensor Engine", url)
-    emit("tensor" if tensor_engine else "vector", op,
-         lambda: dst.write(data.read().reshape(p, f).T.contiguous()))
+
+    def run():
+        dst.write(data.read().reshape(p, f).T.contiguous())
+        if tensor_engine:  # the PE array transposes by a matmul against identity: 2 * p * p * f FLOPs
+            stats = current().stats
+            stats.pe_flops += 2 * p * p * f
+            stats.pe_transpose_flops += 2 * p * p * f
+
+    emit("tensor" if tensor_engine else "vector", op, run)
 
 
 # -- DMA ---------------------------------------------------------------------------------------------------------------
