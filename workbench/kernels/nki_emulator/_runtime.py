@@ -14,7 +14,6 @@ runtime iteration, which is how the hardware loop of the NKI dynamic-loops deep 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -44,7 +43,8 @@ class Counters:
     executed: engine -> instructions executed by all cores, every dynamic-loop iteration counted;
     dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
     pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
-    on the PE array; that part alone is pe_transpose_flops); loop_trips: "file:line" of a dynamic_range -> iterations run.
+    on the PE array; that part alone is pe_transpose_flops);
+    loop_trips: "file:line" of a dynamic_range -> iterations run.
     """
 
     static: dict = field(default_factory=dict)
@@ -353,8 +353,8 @@ def _run_cores(launch: Launch, body):
                 launch.check_races(f"epoch {launch.epoch}")
                 continue
             counts = {k: s for k, s in enumerate(state)}
-            raise _violation("lnc-barrier", f"cores disagree on the number of nisa.core_barrier calls (states {counts}):"
-                             " every core must reach every barrier, or the waiting core hangs", URL_BARRIER)
+            raise _violation("lnc-barrier", f"cores disagree on the number of nisa.core_barrier calls (states "
+                             f"{counts}): every core must reach every barrier, or the waiting core hangs", URL_BARRIER)
     finally:
         launch.abort = True
         for k in range(launch.lnc):
