@@ -412,3 +412,27 @@ def test_counters_dma_sizes_and_pe_flops():
     assert c.dma_count == 3 and c.dma_bytes == 4 * (16 * 8 + 16 * 32 + 8 * 32)
     assert [s[:2] for s in c.dma_sizes] == [(16 * 8 * 4, 8 * 4), (16 * 32 * 4, 32 * 4), (8 * 32 * 4, 32 * 4)]
     assert c.executed == {"dma": 3, "tensor": 2, "vector": 1} and c.static == c.executed
+
+
+def test_register_and_dma_compute_rules():
+    def unset_register_as_bound(x):
+        reg = nisa.register_alloc()
+        for i in nl.dynamic_range(reg):
+            pass
+
+    def register_load_from_fp32(x):
+        nisa.register_load(nisa.register_alloc(), load(x))
+
+    def dma_compute_multiply(x):
+        t = load(x)
+        nisa.dma_compute(dst=t, srcs=[t, t], reduce_op=nl.multiply)
+
+    def dma_compute_scaled(x):
+        t = load(x)
+        nisa.dma_compute(dst=t, srcs=[t, t], reduce_op=nl.add, scales=[1.0, 2.0])
+
+    for body, rule in ((unset_register_as_bound, "register-uninitialized"),
+                       (register_load_from_fp32, "register-operand"), (dma_compute_multiply, "dma-compute-op"),
+                       (dma_compute_scaled, "dma-compute-op")):
+        with raises(rule):
+            nki.jit(body)(rand(1, 1))
