@@ -112,6 +112,22 @@ def test_race_read_of_other_cores_write_without_barrier():
         unfenced[2](rand(2, 2), rand(2, 2))
 
 
+def test_race_on_unwritten_scratch_names_both_instructions():
+    @nki.jit
+    def unfenced_scratch(x):  # the exchange buffer is kernel scratch: core 0 reads core 1's row before it exists
+        c = nl.program_id(0)
+        half = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm, name="half")
+        nisa.dma_copy(dst=half[c:c + 1, 0:2], src=load(x[c:c + 1, 0:2]))
+        theirs = load(half[1 - c:2 - c, 0:2])
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[c:c + 1, 0:2], src=theirs)
+        return out
+
+    with raises("lnc-race", "core [01]: dma_copy at test_emulator_lnc.py:\\d+ writes element \\d+ of shared HBM "
+                "tensor half that core [01]: dma_copy at test_emulator_lnc.py:\\d+ reads"):
+        unfenced_scratch[2](rand(2, 2))
+
+
 def test_barrier_rules():
     @nki.jit
     def barrier_at_lnc1(x):

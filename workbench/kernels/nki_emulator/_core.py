@@ -271,8 +271,8 @@ class Tensor:
     def read(self) -> torch.Tensor:
         self._access("r")
         if not bool(self._init.all()):
-            raise violation("uninitialized-read", f"{self} is read before every element was written "
-                            f"(NKI allocations are not initialised){_lnc_hint(self._storage)}", URL_TILING)
+            _uninitialized(self._storage, f"{self} is read before every element was written (NKI allocations are "
+                           "not initialised)")
         return self._data.clone()
 
     def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
@@ -383,8 +383,7 @@ class AccessPattern:
     def read(self) -> torch.Tensor:
         flat = self._flat_index("r")
         if not bool(self.root._storage.init.reshape(-1)[flat].all()):
-            raise violation("uninitialized-read", f"{self} reads elements never written"
-                            f"{_lnc_hint(self.root._storage)}", URL_TILING)
+            _uninitialized(self.root._storage, f"{self} reads elements never written")
         return self.root._storage.data.reshape(-1)[flat].clone()
 
     def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
@@ -408,12 +407,23 @@ def _check_owner(storage: _Storage) -> None:
                         "(and nl.hbm is private); exchange data through nl.shared_hbm and a core_barrier", URL_LNC)
 
 
-def _lnc_hint(storage: _Storage) -> str:
+def _uninitialized(storage: _Storage, detail: str) -> None:
+    """Raise `uninitialized-read`, or under LNC > 1 on shared HBM defer it to the next barrier.
+
+    Cores run one at a time, so reading what the other core writes later in the same epoch finds it unwritten
+    here. Deferring lets the epoch finish: the race check at the barrier then names both instructions
+    (`lnc-race`); if there was no race the deferred error is raised there (or as soon as the garbage read makes
+    anything else fail).
+    """
     launch = _runtime.current()
+    error = violation("uninitialized-read", detail, URL_TILING)
     if launch is None or launch.lnc == 1 or not storage.shared:
-        return ""
-    return (f"; under LNC {launch.lnc} the emulator runs core 0 up to its next core_barrier before core 1: if another "
-            "core writes these elements, a nisa.core_barrier must separate the write from this read")
+        raise error
+    if launch.pending is None:
+        launch.pending = violation(
+            "uninitialized-read", f"{detail}; under LNC {launch.lnc} the emulator runs core 0 up to its next "
+            "core_barrier before core 1: if another core writes these elements, a nisa.core_barrier must separate "
+            "the write from this read", URL_TILING)
 
 
 # -- kernel entry point --------------------------------------------------------------------------------------------

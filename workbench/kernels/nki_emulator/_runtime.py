@@ -143,6 +143,7 @@ class Launch:
         self.current = None  # description of the instruction executing now
         self.epoch = 0
         self.abort = False
+        self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
 
     # instructions ----------------------------------------------------------------------------------------------
     def emit(self, engine: str, op: str, run, site: str) -> None:
@@ -200,6 +201,8 @@ class Launch:
                         self._report(storage, recs, a, b, int(clash.nonzero()[0]), where)
         self.log.clear()
         self.epoch += 1
+        if self.pending is not None:
+            raise self.pending
 
     def _report(self, storage, recs, a: int, b: int, elem: int, where: str):
         def first(core, kinds):
@@ -346,7 +349,8 @@ def _run_cores(launch: Launch, body):
                     go[k].release()
                     yielded.acquire()
                     if errors[k] is not None:
-                        raise errors[k]
+                        # garbage from a deferred unwritten read can fail anything after it: report the cause
+                        raise launch.pending or errors[k]
             if all(s == "done" for s in state):
                 return results
             if all(s == "barrier" for s in state):
