@@ -98,12 +98,6 @@ def _load_expert_matrix(w, e):
     return tile
 
 
-def _rows_view(t, r0, rows, reg):
-    """HBM view t[reg + r0 : reg + r0 + rows, :] of a 2-D tensor (reg: int32 SBUF [1, 1] tile or register)."""
-    cols = t.shape[1]
-    return t.ap(pattern=[[cols, rows], [1, cols]], offset=r0 * cols, scalar_offset=reg, indirect_dim=0)
-
-
 def _expert_rows(w, e, r0, rows):
     """HBM view w[e, r0:r0+rows, :] of an [E, R, C] tensor."""
     cols = w.shape[2]
