@@ -169,30 +169,55 @@ def nki_on_device(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def neuron_kernels() -> Kernels:
-    """The kernels registered as TorchNeuron custom ops (`torch_neuronx.nki_op`, a torch.library custom op).
+def neuron_moe_op():
+    """The kernels as one TorchNeuron custom op with autograd, so `torch.compile` sees a single node (no break).
 
-    unverified: written from docs (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html);
-    nothing here has run on Trainium. Autograd comes from `BlockwiseMoEFunction`, which calls these two ops.
+    `torch_neuronx.nki_op` turns a function calling `@nki.jit` kernels into a torch.library custom op; its
+    `register_autograd(backward, setup_context=...)` attaches the backward op, as
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html describes.
+    unverified: written from those docs; nothing here has run on Trainium. Only called where `nki_on_device`.
     """
     from torch_neuronx import nki_op
 
     Tensor = torch.Tensor
 
     @nki_op("workbench::moe_blockwise_fwd", mutates_args={})
-    def moe_fwd(x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, block_to_expert: Tensor,
-                slot_of_assignment: Tensor, w_gate_t: Tensor, w_up_t: Tensor, w_down_t: Tensor) -> Tensor:
-        return nki_moe.moe_blockwise_fwd(x_pad, token_index, slot_weight, block_to_expert, slot_of_assignment,
-                                         w_gate_t, w_up_t, w_down_t)
+    def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, block_row: Tensor,
+                seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor, slot_of_assignment: Tensor,
+                w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+        io = x_pad.dtype
+        return nki_moe.moe_blockwise_fwd[lnc](
+            x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+            slot_of_assignment, _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
-    def moe_bwd(x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor, slot_weight_row: Tensor,
-                block_to_expert: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                w_gate_t: Tensor, w_up_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return nki_moe.moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, slot_weight_row,
-                                         block_to_expert, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t)
+    def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
+                block_row: Tensor, seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor,
+                slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
+                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        io = x_pad.dtype
+        return nki_moe.moe_blockwise_bwd[lnc](
+            x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+            slot_of_assignment, w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
+            _transposed(w_gate, io), _transposed(w_up, io))
 
-    return Kernels(moe_fwd, moe_bwd)
+    def setup_context(ctx, inputs, output):
+        ctx.lnc = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    def backward(ctx, dout):
+        x_pad, *plan, w_gate, w_up, w_down = ctx.saved_tensors
+        T = x_pad.shape[0] - 1  # rows past T of out are padded tokens: their grads are dropped, row T is zero
+        dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
+        dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(ctx.lnc, x_pad, dout_pad, *plan, w_gate, w_up, w_down)
+        grads = [None] * 13
+        grads[1] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
+        grads[3] = d_slot
+        grads[10], grads[11], grads[12] = dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype)
+        return tuple(grads)
+
+    moe_fwd.register_autograd(backward, setup_context=setup_context)
+    return moe_fwd
 
 
 def _on_host(kernel) -> Callable:
@@ -227,10 +252,14 @@ def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, 
 
     _, _, E, _, _ = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     plan = plan_blocks(topk_ids_TK, E, block_size)
-    kernels = neuron_kernels() if nki_on_device(x_TD) else HOST_KERNELS
     kplan = KernelPlan.from_plan(plan, E, logical_nc_config() if lnc is None else lnc)
-    return BlockwiseMoEFunction.apply(x_TD, slot_weights(topk_weights_TK, plan), w_gate_EFD, w_up_EFD, w_down_EDF,
-                                      kplan, kernels)
+    slot_w = slot_weights(topk_weights_TK, plan)
+    if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
+        out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
+                              slot_w.float().view(kplan.token_index.shape), *kplan.plan_args()[1:],
+                              kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)
+        return kplan.tokens(out).to(x_TD.dtype)
+    return BlockwiseMoEFunction.apply(x_TD, slot_w, w_gate_EFD, w_up_EFD, w_down_EDF, kplan, HOST_KERNELS)
 
 
 def blockwise_moe_auto(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
