@@ -109,10 +109,12 @@ def test_nc_transpose_tensor_and_vector_engine():
 @pytest.mark.parametrize("op,ref", [("add", np.add), ("subtract", np.subtract), ("multiply", np.multiply),
                                     ("maximum", np.maximum)])
 def test_tensor_tensor(op, ref):
+    op_token = getattr(nl, op)  # outside the kernel: getattr() is not in the NKI Python subset
+
     @nki.jit
     def kernel(a, b):
         out = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=out, data1=load(a), data2=load(b), op=getattr(nl, op))
+        nisa.tensor_tensor(dst=out, data1=load(a), data2=load(b), op=op_token)
         return store(out)
 
     a, b = rand(8, 3, 5), rand(8, 3, 5)
@@ -175,18 +177,26 @@ def run(body, *arrays):
 
 
 def test_partition_dim_limit():
+    def too_many_partitions(_):
+        nl.ndarray((129, 4), dtype=nl.float32, buffer=nl.sbuf)
+
     with raises("partition-dim-limit"):
-        run(lambda _: nl.ndarray((129, 4), dtype=nl.float32, buffer=nl.sbuf))
+        run(too_many_partitions)
 
 
 def test_psum_bank_size():
+    def over_one_bank(_):
+        nl.ndarray((128, 513), dtype=nl.float32, buffer=nl.psum)
+
     with raises("psum-bank-size"):
-        run(lambda _: nl.ndarray((128, 513), dtype=nl.float32, buffer=nl.psum))
+        run(over_one_bank)
 
 
 def test_psum_and_sbuf_capacity():
     def too_much_psum(_):
-        banks = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(8)]
+        banks = []
+        for _ in range(8):
+            banks.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum))
         banks.append(nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum))
 
     def too_much_sbuf(_):
@@ -355,5 +365,8 @@ def test_uninitialized_read_and_kernel_outputs():
         run(read_garbage)
     with raises("uninitialized-read"):
         run(half_written_output)
+    def returns_sbuf(x):
+        return load(x)
+
     with raises("kernel-output"):
-        run(lambda x: load(x))
+        run(returns_sbuf)

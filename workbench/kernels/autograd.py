@@ -21,13 +21,15 @@ from workbench.kernels.nki_api import REAL_NKI, nki
 
 
 def kernel_block_size(block_size: int) -> int:
-    """Rows per kernel block: the plan's block if <= 128, else the largest of 512/384/256/128 dividing it.
+    """Rows per kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
 
-    A plan block larger than that is several consecutive kernel blocks with the same expert.
+    A plan block larger than that is several consecutive kernel blocks with the same expert (one segment, so
+    the expert's weights are still loaded once). 256 keeps the backward's resident weights plus one block's
+    activations inside SBUF at D = 2048 (docs/nki_kernels.md).
     """
     if 1 <= block_size <= nki_moe.P:
         return block_size
-    for kb in (512, 384, 256, 128):
+    for kb in (256, 128):
         if block_size % kb == 0:
             return kb
     raise ValueError(f"the NKI kernels need block_size <= 128 or a multiple of 128, got {block_size}")
@@ -35,20 +37,81 @@ def kernel_block_size(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """The block plan in the kernels' int32 layouts (see `nki_moe.moe_blockwise_fwd`)."""
+    """The block plan in the kernels' int32 layouts (see `nki_moe.moe_blockwise_fwd`), for `lnc` cores.
 
-    token_index: torch.Tensor  # [N, 1]
-    block_to_expert: torch.Tensor  # [NB, 1], one entry per kernel block
-    slot_of_assignment: torch.Tensor  # [T, K]
+    Built with static-shaped tensor ops only (no host sync), so the kernels' input shapes depend on (T, K, E,
+    block size, lnc) alone.
+    """
+
+    token_index: torch.Tensor  # [NB, KB]
+    block_row: torch.Tensor  # [NB, 1]
+    seg_expert: torch.Tensor  # [lnc * E, 1]
+    seg_begin: torch.Tensor  # [lnc * E, 1]
+    seg_end: torch.Tensor  # [lnc * E, 1]
+    seg_count: torch.Tensor  # [lnc, 1]
+    slot_of_assignment: torch.Tensor  # [nT, TT, K]
+    num_tokens: int
+    lnc: int
 
     @classmethod
-    def from_plan(cls, plan: BlockPlan) -> "KernelPlan":
-        repeat = plan.block_size // kernel_block_size(plan.block_size)
+    def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int) -> "KernelPlan":
+        kb = kernel_block_size(plan.block_size)
+        repeat = plan.block_size // kb
+        nb = plan.max_blocks * repeat
+        i32 = torch.int32
+        # kernel blocks per expert and where each expert's run starts / ends (experts are sorted in the plan)
+        bte = plan.block_to_expert_B.repeat_interleave(repeat)
+        real = torch.arange(nb, device=bte.device) < plan.num_blocks * repeat
+        blocks_E = torch.zeros(num_experts, dtype=torch.long, device=bte.device).index_add_(0, bte, real.long())
+        end_E = blocks_E.cumsum(0)
+        begin_E = end_E - blocks_E
+        # segments: the non-empty experts in order (one segment each: an expert's blocks are consecutive)
+        order = torch.argsort((blocks_E == 0).to(torch.int8), stable=True)
+        nseg = (blocks_E > 0).sum()
+        seg_e, seg_b, seg_x = order, begin_E[order], end_E[order]
+        valid = torch.arange(num_experts, device=bte.device) < nseg
+        if lnc == 1:
+            cuts = torch.stack([torch.zeros_like(nseg), nseg])
+        else:
+            # split between two cores at the segment boundary closest to half the real blocks
+            total = end_E[-1]
+            ends = torch.where(valid, seg_x, total)
+            k = (2 * ends <= total).sum()
+            k_up = torch.clamp(k + 1, max=nseg)
+            end_at = lambda j: torch.where(j > 0, ends[torch.clamp(j - 1, min=0)], torch.zeros_like(total))  # noqa: E731
+            better_up = (2 * end_at(k_up) - total).abs() < (2 * end_at(k) - total).abs()
+            cut = torch.where(better_up, k_up, k)
+            cuts = torch.stack([torch.zeros_like(nseg), cut, nseg])
+        rows, counts = [], []
+        for c in range(lnc):
+            idx = torch.clamp(torch.arange(num_experts, device=bte.device) + cuts[c], max=num_experts - 1)
+            live = torch.arange(num_experts, device=bte.device) < cuts[c + 1] - cuts[c]
+            rows.append((torch.where(live, seg_e[idx], 0), torch.where(live, seg_b[idx], 0),
+                         torch.where(live, seg_x[idx], 0)))
+            counts.append(cuts[c + 1] - cuts[c])
+        T, K = plan.slot_of_assignment_TK.shape
+        tt = min(T, nki_moe.P)
+        nt = -(-T // tt)
+        soa = F.pad(plan.slot_of_assignment_TK, (0, 0, 0, nt * tt - T))  # padded tokens read slot 0 (always real)
         return cls(
-            token_index=plan.token_index_N.to(torch.int32)[:, None],
-            block_to_expert=plan.block_to_expert_B.repeat_interleave(repeat).to(torch.int32)[:, None],
-            slot_of_assignment=plan.slot_of_assignment_TK.to(torch.int32),
+            token_index=plan.token_index_N.to(i32).view(nb, kb),
+            block_row=(torch.arange(nb, device=bte.device) * kb).to(i32)[:, None],
+            seg_expert=torch.cat([r[0] for r in rows]).to(i32)[:, None],
+            seg_begin=torch.cat([r[1] for r in rows]).to(i32)[:, None],
+            seg_end=torch.cat([r[2] for r in rows]).to(i32)[:, None],
+            seg_count=torch.stack(counts).to(i32)[:, None],
+            slot_of_assignment=soa.to(i32).view(nt, tt, K),
+            num_tokens=T,
+            lnc=lnc,
         )
+
+    def plan_args(self) -> tuple[torch.Tensor, ...]:
+        """token_index, block_row, seg_expert, seg_begin, seg_end, seg_count (kernel argument order)."""
+        return (self.token_index, self.block_row, self.seg_expert, self.seg_begin, self.seg_end, self.seg_count)
+
+    def tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """[nT, TT, D] kernel output -> [T, D]."""
+        return out.reshape(-1, out.shape[-1])[: self.num_tokens]
 
 
 @dataclass(frozen=True)
@@ -64,12 +127,13 @@ class BlockwiseMoEFunction(torch.autograd.Function):
     def forward(ctx, x_TD, slot_weight_N, w_gate_EFD, w_up_EFD, w_down_EDF, kplan: KernelPlan, kernels: Kernels):
         io = x_TD.dtype
         x_pad = F.pad(x_TD.contiguous(), (0, 0, 0, 1))
-        weight = slot_weight_N.detach().float()
+        weight = slot_weight_N.detach().float().view(kplan.token_index.shape)
         ctx.save_for_backward(x_pad, weight, w_gate_EFD, w_up_EFD, w_down_EDF)
         ctx.kplan, ctx.kernels, ctx.slot_dtype = kplan, kernels, slot_weight_N.dtype
-        return kernels.forward(x_pad, kplan.token_index, weight[:, None], kplan.block_to_expert,
-                               kplan.slot_of_assignment, _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io),
-                               _transposed(w_down_EDF, io))
+        out = kernels.forward(kplan.lnc, x_pad, kplan.token_index, weight, *kplan.plan_args()[1:],
+                              kplan.slot_of_assignment, _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io),
+                              _transposed(w_down_EDF, io))
+        return kplan.tokens(out)
 
     @staticmethod
     def backward(ctx, dout_TD):
@@ -77,11 +141,11 @@ class BlockwiseMoEFunction(torch.autograd.Function):
         kplan, io = ctx.kplan, x_pad.dtype
         dout_pad = F.pad(dout_TD.to(io).contiguous(), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = ctx.kernels.backward(
-            x_pad, dout_pad, kplan.token_index, weight[:, None], weight.view(kplan.block_to_expert.shape[0], -1),
-            kplan.block_to_expert, kplan.slot_of_assignment, w_gate.to(io).contiguous(), w_up.to(io).contiguous(),
-            w_down.to(io).contiguous(), _transposed(w_gate, io), _transposed(w_up, io))
-        return (dx, d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype),
-                dw_down.to(w_down.dtype), None, None)
+            kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.plan_args()[1:], kplan.slot_of_assignment,
+            w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
+            _transposed(w_gate, io), _transposed(w_up, io))
+        return (kplan.tokens(dx), d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate.to(w_gate.dtype),
+                dw_up.to(w_up.dtype), dw_down.to(w_down.dtype), None, None)
 
 
 def _transposed(w, dtype):
@@ -105,44 +169,69 @@ def nki_on_device(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def neuron_kernels() -> Kernels:
-    """The kernels registered as TorchNeuron custom ops (`torch_neuronx.nki_op`, a torch.library custom op).
+def neuron_moe_op():
+    """The kernels as one TorchNeuron custom op with autograd, so `torch.compile` sees a single node (no break).
 
-    unverified: written from docs (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html);
-    nothing here has run on Trainium. Autograd comes from `BlockwiseMoEFunction`, which calls these two ops.
+    `torch_neuronx.nki_op` turns a function calling `@nki.jit` kernels into a torch.library custom op; its
+    `register_autograd(backward, setup_context=...)` attaches the backward op, as
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/how-to-work-with-nki.html describes.
+    unverified: written from those docs; nothing here has run on Trainium. Only called where `nki_on_device`.
     """
     from torch_neuronx import nki_op
 
     Tensor = torch.Tensor
 
     @nki_op("workbench::moe_blockwise_fwd", mutates_args={})
-    def moe_fwd(x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, block_to_expert: Tensor,
-                slot_of_assignment: Tensor, w_gate_t: Tensor, w_up_t: Tensor, w_down_t: Tensor) -> Tensor:
-        return nki_moe.moe_blockwise_fwd(x_pad, token_index, slot_weight, block_to_expert, slot_of_assignment,
-                                         w_gate_t, w_up_t, w_down_t)
+    def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, block_row: Tensor,
+                seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor, slot_of_assignment: Tensor,
+                w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+        io = x_pad.dtype
+        return nki_moe.moe_blockwise_fwd[lnc](
+            x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+            slot_of_assignment, _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
-    def moe_bwd(x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor, slot_weight_row: Tensor,
-                block_to_expert: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-                w_gate_t: Tensor, w_up_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return nki_moe.moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, slot_weight_row,
-                                         block_to_expert, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t)
+    def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
+                block_row: Tensor, seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor,
+                slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
+                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        io = x_pad.dtype
+        return nki_moe.moe_blockwise_bwd[lnc](
+            x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+            slot_of_assignment, w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
+            _transposed(w_gate, io), _transposed(w_up, io))
 
-    return Kernels(moe_fwd, moe_bwd)
+    def setup_context(ctx, inputs, output):
+        ctx.lnc = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    def backward(ctx, dout):
+        x_pad, *plan, w_gate, w_up, w_down = ctx.saved_tensors
+        T = x_pad.shape[0] - 1  # rows past T of out are padded tokens: their grads are dropped, row T is zero
+        dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
+        dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(ctx.lnc, x_pad, dout_pad, *plan, w_gate, w_up, w_down)
+        grads = [None] * 13
+        grads[1] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
+        grads[3] = d_slot
+        grads[10], grads[11], grads[12] = dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype)
+        return tuple(grads)
+
+    moe_fwd.register_autograd(backward, setup_context=setup_context)
+    return moe_fwd
 
 
 def _on_host(kernel) -> Callable:
     """Run a kernel on CPU tensors: the emulator, or `nki.simulate` (fp32 numpy) where the real nki imports."""
 
-    def run(*args):
+    def run(lnc, *args):
         device = args[0].device
         if REAL_NKI:
             if any(a.dtype == torch.bfloat16 for a in args):
                 raise NotImplementedError("nki.simulate from this wrapper takes fp32 inputs (numpy has no bf16)")
-            outs = nki.simulate(kernel)(*(a.detach().cpu().numpy() for a in args))
+            outs = nki.simulate(kernel[lnc])(*(a.detach().cpu().numpy() for a in args))
             outs = tuple(torch.from_numpy(o) for o in (outs if isinstance(outs, tuple) else (outs,)))
         else:
-            outs = kernel(*(a.detach().cpu() for a in args))
+            outs = kernel[lnc](*(a.detach().cpu() for a in args))
             outs = outs if isinstance(outs, tuple) else (outs,)
         outs = tuple(o.to(device) for o in outs)
         return outs if len(outs) > 1 else outs[0]
@@ -153,13 +242,24 @@ def _on_host(kernel) -> Callable:
 HOST_KERNELS = Kernels(_on_host(nki_moe.moe_blockwise_fwd), _on_host(nki_moe.moe_blockwise_bwd))
 
 
-def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
-    """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator)."""
+def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int,
+                      lnc: int | None = None):
+    """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator).
+
+    `lnc`: logical NeuronCore degree the kernels launch with (default `logical_nc_config()`).
+    """
+    from workbench.kernels import logical_nc_config
+
     _, _, E, _, _ = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     plan = plan_blocks(topk_ids_TK, E, block_size)
-    kernels = neuron_kernels() if nki_on_device(x_TD) else HOST_KERNELS
-    return BlockwiseMoEFunction.apply(x_TD, slot_weights(topk_weights_TK, plan), w_gate_EFD, w_up_EFD, w_down_EDF,
-                                      KernelPlan.from_plan(plan), kernels)
+    kplan = KernelPlan.from_plan(plan, E, logical_nc_config() if lnc is None else lnc)
+    slot_w = slot_weights(topk_weights_TK, plan)
+    if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
+        out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
+                              slot_w.float().view(kplan.token_index.shape), *kplan.plan_args()[1:],
+                              kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)
+        return kplan.tokens(out).to(x_TD.dtype)
+    return BlockwiseMoEFunction.apply(x_TD, slot_w, w_gate_EFD, w_up_EFD, w_down_EDF, kplan, HOST_KERNELS)
 
 
 def blockwise_moe_auto(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):

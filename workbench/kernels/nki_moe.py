@@ -1,7 +1,7 @@
-"""NKI kernels for the blockwise Qwen3-MoE experts (forward and backward), standalone NKI API.
+"""NKI kernels for the blockwise Qwen3-MoE experts (forward and backward), standalone NKI API, LNC 1 or 2.
 
 Same algorithm as `moe_reference.blockwise_moe`; the host (`autograd.py`) builds the block plan and hands the
-kernels flat int32 index tensors. Per block of KB slots (one expert e, read at run time from `block_to_expert`):
+kernels int32 tables (design, cost numbers and the block-size sweep: docs/nki_kernels.md). Per block of KB slots:
 
     forward   gather x rows -> xT (features on partitions) -> gT, uT = W_gate/up[e] @ xT   (fp32 PSUM)
               hT = silu(gT) * uT -> y = h @ W_down[e]^T -> y * affinity -> y_slots rows
@@ -11,18 +11,30 @@ kernels flat int32 index tensors. Per block of KB slots (one expert e, read at r
               dx_slots = dg @ W_gate[e] + du @ W_up[e]; dW[e] += (per-slot grads)^T @ (block inputs);
               then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
 
-Layout rules this follows (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html):
-the matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving
-free <= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF.
-Block sizes: KB <= 128, or a multiple of 128 up to 512 (token sub-tiles of 128 on the partition axis; the
-gate/up matmuls stream all KB tokens as the moving operand). Matmul operands use the input dtype (bf16 on
-device); elementwise math is fp32. Weight tiles come from HBM per block through a runtime expert offset
-(`.ap(scalar_offset=...)`); token rows are gathered and combined through indirect DMA (`vector_offset`).
+How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html,
+.../nki/deep-dives/nki-dynamic-loops.html):
 
-Forward takes transposed weight copies (`w_gate_t`/`w_up_t` [E, D, F], `w_down_t` [E, F, D]) so the
-contraction dim of every forward matmul is contiguous in HBM; backward uses the natural torchtitan layouts
-for dx / dh and the transposed gate/up copies to recompute the forward. Weight gradients accumulate across the
-blocks of an expert with a read-modify-write of fp32 HBM accumulators (hence `sequential_range`).
+* **Segments.** The real blocks (sorted by expert) are cut into *segments*: runs of consecutive blocks with one
+  expert. The host gives every core its own list of whole segments (an expert never spans two cores, so the fp32
+  dW read-modify-write of an expert has one writer). Core `nl.program_id(0)` runs
+  `for s in nl.dynamic_range(n_segments)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
+  -> `for b in nl.dynamic_range(begin, end)` over the segment's blocks. Both loops are hardware loops: the body is
+  traced once, so the program size does not grow with T, and blocks past the real count are never visited.
+  Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF [1, 1] tile>)`.
+* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by blocks).
+  Shared HBM scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
+* **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
+  combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
+  scratch but needs a DMA read-modify-write whose two writers (cores, or two k of one token in flight) race; the
+  io-dtype scratch halves the old fp32 round trip.
+* Weight gradients accumulate across an expert's blocks with a read-modify-write of fp32 HBM rows: one expert's
+  dW (3 x D x F fp32, 18 MiB at 30B-A3B) fits neither PSUM nor SBUF next to the resident weights.
+
+Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html): the
+matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
+<= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF. Kernel blocks
+hold KB <= 256 slots (token sub-tiles of 128 on the partition axis). Matmul operands use the io dtype; elementwise
+math is fp32. The code sticks to the documented NKI Python subset (plain for loops over range, no comprehensions).
 
 Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
 """
@@ -34,329 +46,498 @@ from workbench.kernels.nki_api import nisa, nki, nl
 P = nl.tile_size.pmax  # 128 partitions
 MOVING_FMAX = nl.tile_size.gemm_moving_fmax  # 512: moving free size, also one fp32 PSUM bank
 F32 = nl.float32
+I32 = nl.int32
 
 
-def _spans(n: int, size: int) -> list[tuple[int, int]]:
-    """[(start, length)] tiles of `size` covering range(n); the last one may be shorter."""
-    return [(s, min(size, n - s)) for s in range(0, n, size)]
+def _ntiles(n, size):
+    return (n + size - 1) // size
+
+
+def _width(n, size, j):
+    """Length of tile j when range(n) is cut into tiles of `size` (the last one may be shorter)."""
+    return min(size, n - j * size)
 
 
 # -- data movement -----------------------------------------------------------------------------------------------------
-def _load_rows(src, r0, rows, cols, dtype):
-    """SBUF [rows, cols] <- contiguous rows r0.. of a 2-D HBM tensor (DMA casts to `dtype`)."""
-    tile = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src[r0:r0 + rows, 0:cols])
+def _load_scalar(table, row0, reg):
+    """int32 SBUF [1, 1] <- table[row0 + reg, 0] of an [R, 1] int32 HBM table (reg: a loop register)."""
+    tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, 1], [1, 1]], offset=row0, scalar_offset=reg, indirect_dim=0))
     return tile
 
 
-def _gather_rows(src, index, rows, dtype):
-    """SBUF [rows, C] with row i = src[index[i], :] (indirect DMA; `index` is an int32 SBUF [rows, 1] tile)."""
-    cols = src.shape[1]
-    tile = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src.ap(pattern=[[cols, rows], [1, cols]], offset=0, vector_offset=index,
-                                       indirect_dim=0))
+def _register(tile):
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, tile)
+    return reg
+
+
+def _block_column(table, b, s0, sl, dtype):
+    """SBUF [sl, 1] <- table[b, s0:s0+sl] of an [NB, KB] HBM table (one value per partition)."""
+    tile = nl.ndarray((sl, 1), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, sl], [1, 1]], offset=s0, scalar_offset=b, indirect_dim=0))
     return tile
 
 
-def _expert_view(w, e, r0, rows, c0, cols):
-    """HBM view w[e, r0:r0+rows, c0:c0+cols] of an [E, R, C] tensor, e an int32 SBUF [1, 1] tile (runtime)."""
-    width = w.shape[2]
-    return w.ap(pattern=[[width, rows], [1, cols]], offset=r0 * width + c0, scalar_offset=e, indirect_dim=0)
+def _load_expert_matrix(w, e):
+    """SBUF [min(P, R), ceil(R / P), C] <- w[e] of an [E, R, C] HBM tensor: row r at [r % P, r // P, :].
 
-
-def _load_expert_tile(w, e, r0, rows, c0, cols):
-    tile = nl.ndarray((rows, cols), dtype=w.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=_expert_view(w, e, r0, rows, c0, cols))
+    One DMA moves all full 128-row tiles (C * itemsize * R // 128 bytes per partition: 24 KiB for a
+    30B-A3B expert matrix), a second one the remainder rows. `e` is an int32 SBUF [1, 1] tile (runtime).
+    """
+    R, C = w.shape[1], w.shape[2]
+    rp = min(P, R)
+    nfull = R // rp
+    rem = R - nfull * rp
+    tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile[0:rp, 0:nfull, 0:C],
+                  src=w.ap(pattern=[[C, rp], [rp * C, nfull], [1, C]], offset=0, scalar_offset=e, indirect_dim=0))
+    if rem > 0:
+        nisa.dma_copy(dst=tile[0:rem, nfull, 0:C],
+                      src=w.ap(pattern=[[C, rem], [1, C]], offset=nfull * rp * C, scalar_offset=e, indirect_dim=0))
     return tile
 
 
-def _combine(out, slots, slot_of_assignment):
-    """out[t] = sum_k slots[slot_of_assignment[t, k]]: gather K rows per token, sum in fp32, cast on the store."""
-    T, K = slot_of_assignment.shape
-    D = slots.shape[1]
-    for t0, tl in _spans(T, P):
-        where = _load_rows(slot_of_assignment, t0, tl, K, nl.int32)
-        acc = _gather_rows(slots, where[0:tl, 0:1], tl, F32)
-        for k in nl.static_range(1, K):
-            part = _gather_rows(slots, where[0:tl, k:k + 1], tl, F32)
-            nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-        nisa.dma_copy(dst=out[t0:t0 + tl, 0:D], src=acc)
+def _expert_rows(w, e, r0, rows):
+    """HBM view w[e, r0:r0+rows, :] of an [E, R, C] tensor."""
+    cols = w.shape[2]
+    return w.ap(pattern=[[cols, rows], [1, cols]], offset=r0 * cols, scalar_offset=e, indirect_dim=0)
 
 
-def _zero_fill(t):
-    """Write zeros over an [E, R, C] fp32 HBM tensor (kernel outputs start uninitialised)."""
-    E, R, C = t.shape
-    zeros = nl.ndarray((min(P, R), min(MOVING_FMAX, C)), dtype=F32, buffer=nl.sbuf)
-    nisa.memset(dst=zeros, value=0.0)
-    for e in nl.affine_range(E):
-        for r0, rl in _spans(R, P):
-            for c0, cl in _spans(C, MOVING_FMAX):
-                nisa.dma_copy(dst=t[e, r0:r0 + rl, c0:c0 + cl], src=zeros[0:rl, 0:cl])
+# -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ------------------
+# A dynamic loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
+# the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
+# backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
+def _psum_pool(io_dtype):
+    return {
+        "t": nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"),
+        "acc": nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"),
+        "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad"),
+    }
+
+
+def _block_tiles(kb, width, dtype, name):
+    """One [sl, width] SBUF tile per 128-token sub-tile of a block (tokens on partitions)."""
+    tiles = []
+    for s in range(_ntiles(kb, P)):
+        tiles.append(nl.ndarray((_width(kb, P, s), width), dtype=dtype, buffer=nl.sbuf, name=name))
+    return tiles
+
+
+def _workspace(kb, D, F, io_dtype, backward):
+    dp, fp, nD, nF = min(P, D), min(P, F), _ntiles(D, P), _ntiles(F, P)
+    ws = {
+        "x": _block_tiles(kb, D, io_dtype, "x_tok"),
+        "xT": nl.ndarray((dp, nD, kb), dtype=io_dtype, buffer=nl.sbuf, name="xT"),  # backward: then dyT
+        "g": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="gT"),  # backward: then dhT
+        "u": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="uT"),
+        "sig": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="sigT"),
+        "silu": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="siluT"),
+        "h": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
+        "chunk": nl.ndarray((P, MOVING_FMAX), dtype=io_dtype, buffer=nl.sbuf, name="out_chunk"),
+    }
+    if backward:
+        ws["dy"] = _block_tiles(kb, D, io_dtype, "dy_tok")
+        ws["dg"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="dgT")
+        ws["du"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="duT")
+        ws["tmp1"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp1")
+        ws["tmp2"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp2")
+        ws["aff_b"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="affinity_bcast")
+        ws["row"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row")
+        ws["tok"] = _block_tiles(kb, F, io_dtype, "grad_tok")  # dg, then du, then h, token-major
+        ws["band"] = nl.ndarray((P, max(D, F)), dtype=F32, buffer=nl.sbuf, name="dw_band")
+        ws["ones"] = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="ones")
+        nisa.memset(dst=ws["ones"], value=1.0)
+    return ws
 
 
 # -- layout changes (Tensor Engine transposes through PSUM) -------------------------------------------------------------
-def _transpose_into(dst, src):
+def _transpose_into(dst, src, ps):
     """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
     p, f = src.shape
-    staged = nl.ndarray((f, p), dtype=src.dtype, buffer=nl.psum)
+    staged = ps["t"][0:f, 0:p]
     nisa.nc_transpose(dst=staged, data=src)
     nisa.tensor_copy(dst=dst, src=staged)
 
 
-def _feature_major(token_tiles, subs, width, dtype, kb):
-    """[min(P, width), n_tiles, kb] SBUF: the block's token-major [sl, width] tiles with features on partitions."""
-    tiles = _spans(width, P)
-    out = nl.ndarray((min(P, width), len(tiles), kb), dtype=dtype, buffer=nl.sbuf)
-    for j, (f0, fl) in enumerate(tiles):
-        for s, (s0, sl) in enumerate(subs):
-            _transpose_into(out[0:fl, j, s0:s0 + sl], token_tiles[s][0:sl, f0:f0 + fl])
-    return out
+def _feature_major(out, tok, kb, width, ps):
+    """out [min(P, width), n_tiles, kb] <- the block's token-major [sl, width] tiles, features on partitions."""
+    for j in range(_ntiles(width, P)):
+        fl = _width(width, P, j)
+        for s in range(len(tok)):
+            sl = _width(kb, P, s)
+            _transpose_into(out[0:fl, j, s * P:s * P + sl], tok[s][0:sl, j * P:j * P + fl], ps)
 
 
-def _token_major(feature_tile, subs, width, dtype):
-    """Inverse of `_feature_major`: one [sl, width] SBUF tile per token sub-tile."""
-    out = []
-    for s0, sl in subs:
-        tile = nl.ndarray((sl, width), dtype=dtype, buffer=nl.sbuf)
-        for j, (f0, fl) in enumerate(_spans(width, P)):
-            _transpose_into(tile[0:sl, f0:f0 + fl], feature_tile[0:fl, j, s0:s0 + sl])
-        out.append(tile)
-    return out
+def _token_major(tiles, feature, kb, width, ps):
+    """Inverse of `_feature_major`: fill one [sl, width] tile per token sub-tile."""
+    for s in range(len(tiles)):
+        sl = _width(kb, P, s)
+        for j in range(_ntiles(width, P)):
+            fl = _width(width, P, j)
+            _transpose_into(tiles[s][0:sl, j * P:j * P + fl], feature[0:fl, j, s * P:s * P + sl], ps)
 
 
 # -- expert MLP pieces ---------------------------------------------------------------------------------------------------
-def _load_block(src_pads, token_index, b, kb, subs):
-    """Gather the block's rows from each [T+1, D] HBM tensor in `src_pads` (padding slots read the zero row T)."""
-    index = [_load_rows(token_index, b * kb + s0, sl, 1, nl.int32) for s0, sl in subs]
-    return [[_gather_rows(src, index[s], sl, src.dtype) for s, (_, sl) in enumerate(subs)] for src in src_pads]
+def _gather_into(dst, src, index):
+    """dst [rows, C] with row i = src[index[i], :] (indirect DMA; `index` an int32 SBUF [rows, 1] tile)."""
+    rows, cols = dst.shape[0], src.shape[1]
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[cols, rows], [1, cols]], offset=0, vector_offset=index,
+                                      indirect_dim=0))
 
 
-def _gate_up(xT, e, w_gate_t, w_up_t, kb):
-    """gT, uT: fp32 SBUF [min(P, F), n_F, kb] = (x @ W^T)^T for the block's expert, contraction over D tiles."""
-    D, F = w_gate_t.shape[1], w_gate_t.shape[2]
-    f_tiles = _spans(F, P)
-    gT = nl.ndarray((min(P, F), len(f_tiles), kb), dtype=F32, buffer=nl.sbuf)
-    uT = nl.ndarray((min(P, F), len(f_tiles), kb), dtype=F32, buffer=nl.sbuf)
-    for i, (f0, fl) in enumerate(f_tiles):
-        for dst, w in ((gT, w_gate_t), (uT, w_up_t)):
-            acc = nl.ndarray((fl, kb), dtype=F32, buffer=nl.psum)
-            for j, (d0, dl) in enumerate(_spans(D, P)):
-                w_tile = _load_expert_tile(w, e, d0, dl, f0, fl)  # [dl, fl] of W^T
-                nisa.nc_matmul(dst=acc, stationary=w_tile, moving=xT[0:dl, j, 0:kb], accumulate=j > 0)
-            nisa.tensor_copy(dst=dst[0:fl, i, 0:kb], src=acc)
-    return gT, uT
+def _load_block(dsts, srcs, token_index, b, kb):
+    """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` (padding slots read the zero row T)."""
+    for s in range(_ntiles(kb, P)):
+        index = _block_column(token_index, b, s * P, _width(kb, P, s), I32)
+        for i in range(len(srcs)):
+            _gather_into(dsts[i][s], srcs[i], index)
 
 
-def _swiglu(gT, uT, F, kb, io_dtype):
+def _affinities(slot_weight, b, kb):
+    out = []
+    for s in range(_ntiles(kb, P)):
+        out.append(_block_column(slot_weight, b, s * P, _width(kb, P, s), F32))
+    return out
+
+
+def _project(out, w_res, xT, kb, D, n_out, ps):
+    """out (fp32 [min(P, n_out), n_tiles, kb]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]."""
+    for i in range(_ntiles(n_out, P)):
+        fl = _width(n_out, P, i)
+        acc = ps["acc"][0:fl, 0:kb]
+        for j in range(_ntiles(D, P)):
+            dl = _width(D, P, j)
+            nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:kb],
+                           accumulate=j > 0)
+        nisa.tensor_copy(dst=out[0:fl, i, 0:kb], src=acc)
+
+
+def _swiglu(ws, F, kb):
     """sig = sigmoid(g), silu = g * sig (fp32) and hT = silu * u (io dtype: it feeds the matmuls)."""
-    sig = nl.ndarray(gT.shape, dtype=F32, buffer=nl.sbuf)
-    silu = nl.ndarray(gT.shape, dtype=F32, buffer=nl.sbuf)
-    hT = nl.ndarray(gT.shape, dtype=io_dtype, buffer=nl.sbuf)
-    for i, (_, fl) in enumerate(_spans(F, P)):
-        g = gT[0:fl, i, 0:kb]
-        nisa.activation(dst=sig[0:fl, i, 0:kb], op=nl.sigmoid, data=g)
-        nisa.tensor_tensor(dst=silu[0:fl, i, 0:kb], data1=g, data2=sig[0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=hT[0:fl, i, 0:kb], data1=silu[0:fl, i, 0:kb], data2=uT[0:fl, i, 0:kb],
-                           op=nl.multiply)
-    return sig, silu, hT
+    for i in range(_ntiles(F, P)):
+        fl = _width(F, P, i)
+        g, sig, silu = ws["g"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb]
+        nisa.activation(dst=sig, op=nl.sigmoid, data=g)
+        nisa.tensor_tensor(dst=silu, data1=g, data2=sig, op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:kb], data1=silu, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
 
 
-def _recompute_block(x_tok, e, w_gate_t, w_up_t, subs, kb, io_dtype):
-    """Forward of one block up to the SwiGLU output: (xT, gT, uT, sig, silu, hT), all feature-major."""
-    D, F = w_gate_t.shape[1], w_gate_t.shape[2]
-    xT = _feature_major(x_tok, subs, D, io_dtype, kb)
-    gT, uT = _gate_up(xT, e, w_gate_t, w_up_t, kb)
-    sig, silu, hT = _swiglu(gT, uT, F, kb, io_dtype)
-    return xT, gT, uT, sig, silu, hT
+def _recompute(ws, w_gate_res, w_up_res, kb, D, F, ps):
+    _feature_major(ws["xT"], ws["x"], kb, D, ps)
+    _project(ws["g"], w_gate_res, ws["xT"], kb, D, F, ps)
+    _project(ws["u"], w_up_res, ws["xT"], kb, D, F, ps)
+    _swiglu(ws, F, kb)
 
 
-def _down_chunk(y_slots, hT, e, w_down_t, affinity, subs, row0, c0, cl):
-    """y_slots[row0 + s, c0:c0+cl] = affinity * (h @ W_down[e]^T) for one <= 512-wide chunk of D."""
-    F = w_down_t.shape[1]
-    acc = [nl.ndarray((sl, cl), dtype=F32, buffer=nl.psum) for _, sl in subs]
-    for i, (f0, fl) in enumerate(_spans(F, P)):
-        w_tile = _load_expert_tile(w_down_t, e, f0, fl, c0, cl)  # [fl, cl] of W_down^T, loaded once per block
-        for s, (s0, sl) in enumerate(subs):
-            nisa.nc_matmul(dst=acc[s], stationary=hT[0:fl, i, s0:s0 + sl], moving=w_tile, accumulate=i > 0)
-    for s, (s0, sl) in enumerate(subs):
-        scaled = nl.ndarray((sl, cl), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=scaled, data=acc[s], op0=nl.multiply, operand0=affinity[s])
-        nisa.dma_copy(dst=y_slots[row0 + s0:row0 + s0 + sl, c0:c0 + cl], src=scaled)
+def _combine(out, slots, slot_of_assignment, pid, lnc):
+    """out[t] = sum_k slots[slot_of_assignment[t, k]]: K row gathers per token tile, summed in fp32.
+
+    Token tiles are split across the cores; `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
+    """
+    nT, TT, K = slot_of_assignment.shape
+    D = slots.shape[1]
+    per = _ntiles(nT, lnc)
+    lo = min(nT, pid * per)
+    hi = min(nT, lo + per)
+    if hi > lo:
+        where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
+        part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
+        acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
+        result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
+        for t in nl.dynamic_range(lo, hi):
+            nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
+                                                               indirect_dim=0))
+            for k in range(K):
+                _gather_into(part, slots, where[0:TT, k:k + 1])
+                if k == 0:
+                    nisa.tensor_copy(dst=acc, src=part)
+                else:
+                    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+            nisa.tensor_copy(dst=result, src=acc)
+            nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0),
+                          src=result)
 
 
-def _forward_block(b, x_pad, token_index, slot_weight, block_to_expert, w_gate_t, w_up_t, w_down_t, y_slots,
-                   subs, kb):
-    e = _load_rows(block_to_expert, b, 1, 1, nl.int32)
-    (x_tok,) = _load_block([x_pad], token_index, b, kb, subs)
-    affinity = [_load_rows(slot_weight, b * kb + s0, sl, 1, F32) for s0, sl in subs]
-    hT = _recompute_block(x_tok, e, w_gate_t, w_up_t, subs, kb, x_pad.dtype)[-1]
-    for c0, cl in _spans(x_pad.shape[1], MOVING_FMAX):
-        _down_chunk(y_slots, hT, e, w_down_t, affinity, subs, b * kb, c0, cl)
+def _segment_bounds(seg_expert, seg_begin, seg_end, row0, s):
+    """(expert tile, first block register, end block register) of segment s of this core."""
+    e = _load_scalar(seg_expert, row0, s)
+    begin = _register(_load_scalar(seg_begin, row0, s))
+    end = _register(_load_scalar(seg_end, row0, s))
+    return e, begin, end
+
+
+def _segment_count(seg_count, pid):
+    tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=seg_count[pid:pid + 1, 0:1])
+    return _register(tile)
+
+
+def _store_chunk(dst_slots, chunk, row0, s0, sl, c0, cl):
+    """dst_slots[row0 + s0 : row0 + s0 + sl, c0 : c0 + cl] <- chunk [sl, cl] (row0 an int32 SBUF [1, 1] tile)."""
+    D = dst_slots.shape[1]
+    nisa.dma_copy(dst=dst_slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0,
+                                   indirect_dim=0), src=chunk)
+
+
+# -- forward -------------------------------------------------------------------------------------------------------------
+def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb):
+    D, F = x_pad.shape[1], w[0].shape[2]
+    row0 = _load_scalar(block_row, 0, b)
+    _load_block([ws["x"]], [x_pad], token_index, b, kb)
+    affinity = _affinities(slot_weight, b, kb)
+    _recompute(ws, w[0], w[1], kb, D, F, ps)
+    for s in range(len(ws["x"])):
+        sl = _width(kb, P, s)
+        for c in range(_ntiles(D, MOVING_FMAX)):
+            c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+            acc = ps["acc"][0:sl, 0:cl]
+            for i in range(_ntiles(F, P)):
+                fl = _width(F, P, i)
+                nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
+                               moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
+            chunk = ws["chunk"][0:sl, 0:cl]
+            nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=affinity[s])
+            _store_chunk(y_slots, chunk, row0, s * P, sl, c0, cl)
+
+
+def _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+                      w_gate_t, w_up_t, w_down_t, y_slots, kb):
+    """This core's expert segments (its own function so the workspace is freed before the combine)."""
+    D, F = x_pad.shape[1], w_gate_t.shape[2]
+    ws = _workspace(kb, D, F, x_pad.dtype, False)
+    ps = _psum_pool(x_pad.dtype)
+    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
+        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        w = (_load_expert_matrix(w_gate_t, e),  # [min(P, D), nD, F] W_gate^T, reused by every block of the segment
+             _load_expert_matrix(w_up_t, e),  # [min(P, D), nD, F] W_up^T
+             _load_expert_matrix(w_down_t, e))  # [min(P, F), nF, D] W_down^T
+        for b in nl.dynamic_range(begin, end):
+            _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb)
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_to_expert, slot_of_assignment, w_gate_t, w_up_t,
-                      w_down_t):
-    """Blockwise expert MLP forward.
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+                      slot_of_assignment, w_gate_t, w_up_t, w_down_t):
+    """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
-        token_index: [N, 1] int32 slot -> token (T on padding), N = NB * KB.
-        slot_weight: [N, 1] fp32 routing affinity per slot (0 on padding).
-        block_to_expert: [NB, 1] int32 expert of each block of KB slots.
-        slot_of_assignment: [T, K] int32 slot of each (token, k).
+        token_index: [NB, KB] int32 slot -> token (T on padding slots).
+        slot_weight: [NB, KB] fp32 routing affinity per slot (0 on padding).
+        block_row: [NB, 1] int32, b * KB (the first slot row of block b).
+        seg_expert, seg_begin, seg_end: [lnc * S, 1] int32; core c's segment s at row c * S + s: its expert and
+            block range [begin, end). seg_count: [lnc, 1] int32, segments per core.
+        slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT (padded tokens
+            point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
 
     Returns:
-        out: [T, D] io dtype, sum over k of affinity * expert_mlp(x).
+        out: [nT, TT, D] io dtype, sum over k of affinity * expert_mlp(x).
     """
-    T, _ = slot_of_assignment.shape
-    N, D = token_index.shape[0], x_pad.shape[1]
-    nb = block_to_expert.shape[0]
-    kb = N // nb
-    subs = _spans(kb, P)
-    y_slots = nl.ndarray((N, D), dtype=F32, buffer=nl.hbm)
-    for b in nl.affine_range(nb):  # blocks write disjoint rows of y_slots: no loop-carried dependency
-        _forward_block(b, x_pad, token_index, slot_weight, block_to_expert, w_gate_t, w_up_t, w_down_t, y_slots,
-                       subs, kb)
-    out = nl.ndarray((T, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
-    _combine(out, y_slots, slot_of_assignment)
+    pid = nl.program_id(0)
+    lnc = nl.num_programs(0)
+    nb, kb = token_index.shape
+    D = x_pad.shape[1]
+    S = seg_expert.shape[0] // lnc
+    nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
+    y_slots = nl.ndarray((nb * kb, D), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
+    _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
+                      w_gate_t, w_up_t, w_down_t, y_slots, kb)
+    if lnc > 1:
+        nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
+    out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
+    _combine(out, y_slots, slot_of_assignment, pid, lnc)
     return out
 
 
 # -- backward ------------------------------------------------------------------------------------------------------------
-def _broadcast_row(row_hbm, ones, parts, kb):
-    """SBUF [parts, kb] fp32, every partition a copy of the [1, kb] HBM row: ones[1, parts]^T @ row on the PE."""
-    row = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=row, src=row_hbm)
-    acc = nl.ndarray((parts, kb), dtype=F32, buffer=nl.psum)
-    nisa.nc_matmul(dst=acc, stationary=ones[0:1, 0:parts], moving=row, accumulate=False)
-    out = nl.ndarray((parts, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=acc)
-    return out
+def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
+    """ws["aff_b"] [parts, kb] fp32, every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
+    nisa.dma_copy(dst=ws["row"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
+                                                    indirect_dim=0))
+    acc = ps["acc"][0:parts, 0:kb]
+    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["row"], accumulate=False)
+    nisa.tensor_copy(dst=ws["aff_b"], src=acc)
 
 
-def _swiglu_backward(dyT, e, w_down, hT, uT, sig, silu, affinity_b, ones, d_slot_row, kb, io_dtype):
-    """Feature-major dgT, duT (io dtype) of one block; writes the affinity gradient row d_slot_row [1, kb].
+def _swiglu_backward(ws, d_slot, b, kb, F, ps):
+    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (in ws["g"]); writes the affinity grads d_slot[b, :].
 
-    dh = (dy @ W_down[e])^T; d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
+    d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
     then dh *= affinity, du = dh * silu(g), dg = dh * u * (sig + silu * (1 - sig)).
     """
-    D, F = w_down.shape[1], w_down.shape[2]
-    dgT = nl.ndarray(hT.shape, dtype=io_dtype, buffer=nl.sbuf)
-    duT = nl.ndarray(hT.shape, dtype=io_dtype, buffer=nl.sbuf)
-    d_aff = nl.ndarray((1, kb), dtype=F32, buffer=nl.psum)
-    for i, (f0, fl) in enumerate(_spans(F, P)):
-        dh = nl.ndarray((fl, kb), dtype=F32, buffer=nl.psum)
-        for j, (d0, dl) in enumerate(_spans(D, P)):
-            w_tile = _load_expert_tile(w_down, e, d0, dl, f0, fl)  # [dl, fl] of W_down (natural layout)
-            nisa.nc_matmul(dst=dh, stationary=w_tile, moving=dyT[0:dl, j, 0:kb], accumulate=j > 0)
-        cols = (slice(0, fl), i, slice(0, kb))
-        scaled = nl.ndarray((fl, kb), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=scaled, data1=hT[cols], data2=dh, op=nl.multiply)
-        nisa.nc_matmul(dst=d_aff, stationary=ones[0:fl, 0:1], moving=scaled, accumulate=i > 0)
-        nisa.tensor_tensor(dst=scaled, data1=dh, data2=affinity_b[0:fl, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=duT[cols], data1=scaled, data2=silu[cols], op=nl.multiply)
-        dsilu = nl.ndarray((fl, kb), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=dsilu, data1=silu[cols], data2=sig[cols], op=nl.multiply)
-        nisa.tensor_tensor(dst=dsilu, data1=silu[cols], data2=dsilu, op=nl.subtract)
-        nisa.tensor_tensor(dst=dsilu, data1=sig[cols], data2=dsilu, op=nl.add)
-        nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=uT[cols], op=nl.multiply)
-        nisa.tensor_tensor(dst=dgT[cols], data1=scaled, data2=dsilu, op=nl.multiply)
-    staged = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=staged, src=d_aff)
-    nisa.dma_copy(dst=d_slot_row, src=staged)
-    return dgT, duT
+    d_aff = ps["aff"][0:1, 0:kb]
+    for i in range(_ntiles(F, P)):
+        fl = _width(F, P, i)
+        dh, silu, sig = ws["g"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb]
+        t1, t2 = ws["tmp1"][0:fl, 0:kb], ws["tmp2"][0:fl, 0:kb]
+        nisa.tensor_tensor(dst=t1, data1=ws["h"][0:fl, i, 0:kb], data2=dh, op=nl.multiply)
+        nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=t1, accumulate=i > 0)
+        nisa.tensor_tensor(dst=t1, data1=dh, data2=ws["aff_b"][0:fl, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:kb], data1=t1, data2=silu, op=nl.multiply)
+        nisa.tensor_tensor(dst=t2, data1=silu, data2=sig, op=nl.multiply)
+        nisa.tensor_tensor(dst=t2, data1=silu, data2=t2, op=nl.subtract)
+        nisa.tensor_tensor(dst=t2, data1=sig, data2=t2, op=nl.add)
+        nisa.tensor_tensor(dst=t2, data1=t2, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["dg"][0:fl, i, 0:kb], data1=t1, data2=t2, op=nl.multiply)
+    nisa.tensor_copy(dst=ws["row"], src=d_aff)
+    nisa.dma_copy(dst=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0),
+                  src=ws["row"])
 
 
-def _dx_chunk(dx_slots, dgT, duT, e, w_gate, w_up, subs, row0, c0, cl):
-    """dx_slots[row0 + s, c0:c0+cl] = dg @ W_gate[e] + du @ W_up[e] (one PSUM accumulation group per sub-tile)."""
-    F = w_gate.shape[1]
-    acc = [nl.ndarray((sl, cl), dtype=F32, buffer=nl.psum) for _, sl in subs]
-    for i, (f0, fl) in enumerate(_spans(F, P)):
-        for which, (dT, w) in enumerate(((dgT, w_gate), (duT, w_up))):
-            w_tile = _load_expert_tile(w, e, f0, fl, c0, cl)  # [fl, cl] of W (natural [E, F, D] layout)
-            for s, (s0, sl) in enumerate(subs):
-                nisa.nc_matmul(dst=acc[s], stationary=dT[0:fl, i, s0:s0 + sl], moving=w_tile,
-                               accumulate=i + which > 0)
-    for s, (s0, sl) in enumerate(subs):
-        staged = nl.ndarray((sl, cl), dtype=F32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=staged, src=acc[s])
-        nisa.dma_copy(dst=dx_slots[row0 + s0:row0 + s0 + sl, c0:c0 + cl], src=staged)
+def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps):
+    """dx_slots rows of the block = dg @ W_gate[e] + du @ W_up[e] (resident natural [min(P, F), nF, D] tiles)."""
+    for s in range(_ntiles(kb, P)):
+        sl = _width(kb, P, s)
+        for c in range(_ntiles(D, MOVING_FMAX)):
+            c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+            acc = ps["acc"][0:sl, 0:cl]
+            for i in range(_ntiles(F, P)):
+                fl = _width(F, P, i)
+                nisa.nc_matmul(dst=acc, stationary=ws["dg"][0:fl, i, s * P:s * P + sl],
+                               moving=wg[0:fl, i, c0:c0 + cl], accumulate=i > 0)
+                nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
+                               moving=wu[0:fl, i, c0:c0 + cl], accumulate=True)
+            chunk = ws["chunk"][0:sl, 0:cl]
+            nisa.tensor_copy(dst=chunk, src=acc)
+            _store_chunk(dx_slots, chunk, row0, s * P, sl, c0, cl)
 
 
-def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, subs):
-    """dw[e] += sum_s lhs_tok[s]^T @ rhs_tok[s] (tokens on partitions; dw is an [E, R, C] fp32 HBM accumulator)."""
+def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps):
+    """dw[e] += sum_s lhs_tok[s]^T @ rhs_tok[s] (tokens on partitions; dw an [E, R, C] fp32 HBM accumulator).
+
+    Read-modify-write one [<=128, C] row band at a time (C * 4 bytes per partition per DMA).
+    """
     R, C = dw.shape[1], dw.shape[2]
-    for r0, rl in _spans(R, P):
-        for c0, cl in _spans(C, MOVING_FMAX):
-            acc = nl.ndarray((rl, cl), dtype=F32, buffer=nl.psum)
-            for s, (_, sl) in enumerate(subs):
+    for r in range(_ntiles(R, P)):
+        r0, rl = r * P, _width(R, P, r)
+        total = band[0:rl, 0:C]
+        nisa.dma_copy(dst=total, src=_expert_rows(dw, e, r0, rl))
+        for c in range(_ntiles(C, MOVING_FMAX)):
+            c0, cl = c * MOVING_FMAX, _width(C, MOVING_FMAX, c)
+            acc = ps["acc"][0:rl, 0:cl]
+            for s in range(len(lhs_tok)):
+                sl = lhs_tok[s].shape[0]
                 nisa.nc_matmul(dst=acc, stationary=lhs_tok[s][0:sl, r0:r0 + rl], moving=rhs_tok[s][0:sl, c0:c0 + cl],
                                accumulate=s > 0)
-            view = _expert_view(dw, e, r0, rl, c0, cl)
-            total = nl.ndarray((rl, cl), dtype=F32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=total, src=view)
-            nisa.tensor_tensor(dst=total, data1=total, data2=acc, op=nl.add)
-            nisa.dma_copy(dst=view, src=total)
+            nisa.tensor_tensor(dst=band[0:rl, c0:c0 + cl], data1=band[0:rl, c0:c0 + cl], data2=acc, op=nl.add)
+        nisa.dma_copy(dst=_expert_rows(dw, e, r0, rl), src=total)
 
 
-def _backward_block(b, x_pad, dout_pad, token_index, slot_weight, slot_weight_row, block_to_expert, w_gate, w_up,
-                    w_down, w_gate_t, w_up_t, ones, dx_slots, d_slot, dw_gate, dw_up, dw_down, subs, kb):
-    io_dtype = x_pad.dtype
-    D, F = x_pad.shape[1], w_gate.shape[1]
-    e = _load_rows(block_to_expert, b, 1, 1, nl.int32)
-    x_tok, dy_tok = _load_block([x_pad, dout_pad], token_index, b, kb, subs)
-    affinity = [_load_rows(slot_weight, b * kb + s0, sl, 1, F32) for s0, sl in subs]
-    _, gT, uT, sig, silu, hT = _recompute_block(x_tok, e, w_gate_t, w_up_t, subs, kb, io_dtype)
-    dyT = _feature_major(dy_tok, subs, D, io_dtype, kb)
-    affinity_b = _broadcast_row(slot_weight_row[b:b + 1, 0:kb], ones, min(P, F), kb)
-    dgT, duT = _swiglu_backward(dyT, e, w_down, hT, uT, sig, silu, affinity_b, ones, d_slot[b:b + 1, 0:kb], kb,
-                                io_dtype)
-    for c0, cl in _spans(D, MOVING_FMAX):
-        _dx_chunk(dx_slots, dgT, duT, e, w_gate, w_up, subs, b * kb, c0, cl)
+def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot, grads,
+                    kb):
+    D, F = x_pad.shape[1], w[0].shape[2]
+    row0 = _load_scalar(block_row, 0, b)
+    _load_block([ws["x"], ws["dy"]], [x_pad, dout_pad], token_index, b, kb)
+    affinity = _affinities(slot_weight, b, kb)
+    _recompute(ws, w[0], w[1], kb, D, F, ps)
+    _feature_major(ws["xT"], ws["dy"], kb, D, ps)  # dyT (xT is no longer needed)
+    _project(ws["g"], w[2], ws["xT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T (gT is no longer needed)
+    _broadcast_row(ws, slot_weight, b, min(P, F), kb, ps)
+    _swiglu_backward(ws, d_slot, b, kb, F, ps)
+    _dx_block(dx_slots, ws, w[3], w[4], row0, kb, D, F, ps)
     # weight grads contract over the block's tokens: token-major operands
-    dY_tok = []
-    for s, (_, sl) in enumerate(subs):
-        scaled = nl.ndarray((sl, D), dtype=io_dtype, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=scaled, data=dy_tok[s], op0=nl.multiply, operand0=affinity[s])
-        dY_tok.append(scaled)
-    _accumulate_weight_grad(dw_gate, e, _token_major(dgT, subs, F, io_dtype), x_tok, subs)
-    _accumulate_weight_grad(dw_up, e, _token_major(duT, subs, F, io_dtype), x_tok, subs)
-    _accumulate_weight_grad(dw_down, e, dY_tok, _token_major(hT, subs, F, io_dtype), subs)
+    for s in range(len(ws["dy"])):
+        nisa.tensor_scalar(dst=ws["dy"][s], data=ws["dy"][s], op0=nl.multiply, operand0=affinity[s])
+    _token_major(ws["tok"], ws["dg"], kb, F, ps)
+    _accumulate_weight_grad(grads[0], e, ws["tok"], ws["x"], ws["band"], ps)
+    _token_major(ws["tok"], ws["du"], kb, F, ps)
+    _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps)
+    _token_major(ws["tok"], ws["h"], kb, F, ps)
+    _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps)
+
+
+def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
+                       seg_count, weights, dx_slots, d_slot, grads, kb):
+    """This core's expert segments (its own function so the workspace is freed before the combine)."""
+    D, F = x_pad.shape[1], weights[0].shape[2]
+    ws = _workspace(kb, D, F, x_pad.dtype, True)
+    ps = _psum_pool(x_pad.dtype)
+    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
+        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        w = (_load_expert_matrix(weights[0], e), _load_expert_matrix(weights[1], e),  # [min(P, D), nD, F] W^T
+             _load_expert_matrix(weights[2], e),  # [min(P, D), nD, F] natural W_down
+             _load_expert_matrix(weights[3], e), _load_expert_matrix(weights[4], e))  # [min(P, F), nF, D] natural
+        for b in nl.dynamic_range(begin, end):
+            _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot,
+                            grads, kb)
+
+
+def _zero_fill(t, zeros, pid, lnc):
+    """Zero this core's share of an [E, R, C] fp32 HBM tensor (experts split across cores), one expert per step."""
+    E, R, C = t.shape
+    per = _ntiles(E, lnc)
+    lo = min(E, pid * per)
+    hi = min(E, lo + per)
+    if hi > lo:
+        for e in nl.dynamic_range(lo, hi):
+            for r in range(_ntiles(R, P)):
+                rl = _width(R, P, r)
+                nisa.dma_copy(dst=t.ap(pattern=[[C, rl], [1, C]], offset=r * P * C, scalar_offset=e, indirect_dim=0),
+                              src=zeros[0:rl, 0:C])
+
+
+def _zero_rows(t, zeros, pid, lnc):
+    """Zero this core's share of the rows of a 2-D fp32 HBM tensor."""
+    R, C = t.shape
+    per = _ntiles(R, lnc)
+    lo = min(R, pid * per)
+    hi = min(R, lo + per)
+    for r0 in range(lo, hi, P):
+        rl = min(P, hi - r0)
+        nisa.dma_copy(dst=t[r0:r0 + rl, 0:C], src=zeros[0:rl, 0:C])
+
+
+def _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc):
+    """Zero this core's share of the gradient outputs; padding blocks and experts without tokens keep the zeros,
+    the segment owners overwrite (d_slot) or accumulate into (dW) the rest after the barrier."""
+    width = max(d_slot.shape[1], dw_gate.shape[2], dw_down.shape[2])
+    zeros = nl.ndarray((P, width), dtype=F32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    _zero_rows(d_slot, zeros, pid, lnc)
+    _zero_fill(dw_gate, zeros, pid, lnc)
+    _zero_fill(dw_up, zeros, pid, lnc)
+    _zero_fill(dw_down, zeros, pid, lnc)
 
 
 @nki.jit
-def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, slot_weight_row, block_to_expert,
-                      slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t):
-    """Blockwise expert MLP backward (recomputes the forward activations per block).
+def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
+                      seg_count, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t):
+    """Blockwise expert MLP backward (recomputes the forward activations per block); launch as `[lnc]`.
 
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
-        token_index, slot_weight, block_to_expert, slot_of_assignment: as in `moe_blockwise_fwd`.
-        slot_weight_row: [NB, KB] fp32, the same affinities laid out one block per row.
+        token_index, slot_weight, block_row, seg_*, slot_of_assignment: as in `moe_blockwise_fwd`.
         w_gate, w_up: [E, F, D]; w_down: [E, D, F] (torchtitan layouts); w_gate_t, w_up_t: [E, D, F].
 
     Returns:
-        dx [T, D] (io dtype), d_slot_weight [NB, KB] fp32, dw_gate [E, F, D], dw_up [E, F, D],
+        dx [nT, TT, D] (io dtype), d_slot_weight [NB, KB] fp32, dw_gate [E, F, D], dw_up [E, F, D],
         dw_down [E, D, F] (fp32).
     """
-    T, _ = slot_of_assignment.shape
-    N, D = token_index.shape[0], x_pad.shape[1]
-    nb, kb = slot_weight_row.shape
-    subs = _spans(kb, P)
-    dx_slots = nl.ndarray((N, D), dtype=F32, buffer=nl.hbm)
+    pid = nl.program_id(0)
+    lnc = nl.num_programs(0)
+    nb, kb = token_index.shape
+    D = x_pad.shape[1]
+    S = seg_expert.shape[0] // lnc
+    nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
+    io = x_pad.dtype
+    dx_slots = nl.ndarray((nb * kb, D), dtype=io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((nb, kb), dtype=F32, buffer=nl.shared_hbm)
     dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_down = nl.ndarray(w_down.shape, dtype=F32, buffer=nl.shared_hbm)
-    for dw in (dw_gate, dw_up, dw_down):
-        _zero_fill(dw)
-    ones = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    for b in nl.sequential_range(nb):  # read-modify-write of dw[e] across blocks: loop-carried
-        _backward_block(b, x_pad, dout_pad, token_index, slot_weight, slot_weight_row, block_to_expert, w_gate, w_up,
-                        w_down, w_gate_t, w_up_t, ones, dx_slots, d_slot, dw_gate, dw_up, dw_down, subs, kb)
-    dx = nl.ndarray((T, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
-    _combine(dx, dx_slots, slot_of_assignment)
+    _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc)
+    if lnc > 1:
+        nisa.core_barrier(data=d_slot, cores=(0, 1))
+        nisa.core_barrier(data=dw_gate, cores=(0, 1))
+        nisa.core_barrier(data=dw_up, cores=(0, 1))
+        nisa.core_barrier(data=dw_down, cores=(0, 1))
+    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
+                       seg_count, (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot,
+                       (dw_gate, dw_up, dw_down), kb)
+    if lnc > 1:
+        nisa.core_barrier(data=dx_slots, cores=(0, 1))
+    dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
+    _combine(dx, dx_slots, slot_of_assignment, pid, lnc)
     return dx, d_slot, dw_gate, dw_up, dw_down

@@ -8,5 +8,6 @@ to make a kernel pass. Coverage, rules and known differences from `nki.simulate`
 
 from . import isa, language
 from ._core import NkiRuleError, jit, simulate
+from ._runtime import Counters, counters
 
-__all__ = ["NkiRuleError", "isa", "jit", "language", "simulate"]
+__all__ = ["Counters", "NkiRuleError", "counters", "isa", "jit", "language", "simulate"]

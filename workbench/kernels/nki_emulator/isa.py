@@ -25,6 +25,7 @@ from ._core import (
     View,
     violation,
 )
+from ._runtime import VirtualRegister, core_barrier, current, emit  # noqa: F401 - core_barrier is nisa.*
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
 URL_MATMUL = f"{API}/nki.isa.nc_matmul.html"
@@ -35,6 +36,9 @@ URL_TENSOR_SCALAR = f"{API}/nki.isa.tensor_scalar.html"
 URL_ACTIVATION = f"{API}/nki.isa.activation.html"
 URL_TENSOR_COPY = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_copy.html"
 URL_MEMSET = f"{API}/nki.isa.memset.html"
+URL_DMA_COMPUTE = f"{DOCS}/latest/nki/api/generated/nki.isa.dma_compute.html"
+URL_ACTIVATION_LATEST = f"{DOCS}/latest/nki/api/generated/nki.isa.activation.html"
+URL_REGISTER_ALLOC = f"{DOCS}/latest/nki/api/generated/nki.isa.register_alloc.html"
 
 
 class engine:  # noqa: N801 - mirrors nki.isa.engine
@@ -71,15 +75,25 @@ def _float(t) -> torch.Tensor:
     return t.read().float()
 
 
-def _operand(value, data, what: str, op: str, url: str) -> torch.Tensor | float:
+def _check_operand(value, data, what: str, op: str, url: str) -> None:
     """A scalar float or a per-partition (P, 1) vector broadcast along the free dims."""
     if isinstance(value, (int, float)):
-        return float(value)
+        return
     _on_chip(value, what, op, url)
     if tuple(value.shape) != (data.shape[0], 1):
         raise violation("operand-shape", f"{op}: {what} must be a float or a ({data.shape[0]}, 1) tile, got shape "
                         f"{value.shape}", url)
+
+
+def _operand(value, data) -> torch.Tensor:
+    """The operand's value at execution time, broadcastable against `data`."""
+    if isinstance(value, (int, float)):
+        return torch.as_tensor(float(value), dtype=torch.float32)
     return _float(value).reshape([data.shape[0]] + [1] * (len(data.shape) - 1))
+
+
+def _engine(engine, default: str) -> str:
+    return default if engine in (None, "unknown") else engine
 
 
 def _arith(op, name: str, url: str):
@@ -121,20 +135,28 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     for what, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype not in FLOAT_DTYPES:
             raise violation("matmul-input-dtype", f"{what} dtype {t.dtype} is not a matmul input type", url)
+    if (stationary.dtype == torch.float32) != (moving.dtype == torch.float32):
+        raise violation("matmul-dtype-mix", f"stationary is {stationary.dtype} and moving is {moving.dtype}: fp32 "
+                        "matmul operands cannot be mixed with bf16/fp16 ones; cast both to the same kind", url)
     if dst.dtype != torch.float32:
         raise violation("matmul-psum-dtype", f"matmul results accumulate in fp32 PSUM; dst dtype is {dst.dtype}, "
                         "allocate it with dtype=nl.float32", url)
     if tuple(dst.shape) != (m, n):
         raise violation("matmul-output-shape", f"dst shape {dst.shape} != (stationary free, moving free) = "
                         f"{(m, n)}", url)
-    result = _float(stationary).T @ _float(moving)
-    if accumulate:
-        if not (isinstance(dst, Tensor) and dst.written_by_matmul()):
-            raise violation("matmul-accumulate-init", "accumulate=True onto PSUM elements not written by a previous "
-                            "nc_matmul (uninitialised or written by another engine is undefined on NeuronCore-v3); "
-                            "open each accumulation group with accumulate=False", url)
-        result = result + dst.read()
-    dst.write(result, by_matmul=True)
+
+    def run():
+        result = _float(stationary).T @ _float(moving)
+        if accumulate:
+            if not (isinstance(dst, Tensor) and dst.written_by_matmul()):
+                raise violation("matmul-accumulate-init", "accumulate=True onto PSUM elements not written by a "
+                                "previous nc_matmul (uninitialised or written by another engine is undefined on "
+                                "NeuronCore-v3); open each accumulation group with accumulate=False", url)
+            result = result + dst.read()
+        dst.write(result, by_matmul=True)
+        current().stats.pe_flops += 2 * k_s * m * n
+
+    emit("tensor", op, run)
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -158,7 +180,15 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     elif p > 32 or f > 32:
         raise violation("transpose-size", f"Vector Engine transpose (dst in {dst.buffer}) handles up to [32, 32]; "
                         f"data is {(p, f)}; write the result to PSUM to use the Tensor Engine", url)
-    dst.write(data.read().reshape(p, f).T.contiguous())
+
+    def run():
+        dst.write(data.read().reshape(p, f).T.contiguous())
+        if tensor_engine:  # the PE array transposes by a matmul against identity: 2 * p * p * f FLOPs
+            stats = current().stats
+            stats.pe_flops += 2 * p * p * f
+            stats.pe_transpose_flops += 2 * p * p * f
+
+    emit("tensor" if tensor_engine else "vector", op, run)
 
 
 # -- DMA ---------------------------------------------------------------------------------------------------------------
@@ -166,7 +196,8 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
     """dst = src via the DMA engines, HBM <-> SBUF, casting dtype on the way (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.dma_copy.html)."""
     op, url = "dma_copy", URL_DMA
     if dst_rmw_op is not None:
-        raise NotImplementedError("dma_copy(dst_rmw_op=...) is outside the emulated subset")
+        raise violation("api-drift", "dma_copy(dst_rmw_op=...) was replaced in NKI 0.3 by nisa.dma_compute(dst, "
+                        "srcs=[dst, src], reduce_op=nl.add)", URL_DMA_COMPUTE)
     for what, t in (("src", src), ("dst", dst)):
         _view(t, what, op)
         if t.buffer is PSUM:
@@ -174,7 +205,59 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
                             "(evict PSUM to SBUF with tensor_copy first)", url)
     if tuple(dst.shape) != tuple(src.shape):
         raise violation("dma-shape", f"dst shape {dst.shape} != src shape {src.shape}", url)
-    dst.write(src.read())
+    emit("dma", op, lambda: (dst.write(src.read()), _count_dma(dst, src)))
+
+
+def _count_dma(dst, src) -> None:
+    stats = current().stats
+    nbytes = math.prod(src.shape) * src.dtype.itemsize
+    side = dst if dst.buffer is SBUF else src if src.buffer is SBUF else dst
+    per_partition = nbytes // side.shape[0]
+    stats.dma_count += 1
+    stats.dma_bytes += nbytes
+    stats.dma_sizes.append((nbytes, per_partition, _name(src), _name(dst)))
+
+
+def _name(t) -> str:
+    storage = t.root._storage if hasattr(t, "root") else t._storage
+    return storage.name or "?"
+
+
+def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob_mode=None, name=None):
+    """dst = reduce_op(srcs[0] * scales[0], ...) in fp32 inside the DMA engines; only nl.add and scales 1.0 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.dma_compute.html).
+
+    With a vector_offset access pattern as dst and as one source it is the scatter read-modify-write
+    dst[indices] += src. Duplicate indices: unique_indices=False is outside the emulated subset.
+    """
+    op, url = "dma_compute", URL_DMA_COMPUTE
+    if reduce_op is not nl.add:
+        raise violation("dma-compute-op", f"dma_compute supports reduce_op=nl.add only, got {reduce_op!r}", url)
+    if scales is not None and any(float(s) != 1.0 for s in scales):
+        raise violation("dma-compute-op", f"dma_compute scales must all be 1.0, got {scales!r}", url)
+    if not unique_indices:
+        raise NotImplementedError("dma_compute(unique_indices=False) is outside the emulated subset")
+    if not isinstance(srcs, (list, tuple)) or not srcs:
+        raise TypeError("dma_compute: srcs must be a non-empty list of tensors")
+    for what, t in [("dst", dst)] + [(f"srcs[{i}]", s) for i, s in enumerate(srcs)]:
+        _view(t, what, op)
+        if t.buffer is PSUM:
+            raise violation("dma-buffer", f"dma_compute operands are in HBM or SBUF; {what} is in PSUM", url)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise violation("dma-shape", f"dma_compute: {what} shape {t.shape} != dst shape {dst.shape}", url)
+
+    def run():
+        total = _float(srcs[0])
+        for s in srcs[1:]:
+            total = total + _float(s)
+        dst.write(total)
+        stats = current().stats
+        nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in srcs)
+        side = next((t for t in [dst, *srcs] if t.buffer is SBUF), dst)
+        stats.dma_count += 1
+        stats.dma_bytes += nbytes
+        stats.dma_sizes.append((nbytes, nbytes // side.shape[0], _name(srcs[-1]), _name(dst)))
+
+    emit("dma", op, run)
 
 
 # -- Vector / Scalar / GpSimd engines -----------------------------------------------------------------------------------
@@ -184,8 +267,12 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _on_chip(src, "src", op, url)
     _on_chip(dst, "dst", op, url)
     _same_layout(op, url, dst=dst, src=src)
-    value = src.read()
-    dst.write(value if value.dtype == dst.dtype else value.float())
+
+    def run():
+        value = src.read()
+        dst.write(value if value.dtype == dst.dtype else value.float())
+
+    emit(_engine(engine, "vector"), op, run)
 
 
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
@@ -198,7 +285,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
         raise violation("tensor-tensor-psum-inputs", "data1 and data2 cannot both reside in PSUM; copy one to SBUF",
                         url)
     _same_layout(name_, url, dst=dst, data1=data1, data2=data2)
-    dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape)))
+    emit(_engine(engine, "vector"), name_,
+         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -208,20 +296,33 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     _on_chip(data, "data", name_, url)
     _on_chip(dst, "dst", name_, url)
     _same_layout(name_, url, dst=dst, data=data)
-    result = _float(data)
+    steps = []
     for op, operand, reverse in ((op0, operand0, reverse0), (op1, operand1, reverse1)):
         if op is None:
             continue
-        fn, value = _arith(op, name_, url), _operand(operand, data, "operand", name_, url)
-        value = torch.as_tensor(value, dtype=torch.float32)
-        result = fn(value, result) if reverse else fn(result, value)
-    dst.write(result)
+        _check_operand(operand, data, "operand", name_, url)
+        if not isinstance(operand, (int, float)) and operand.dtype != torch.float32:
+            raise violation("tensor-scalar-operand-dtype", f"tensor_scalar: a tile operand of an arithmetic op must "
+                            f"be float32, got {operand.dtype}; keep per-partition scale/bias vectors in fp32", url)
+        steps.append((_arith(op, name_, url), operand, reverse))
+
+    def run():
+        result = _float(data)
+        for fn, operand, reverse in steps:
+            value = _operand(operand, data)
+            result = fn(value, result) if reverse else fn(result, value)
+        dst.write(result)
+
+    emit(_engine(engine, "vector"), name_, run)
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,
                engine=None, name=None):
     """dst = op(data * scale + bias) on the Scalar Engine in fp32 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.activation.html)."""
     name_, url = "activation", URL_ACTIVATION
+    if engine is not None:
+        raise violation("api-drift", "nisa.activation has no engine= parameter in current NKI (it always runs on the "
+                        "Scalar Engine on trn2); drop engine=", URL_ACTIVATION_LATEST)
     if reduce_op is not None or reduce_res is not None or reduce_cmd is not None:
         raise NotImplementedError("activation reduce_* options are outside the emulated subset")
     if op not in nl.ACTIVATIONS:
@@ -229,10 +330,17 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _on_chip(data, "data", name_, url)
     _on_chip(dst, "dst", name_, url)
     _same_layout(name_, url, dst=dst, data=data)
-    x = _float(data) * torch.as_tensor(_operand(scale, data, "scale", name_, url), dtype=torch.float32)
+    _check_operand(scale, data, "scale", name_, url)
     if bias is not None:
-        x = x + torch.as_tensor(_operand(bias, data, "bias", name_, url), dtype=torch.float32)
-    dst.write(op.fn(x))
+        _check_operand(bias, data, "bias", name_, url)
+
+    def run():
+        x = _float(data) * _operand(scale, data)
+        if bias is not None:
+            x = x + _operand(bias, data)
+        dst.write(op.fn(x))
+
+    emit("scalar", name_, run)
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -240,8 +348,57 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _on_chip(dst, "dst", "memset", URL_MEMSET)
     if not isinstance(value, (int, float)):
         raise TypeError(f"memset value must be a compile-time constant number, got {value!r}")
-    dst.write(torch.full(dst.shape, float(value)))
+    emit(_engine(engine, "vector"), "memset", lambda: dst.write(torch.full(dst.shape, float(value))))
 
 
-__all__ = ["engine", "nc_matmul", "nc_transpose", "dma_copy", "tensor_copy", "tensor_tensor", "tensor_scalar",
-           "activation", "memset"]
+# -- registers (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.register_alloc.html)
+def register_alloc(x=None) -> VirtualRegister:
+    """A new virtual register, optionally initialised with the integer x."""
+    reg = VirtualRegister(f"register#{id(object()) % 10000}")
+    if x is not None:
+        register_move(reg, x)
+    return reg
+
+
+def _reg(r, what: str) -> VirtualRegister:
+    if not isinstance(r, VirtualRegister):
+        raise TypeError(f"{what} must be a VirtualRegister from nisa.register_alloc(), got {r!r}")
+    return r
+
+
+def _scalar_tile(t, what: str, op: str) -> None:
+    _view(t, what, op)
+    if t.buffer is PSUM or t.dtype != torch.int32 or math.prod(t.shape) != 1:
+        raise violation("register-operand", f"{op}: {what} must be a 32-bit int (1, 1) tile in SBUF or HBM, got "
+                        f"{t!r}", URL_REGISTER_ALLOC)
+
+
+def register_move(dst, src) -> None:
+    """dst register = a constant int or another register's value."""
+    _reg(dst, "dst")
+    if isinstance(src, VirtualRegister):
+        emit("register", "register_move", lambda: setattr(dst, "value", src.runtime_value()))
+    elif isinstance(src, int) and not isinstance(src, bool):
+        emit("register", "register_move", lambda: setattr(dst, "value", int(src)))
+    else:
+        raise TypeError(f"register_move: src must be an int or a VirtualRegister, got {src!r}")
+
+
+def register_load(dst, src) -> None:
+    """dst register = the int32 value of a (1, 1) SBUF/HBM tile, read when the instruction runs."""
+    _reg(dst, "dst")
+    _scalar_tile(src, "src", "register_load")
+    emit("register", "register_load", lambda: setattr(dst, "value", int(src.read().reshape(-1)[0])))
+
+
+def register_store(dst, src) -> None:
+    """Write the register's value into an int32 (1, 1) SBUF/HBM tile."""
+    _reg(src, "src")
+    _scalar_tile(dst, "dst", "register_store")
+    emit("register", "register_store",
+         lambda: dst.write(torch.tensor([src.runtime_value()], dtype=torch.int32)))
+
+
+__all__ = ["VirtualRegister", "activation", "core_barrier", "dma_compute", "dma_copy", "engine", "memset",
+           "nc_matmul", "nc_transpose", "register_alloc", "register_load", "register_move", "register_store",
+           "tensor_copy", "tensor_scalar", "tensor_tensor"]

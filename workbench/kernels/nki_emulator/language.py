@@ -19,6 +19,7 @@ from ._core import (
     SHARED_HBM,
     allocate,
 )
+from ._runtime import dynamic_range, num_programs, program_id  # noqa: F401 - re-exported as nl.*
 
 sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
 float32, bfloat16, float16, int32 = torch.float32, torch.bfloat16, torch.float16, torch.int32
@@ -37,6 +38,9 @@ def affine_range(start, stop=None, step=1):
 
 
 sequential_range = static_range = affine_range
+
+# nl.dynamic_range (a hardware loop: body traced once, run per runtime iteration), nl.program_id(0) and
+# nl.num_programs(0) (the LNC launch grid) live in _runtime.py.
 
 
 class tile_size:  # noqa: N801 - mirrors nki.language.tile_size

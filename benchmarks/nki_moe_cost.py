@@ -1,0 +1,149 @@
+"""Static and executed cost of the NKI MoE kernels for one rank's MoE layer, counted by the NKI emulator.
+
+    .venv/bin/python benchmarks/nki_moe_cost.py --tokens 4096 --experts 128 --top-k 8 --hidden 2048 --ffn 768 \
+        --lnc 2 [--block-size N]
+
+One Qwen3-30B-A3B layer per rank by default (T=4096, E=128, K=8, D=2048, F=768, bf16). Routing comes from a
+seeded router (random hidden states through a random [E, D] router, softmax top-k), the same statistics a
+freshly initialised layer sees. The kernels run forward + backward through the emulator (`nki_emulator`), whose
+counters give: instructions in the traced program per engine (`static`: a dynamic loop's body counts once) and
+executed (every core, every iteration), DMAs (count, bytes, bytes per partition), PE FLOPs, loop trips.
+
+Printed: a table per direction, then as the LAST line a JSON object with
+  static_instructions      traced program, forward + backward (target <= 5,000)
+  executed_instructions    all cores, all iterations, forward + backward
+  padding_fraction         padding slots computed / slots computed (target <= 0.10)
+  dma_small_fraction       expert-weight bytes moved in DMAs < 2 KiB per partition / all expert-weight bytes (<= 0.10)
+  pe_flops_ratio           PE FLOPs / FLOPs of the unpadded expert matmuls (fwd 3 + bwd 6 per assignment; <= 1.25)
+  lnc, block_size, kernel_block, plus per-direction numbers.
+Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from workbench.kernels import blockwise_moe_nki, plan_blocks, route  # noqa: E402
+from workbench.kernels.autograd import KernelPlan, kernel_block_size  # noqa: E402
+from workbench.kernels.nki_emulator import counters  # noqa: E402
+
+SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
+# expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
+WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg10", "arg11", "arg12", "arg13", "arg14"}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--lnc", type=int, default=2, choices=(1, 2))
+    p.add_argument("--block-size", type=int, default=None,
+                   help="model.moe_block_size (default: the config default)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def summarize(c, direction):
+    weights = [(b, bpp) for b, bpp, src, dst in c.dma_sizes if src in WEIGHT_ARGS[direction]]
+    weight_bytes = sum(b for b, _ in weights)
+    small = sum(b for b, bpp in weights if bpp < SMALL_DMA)
+    return {
+        "static": dict(sorted(c.static.items())), "static_total": c.static_total,
+        "executed": dict(sorted(c.executed.items())), "executed_total": c.executed_total,
+        "dma_count": c.dma_count, "dma_bytes": c.dma_bytes, "weight_dma_count": len(weights),
+        "weight_bytes": weight_bytes, "weight_small_bytes": small, "pe_flops": c.pe_flops,
+        "loop_trips": dict(c.loop_trips),
+    }
+
+
+def main(argv=None):
+    from workbench.config import Model
+
+    args = parse_args(argv)
+    bs = args.block_size or Model().moe_block_size
+    T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(T, D, generator=g)
+    router = torch.randn(E, D, generator=g) * D ** -0.5
+    weights, ids = route(x @ router.T, K)
+    w_gate = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
+    w_up = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
+    w_down = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype).requires_grad_()
+    xs = x.to(dtype).requires_grad_()
+    ws = weights.to(dtype).requires_grad_()
+
+    plan = plan_blocks(ids, E, bs)
+    kplan = KernelPlan.from_plan(plan, E, args.lnc)
+    kb = kernel_block_size(bs)
+    blocks_run = int((kplan.seg_end - kplan.seg_begin).view(args.lnc, E)[
+        torch.arange(E)[None, :] < kplan.seg_count].sum())
+    slots_run = blocks_run * kb
+    static_plan_slots = plan.max_blocks * bs
+
+    t0 = time.perf_counter()
+    with counters() as cf:
+        out = blockwise_moe_nki(xs, ids, ws, w_gate, w_up, w_down, block_size=bs, lnc=args.lnc)
+    t1 = time.perf_counter()
+    with counters() as cb:
+        out.backward(torch.randn(out.shape, generator=g).to(dtype))
+    t2 = time.perf_counter()
+    fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
+
+    useful = 2 * T * K * D * F  # FLOPs of one unpadded expert matmul over all assignments
+    weight_bytes = fwd["weight_bytes"] + bwd["weight_bytes"]
+    result = {
+        "static_instructions": fwd["static_total"] + bwd["static_total"],
+        "executed_instructions": fwd["executed_total"] + bwd["executed_total"],
+        "padding_fraction": round(1 - T * K / slots_run, 4),
+        "dma_small_fraction": round((fwd["weight_small_bytes"] + bwd["weight_small_bytes"]) / weight_bytes, 4),
+        "pe_flops_ratio": round((fwd["pe_flops"] + bwd["pe_flops"]) / (9 * useful), 4),
+        "lnc": args.lnc,
+        "block_size": bs,
+        "kernel_block": kb,
+        "static_fwd": fwd["static_total"], "static_bwd": bwd["static_total"],
+        "executed_fwd": fwd["executed_total"], "executed_bwd": bwd["executed_total"],
+        "pe_flops_ratio_fwd": round(fwd["pe_flops"] / (3 * useful), 4),
+        "blocks_run": blocks_run, "blocks_static_plan": plan.max_blocks * (bs // kb),
+        "static_plan_padding_fraction": round(1 - T * K / static_plan_slots, 4),
+        "weight_dma_count": fwd["weight_dma_count"] + bwd["weight_dma_count"],
+        "weight_gib": round(weight_bytes / 2**30, 3),
+        "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
+    }
+
+    print(f"NKI MoE kernels, one rank's layer: T={T} E={E} K={K} D={D} F={F} {args.dtype} LNC={args.lnc} "
+          f"block={bs} (kernel block {kb}); emulated in {t1 - t0:.0f}s fwd + {t2 - t1:.0f}s bwd")
+    engines = sorted(set(fwd["static"]) | set(bwd["static"]) | set(fwd["executed"]) | set(bwd["executed"]))
+    print(f"{'engine':<10}{'static fwd':>12}{'static bwd':>12}{'exec fwd':>12}{'exec bwd':>12}")
+    for e in engines:
+        print(f"{e:<10}{fwd['static'].get(e, 0):>12,}{bwd['static'].get(e, 0):>12,}"
+              f"{fwd['executed'].get(e, 0):>12,}{bwd['executed'].get(e, 0):>12,}")
+    print(f"{'total':<10}{fwd['static_total']:>12,}{bwd['static_total']:>12,}{fwd['executed_total']:>12,}"
+          f"{bwd['executed_total']:>12,}")
+    print(f"blocks run {blocks_run} of a static plan of {result['blocks_static_plan']} kernel blocks; "
+          f"padding {result['padding_fraction']:.1%} of computed slots (static plan: "
+          f"{result['static_plan_padding_fraction']:.1%})")
+    print(f"DMAs fwd {fwd['dma_count']:,} ({fwd['dma_bytes'] / 2**20:,.0f} MiB), bwd {bwd['dma_count']:,} "
+          f"({bwd['dma_bytes'] / 2**20:,.0f} MiB); expert weights {result['weight_dma_count']:,} DMAs, "
+          f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")
+    print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
+          f"{result['pe_flops_ratio']:.3f} (bwd recomputes gate/up: +2/9 by design)")
+    targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
+               "pe_flops_ratio": 1.25}
+    for key, limit in targets.items():
+        print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""Launch state of the NKI emulator: LNC cores, the core barrier, cross-core races, dynamic loops, counters.
+
+One kernel launch (`kernel[lnc](...)`) runs the kernel's Python body once per core. Cores run one at a time in a
+fixed order (core 0 up to its next `core_barrier`, then core 1 up to its next one, ...), so a run is deterministic;
+between two barriers each core logs every access to shared HBM, and at the barrier (and at the end of the kernel)
+any element written by one core and read or written by another is a race (`lnc-race`).
+
+Instructions are recorded, not just executed: outside a dynamic loop an instruction runs as soon as it is traced;
+inside `nl.dynamic_range` the body is traced once into a list of instructions that the loop then runs once per
+runtime iteration, which is how the hardware loop of the NKI dynamic-loops deep dive behaves
+(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en"
+URL_PROGRAM_ID = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.program_id.html"
+URL_BARRIER = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.core_barrier.html"
+URL_DYNAMIC = f"{DOCS}/latest/nki/deep-dives/nki-dynamic-loops.html"
+URL_REGISTER = f"{DOCS}/v2.32.0/nki/api/generated/nki.isa.VirtualRegister.html"
+URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
+
+
+def _violation(rule, detail, url):
+    from ._core import violation
+
+    return violation(rule, detail, url)
+
+
+# -- counters ------------------------------------------------------------------------------------------------------
+@dataclass
+class Counters:
+    """What the kernels launched inside `with counters() as c:` did (all launches summed).
+
+    static: engine -> instructions in the traced program (one launch: max over its cores);
+    executed: engine -> instructions executed by all cores, every dynamic-loop iteration counted;
+    dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
+    pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
+    on the PE array; that part alone is pe_transpose_flops);
+    loop_trips: "file:line" of a dynamic_range -> iterations run.
+    """
+
+    static: dict = field(default_factory=dict)
+    executed: dict = field(default_factory=dict)
+    dma_count: int = 0
+    dma_bytes: int = 0
+    dma_sizes: list = field(default_factory=list)
+    pe_flops: int = 0
+    pe_transpose_flops: int = 0
+    loop_trips: dict = field(default_factory=dict)
+    launches: int = 0
+
+    @property
+    def static_total(self) -> int:
+        return sum(self.static.values())
+
+    @property
+    def executed_total(self) -> int:
+        return sum(self.executed.values())
+
+
+_active_counters: list[Counters] = []
+
+
+@contextlib.contextmanager
+def counters():
+    """Collect `Counters` over every kernel launch inside the block (nesting allowed: all active ones count)."""
+    c = Counters()
+    _active_counters.append(c)
+    try:
+        yield c
+    finally:
+        _active_counters.remove(c)
+
+
+def _bump(d: dict, key, n=1):
+    d[key] = d.get(key, 0) + n
+
+
+# -- registers -------------------------------------------------------------------------------------------------------
+class VirtualRegister:
+    """`nki.isa.VirtualRegister`: a 32-bit engine register whose value exists only when the program runs.
+
+    Under tracing its value is unknown, so Python control flow, arithmetic, `int()` and indexing with it raise
+    TypeError (the VirtualRegister doc's tracer note); it can bound `nl.dynamic_range`, be a `scalar_offset`, and
+    go through `nisa.register_move/load/store`.
+    """
+
+    def __init__(self, name: str = "reg"):
+        self.name = name
+        self.value: int | None = None
+
+    def runtime_value(self) -> int:
+        if self.value is None:
+            raise _violation("register-uninitialized", f"{self.name} is read before any register_alloc(x)/"
+                             "register_move/register_load gave it a value", URL_REGISTER)
+        return self.value
+
+    def _no_python(self, *_a, **_k):
+        raise TypeError(f"{self.name} is a VirtualRegister: its value exists only on device, so it cannot be used in "
+                        "Python control flow, arithmetic, int() or indexing; use it as a dynamic_range bound or as "
+                        f"scalar_offset= (see {URL_REGISTER})")
+
+    __bool__ = __int__ = __index__ = __float__ = __add__ = __radd__ = __sub__ = __rsub__ = _no_python
+    __mul__ = __rmul__ = __floordiv__ = __mod__ = __lt__ = __le__ = __gt__ = __ge__ = _no_python
+    __hash__ = object.__hash__
+
+    def __eq__(self, other):
+        return self._no_python() if other is not self else True
+
+    def __repr__(self) -> str:
+        return f"VirtualRegister({self.name})"
+
+
+# -- one launch ------------------------------------------------------------------------------------------------------
+class _Abort(BaseException):
+    """Unwinds a core's thread when another core failed."""
+
+
+class Launch:
+    """State of one kernel launch over `lnc` cores."""
+
+    def __init__(self, lnc: int):
+        from ._core import _Budget
+
+        self.lnc = lnc
+        self.core = 0
+        self.budgets = [_Budget() for _ in range(lnc)]
+        self.shared: list = []  # the n-th nl.shared_hbm allocation, shared by all cores
+        self.shared_next = [0] * lnc
+        self.trace: list[list] = [[] for _ in range(lnc)]  # stack of dynamic-loop bodies being traced, per core
+        self.static = [dict() for _ in range(lnc)]
+        self.executed: dict = {}
+        self.stats = Counters()
+        self.log: dict = {}  # storage id -> (storage, [records]) for the current epoch (lnc > 1 only)
+        self.current = None  # description of the instruction executing now
+        self.epoch = 0
+        self.abort = False
+        self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
+
+    # instructions ----------------------------------------------------------------------------------------------
+    def emit(self, engine: str, op: str, run, site: str) -> None:
+        """Trace one instruction; run it now, or record it into the dynamic loop being traced."""
+        _bump(self.static[self.core], engine)
+        node = (engine, op, run, site)
+        stack = self.trace[self.core]
+        if stack:
+            _detach_closure(run)
+            stack[-1].append(node)
+        else:
+            self.execute(node)
+
+    def execute(self, node) -> None:
+        engine, op, run, site = node
+        if engine == "control":
+            run()  # a loop: counts as one instruction per iteration's branch, below
+            return
+        _bump(self.stats.executed, engine)
+        self.current = f"core {self.core}: {op} at {site}"
+        run()
+
+    # race detection ------------------------------------------------------------------------------------------
+    def record(self, storage, kind: str, start: int, pattern, outer) -> None:
+        """Log an access to a shared HBM storage: flat elements start + sum i_k*step_k (outer replaces term 0)."""
+        if self.lnc == 1 or not getattr(storage, "shared", False):
+            return
+        lo = hi = start
+        for k, (s, n) in enumerate(pattern):
+            if k == 0 and outer is not None:
+                continue
+            lo, hi = lo + min(0, s * (n - 1)), hi + max(0, s * (n - 1))
+        if outer is not None:
+            lo, hi = lo + int(outer.min()), hi + int(outer.max())
+        entry = self.log.setdefault(id(storage), (storage, []))
+        entry[1].append((self.core, kind, lo, hi, start, tuple(pattern), outer, self.current))
+
+    def check_races(self, where: str) -> None:
+        """Raise `lnc-race` if, since the last barrier, one core wrote an element another core read or wrote."""
+        for storage, recs in self.log.values():
+            if not any(r[1] == "w" for r in recs):
+                continue
+            numel = storage.data.numel()
+            writes = [torch.zeros(numel, dtype=torch.bool) for _ in range(self.lnc)]
+            touched = [torch.zeros(numel, dtype=torch.bool) for _ in range(self.lnc)]
+            for r in recs:
+                elems = _elements(r)
+                touched[r[0]][elems] = True
+                if r[1] == "w":
+                    writes[r[0]][elems] = True
+            for a in range(self.lnc):
+                for b in range(self.lnc):
+                    clash = writes[a] & touched[b] if a != b else None
+                    if clash is not None and bool(clash.any()):
+                        self._report(storage, recs, a, b, int(clash.nonzero()[0]), where)
+        self.log.clear()
+        self.epoch += 1
+        if self.pending is not None:
+            raise self.pending
+
+    def _report(self, storage, recs, a: int, b: int, elem: int, where: str):
+        def first(core, kinds):
+            for r in recs:
+                if r[0] == core and r[1] in kinds and r[2] <= elem <= r[3] and bool((_elements(r) == elem).any()):
+                    return r
+            return None
+
+        w, other = first(a, "w"), first(b, "w") or first(b, "r")
+        verb = "writes" if other[1] == "w" else "reads"
+        raise _violation(
+            "lnc-race",
+            f"between two core barriers ({where}) {w[7]} writes element {elem} of shared HBM tensor "
+            f"{storage.name or '?'} that {other[7]} {verb}; the cores run concurrently, so split the work so each "
+            "core touches disjoint elements, or order them with nisa.core_barrier", URL_BARRIER)
+
+
+def _detach_closure(run) -> None:
+    """Swap the views a recorded instruction captured for claim-free copies (see _core._Claim)."""
+    for cell in run.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "detached"):
+            cell.cell_contents = value.detached()
+        elif isinstance(value, (list, tuple)):
+            cell.cell_contents = type(value)(_detach_item(v) for v in value)
+
+
+def _detach_item(v):
+    if hasattr(v, "detached"):
+        return v.detached()
+    if isinstance(v, tuple):
+        return tuple(_detach_item(x) for x in v)
+    return v
+
+
+def _elements(rec) -> torch.Tensor:
+    _, _, _, _, start, pattern, outer, _ = rec
+    flat = torch.tensor([start], dtype=torch.int64)
+    for k, (s, n) in enumerate(pattern):
+        term = outer if (k == 0 and outer is not None) else torch.arange(n, dtype=torch.int64) * s
+        flat = (flat.unsqueeze(-1) + term.reshape(1, -1)).reshape(-1)
+    return flat
+
+
+_launch: Launch | None = None
+
+
+def current() -> Launch | None:
+    return _launch
+
+
+def require(what: str, url: str) -> Launch:
+    if _launch is None:
+        raise RuntimeError(f"{what} is only valid inside an @nki.jit kernel ({url})")
+    return _launch
+
+
+def call_site() -> str:
+    """file:line of the kernel source line that issued the current instruction (first frame outside the emulator)."""
+    frame = sys._getframe(1)
+    while frame is not None and "nki_emulator" in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+
+
+def emit(engine: str, op: str, run) -> None:
+    """Issue an instruction of `engine` (run immediately, or record into the dynamic loop being traced)."""
+    launch = require(f"nisa.{op}", URL_PROGRAM_ID)
+    launch.emit(engine, op, run, call_site())
+
+
+# -- running the cores -------------------------------------------------------------------------------------------------
+def run_launch(lnc: int, body):
+    """Run `body()` once per core (program_id 0..lnc-1) with barrier hand-offs; return each core's result."""
+    global _launch
+    launch, saved = Launch(lnc), _launch
+    _launch = launch
+    try:
+        if lnc == 1:
+            results = [body()]
+        else:
+            results = _run_cores(launch, body)
+        launch.check_races("after the last barrier")
+        for engine in set().union(*launch.static):
+            _bump(launch.stats.static, engine, max(s.get(engine, 0) for s in launch.static))
+        launch.stats.launches = 1
+        for c in _active_counters:
+            _merge(c, launch.stats)
+        return results
+    finally:
+        _launch = saved
+
+
+def _merge(into: Counters, add: Counters) -> None:
+    for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips)):
+        for k, v in d_add.items():
+            _bump(d_into, k, v)
+    into.dma_count += add.dma_count
+    into.dma_bytes += add.dma_bytes
+    into.dma_sizes.extend(add.dma_sizes)
+    into.pe_flops += add.pe_flops
+    into.pe_transpose_flops += add.pe_transpose_flops
+    into.launches += add.launches
+
+
+def _run_cores(launch: Launch, body):
+    go = [threading.Semaphore(0) for _ in range(launch.lnc)]
+    yielded = threading.Semaphore(0)
+    state = ["running"] * launch.lnc
+    results: list = [None] * launch.lnc
+    errors: list = [None] * launch.lnc
+
+    def core_main(k):
+        go[k].acquire()
+        try:
+            if launch.abort:
+                return
+            results[k] = body()
+            state[k] = "done"
+        except _Abort:
+            state[k] = "aborted"
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the launching thread
+            errors[k], state[k] = exc, "error"
+        finally:
+            yielded.release()
+
+    launch.wait_barrier = lambda k: (state.__setitem__(k, "barrier"), yielded.release(), go[k].acquire(),
+                                     _raise_if(launch.abort))
+    threads = [threading.Thread(target=core_main, args=(k,), daemon=True) for k in range(launch.lnc)]
+    for t in threads:
+        t.start()
+    torch_threads = torch.get_num_threads()
+    try:
+        while True:
+            for k in range(launch.lnc):
+                if state[k] in ("running", "barrier"):
+                    state[k] = "running"
+                    launch.core = k
+                    go[k].release()
+                    yielded.acquire()
+                    if errors[k] is not None:
+                        # garbage from a deferred unwritten read can fail anything after it: report the cause
+                        raise launch.pending or errors[k]
+            if all(s == "done" for s in state):
+                return results
+            if all(s == "barrier" for s in state):
+                launch.check_races(f"epoch {launch.epoch}")
+                continue
+            counts = {k: s for k, s in enumerate(state)}
+            raise _violation("lnc-barrier", f"cores disagree on the number of nisa.core_barrier calls (states "
+                             f"{counts}): every core must reach every barrier, or the waiting core hangs", URL_BARRIER)
+    finally:
+        launch.abort = True
+        for k in range(launch.lnc):
+            if state[k] == "barrier":
+                go[k].release()
+        for t in threads:
+            t.join(timeout=5)
+        torch.set_num_threads(torch_threads)
+
+
+def _raise_if(flag: bool):
+    if flag:
+        raise _Abort()
+
+
+def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
+    """`nisa.core_barrier(data, cores)`: wait until both cores of the LNC reach this point."""
+    from ._core import SHARED_HBM, View
+
+    launch = require("nisa.core_barrier", URL_BARRIER)
+    if tuple(cores) != (0, 1):
+        raise _violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
+    if launch.lnc == 1:
+        raise _violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: the paired physical core is a "
+                         "separate logical core that does not run this kernel, so nothing in it reaches the barrier "
+                         "(it would hang); launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
+    if not isinstance(data, View) or data.buffer is not SHARED_HBM:
+        raise _violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
+                         f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
+    if launch.trace[launch.core]:
+        raise _violation("lnc-barrier", "core_barrier inside nl.dynamic_range is outside the emulated subset",
+                         URL_BARRIER)
+    _bump(launch.static[launch.core], "sync")
+    _bump(launch.stats.executed, "sync")
+    launch.wait_barrier(launch.core)
+
+
+# -- program ids -----------------------------------------------------------------------------------------------------
+def program_id(axis: int) -> int:
+    launch = require("nl.program_id", URL_PROGRAM_ID)
+    if axis != 0:
+        raise _violation("lnc-grid", f"program_id({axis}): the LNC launch grid kernel[lnc] is 1-D; use axis 0",
+                         URL_PROGRAM_ID)
+    return launch.core
+
+
+def num_programs(axis: int = 0) -> int:
+    launch = require("nl.num_programs", URL_PROGRAM_ID)
+    if axis != 0:
+        raise _violation("lnc-grid", f"num_programs({axis}): the LNC launch grid kernel[lnc] is 1-D; use axis 0",
+                         URL_PROGRAM_ID)
+    return launch.lnc
+
+
+# -- dynamic loops ---------------------------------------------------------------------------------------------------
+def _bound(v, what: str):
+    if isinstance(v, VirtualRegister):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _violation("dynamic-range-bounds", f"dynamic_range {what} must be a Python int or a VirtualRegister, "
+                         f"got {type(v).__name__}", URL_DYNAMIC)
+    return v
+
+
+def dynamic_range(start, stop=None, step=1):
+    """`nl.dynamic_range`: a hardware loop whose body is traced once and run once per runtime iteration."""
+    launch = require("nl.dynamic_range", URL_DYNAMIC)
+    if stop is None:
+        start, stop = 0, start
+    start, stop = _bound(start, "start"), _bound(stop, "stop")
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise _violation("dynamic-range-bounds", f"dynamic_range step must be a compile-time positive int, got "
+                         f"{step!r}", URL_DYNAMIC)
+    site = call_site()
+    return _dynamic_loop(launch, start, stop, step, site)
+
+
+def _dynamic_loop(launch: Launch, start, stop, step, site):
+    core = launch.core
+    reg = VirtualRegister(f"dynamic_range loop variable ({site})")
+    body: list = []
+    launch.trace[core].append(body)
+    yield reg  # the Python body runs once here, recording its instructions into `body`
+    launch.trace[core].pop()
+
+    def run():
+        lo = start.runtime_value() if isinstance(start, VirtualRegister) else start
+        hi = stop.runtime_value() if isinstance(stop, VirtualRegister) else stop
+        trips = 0
+        for i in range(lo, hi, step):
+            reg.value = i
+            _bump(launch.stats.executed, "control")  # the loop's compare-and-branch
+            for node in body:
+                launch.execute(node)
+            trips += 1
+        _bump(launch.stats.loop_trips, site, trips)
+
+    launch.emit("control", "dynamic_range", run, site)

@@ -1,0 +1,121 @@
+"""The NKI Python subset: an AST check of each `@nki.jit` function and of the module-level helpers it calls.
+
+The NKI language guide (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html)
+documents the Python a kernel may use: functions, assignments (incl. tuple unpacking), arithmetic and comparisons,
+`if`/`for`/`while` with specialization-time values, loops over ranges/lists/tuples, lists, dicts, classes,
+`assert` and `print`. Anything else is rejected with `[nki-python-subset]` rather than trusted to the tracer:
+comprehensions and generator expressions, lambda, try/with/yield/await, global/nonlocal, walrus, match, `for`
+targets other than one name (AWS kernels never use `for a, b in ...`) and builtins outside a small documented set
+(so no enumerate/zip/sorted/reversed/map/sum). Inside `nl.dynamic_range` bodies `break`/`continue`/`return` are
+rejected: the body is one hardware-loop body traced once (nki-dynamic-loops deep dive).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import textwrap
+import types
+
+URL_GUIDE = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html")
+URL_DYNAMIC = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html"
+
+ALLOWED_BUILTINS = {"range", "len", "min", "max", "abs", "int", "float", "bool", "isinstance", "print", "tuple",
+                    "list", "dict", "str"}
+REJECTED = {
+    ast.ListComp: "a list comprehension", ast.SetComp: "a set comprehension", ast.DictComp: "a dict comprehension",
+    ast.GeneratorExp: "a generator expression", ast.Lambda: "a lambda", ast.Try: "try/except",
+    ast.With: "a with statement", ast.Yield: "yield", ast.YieldFrom: "yield from", ast.Await: "await",
+    ast.Global: "global", ast.Nonlocal: "nonlocal", ast.NamedExpr: "an assignment expression (:=)",
+    ast.Match: "match", ast.AsyncFor: "async for", ast.AsyncWith: "async with", ast.AsyncFunctionDef: "async def",
+}
+if hasattr(ast, "TryStar"):
+    REJECTED[ast.TryStar] = "try/except*"
+
+_checked: set = set()
+
+
+def check_kernel(func) -> None:
+    """Check `func` and every plain-Python helper it calls by name (transitively), once per code object."""
+    todo = [func]
+    while todo:
+        fn = todo.pop()
+        if fn.__code__ in _checked:
+            continue
+        helpers = _check_function(fn)
+        _checked.add(fn.__code__)
+        todo.extend(helpers)
+
+
+def _violation(detail: str, url: str = URL_GUIDE):
+    from ._core import violation
+
+    return violation("nki-python-subset", detail, url)
+
+
+def _source(fn):
+    try:
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None, 0
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    return tree, first - 1
+
+
+def _is_dynamic_range(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Attribute) and node.func.attr == "dynamic_range")
+        or (isinstance(node.func, ast.Name) and node.func.id == "dynamic_range"))
+
+
+def _check_function(fn) -> list:
+    tree, line0 = _source(fn)
+    if tree is None:
+        return []
+    where = f"{fn.__code__.co_filename.rsplit('/', 1)[-1]}:{{}} in {fn.__qualname__}"
+    fdef = tree.body[0]
+    helpers = []
+    for node in ast.walk(fdef):
+        line = line0 + getattr(node, "lineno", 1)
+        if type(node) in REJECTED:
+            raise _violation(f"{where.format(line)} uses {REJECTED[type(node)]}, which the NKI language guide does "
+                             "not document; write it as a plain for loop over range()/a list")
+        if isinstance(node, ast.For) and not isinstance(node.target, ast.Name):
+            raise _violation(f"{where.format(line)}: for-loop target {ast.unparse(node.target)!r} is not a single "
+                             "name; loop over range(len(...)) and index instead")
+        if isinstance(node, ast.For) and _is_dynamic_range(node.iter):
+            for inner in _walk_body(node.body):
+                if isinstance(inner, (ast.Break, ast.Continue, ast.Return)):
+                    raise _violation(f"{where.format(line0 + inner.lineno)}: {type(inner).__name__.lower()} inside "
+                                     "an nl.dynamic_range body: the body is one hardware-loop body traced once",
+                                     URL_DYNAMIC)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            target = fn.__globals__.get(name, getattr(builtins, name, None))
+            if fn.__closure__ and name in fn.__code__.co_freevars:
+                cell = fn.__closure__[fn.__code__.co_freevars.index(name)]
+                target = cell.cell_contents
+            if target is getattr(builtins, name, object()) and name not in ALLOWED_BUILTINS:
+                raise _violation(f"{where.format(line)} calls the builtin {name}(), which the NKI language guide "
+                                 f"does not document (allowed: {sorted(ALLOWED_BUILTINS)}); index with range() "
+                                 "instead")
+            if isinstance(target, types.FunctionType) and not _is_nki(target):
+                helpers.append(target)
+    return helpers
+
+
+def _walk_body(stmts, nested: bool = False):
+    """Break/continue/return nodes that leave a dynamic loop body (break/continue of nested loops are theirs)."""
+    for stmt in stmts:
+        if isinstance(stmt, ast.Return) or (not nested and isinstance(stmt, (ast.Break, ast.Continue))):
+            yield stmt
+        for fld in ("body", "orelse", "finalbody"):
+            inner = getattr(stmt, fld, None)
+            if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
+                yield from _walk_body(inner, nested or isinstance(stmt, (ast.For, ast.While)))
+
+
+def _is_nki(fn) -> bool:
+    mod = getattr(fn, "__module__", "") or ""
+    return mod.startswith("workbench.kernels.nki_emulator") or mod == "nki" or mod.startswith("nki.")
