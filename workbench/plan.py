@@ -301,6 +301,7 @@ def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, 
     validate(job, world_size)
     rss0 = _rss()
     traced = trace(job, device, world_size)
+    print(f"workbench.plan: traced in {traced['trace_seconds']:.0f} s", file=sys.stderr, flush=True)
     peak = traced["peak_bytes"]
     result = {
         "config": job.job.config_file, "backend": job.model.backend, "flavor": job.model.flavor,
@@ -312,6 +313,7 @@ def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, 
     if suggest and peak > (1 - HEADROOM) * cap:
         for flag, change in candidates(job, world_size)[:max_replans]:
             p = trace(_with(job, world_size, **change), device, world_size)["peak_bytes"]
+            print(f"workbench.plan: re-planned {flag}: {p / GiB:.2f} GiB", file=sys.stderr, flush=True)
             result["suggestions"].append({"change": flag, "peak_bytes": p, "fits": p <= cap,
                                           "headroom": 1 - p / cap})
             if p <= (1 - HEADROOM) * cap:
@@ -369,18 +371,28 @@ def render(p: dict) -> str:
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
 
 
-def preflight(job: JobConfig, device_kind: str, world_size: int, cache_dir: Path | None = None) -> dict | None:
-    """Plans `job` before launch (cached by a hash of the resolved config and world size).
+def preflight(job: JobConfig, world_size: int, cache_dir: Path | None = None) -> dict | None:
+    """Plans `job` before launch on cuda/neuron (cached by a hash of the resolved config and world size).
 
-    The plan runs in a subprocess (it needs a fake process group and pins torchtitan to the CPU). On cuda, the
-    capacity is the visible GPU's memory.
+    The plan runs in a subprocess (it needs a fake process group and pins torchtitan to the CPU). On cuda the
+    capacity is taken as an H100's; on neuron a trn2 rank's. On CPU only a model whose parameters alone take over
+    1/8 of the host RAM per rank is planned (the tiny CPU runs are not slowed by a plan), and a plan over the
+    host's RAM only warns.
 
     Raises:
         ConfigError: the plan does not fit, with the table and the suggested changes (exit code 2).
     """
+    from workbench import device as wb_device
+    from workbench import flavors
+
     if not job.job.memory_check:
         return None
-    device = DEVICE_OF_KIND.get(device_kind, "cpu")
+    kind = wb_device.detect(job.job.device).kind
+    device = DEVICE_OF_KIND.get(kind, "cpu")
+    if device == "cpu":
+        _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
+        if 4 * flavors.count_params(shape)["total"] < capacity("cpu", world_size) / 8:
+            return None
     key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
     cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
     if cache.is_file():
@@ -393,7 +405,7 @@ def preflight(job: JobConfig, device_kind: str, world_size: int, cache_dir: Path
             f.write(job.to_toml())
         cmd = [sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc", str(world_size),
                "--device", device, "--json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "1"})
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         os.unlink(f.name)
         if proc.returncode not in (0, 1):
             print(f"workbench: memory plan failed, launching anyway:\n{proc.stderr[-2000:]}", file=sys.stderr)
@@ -402,7 +414,7 @@ def preflight(job: JobConfig, device_kind: str, world_size: int, cache_dir: Path
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(p))
     if not p["fits"]:
-        if device_kind == "cpu":
+        if device == "cpu":
             print("workbench: warning, the memory plan exceeds this host's RAM:\n" + render(p), file=sys.stderr)
         else:
             raise ConfigError("the memory plan does not fit (skip with --job.memory_check false):\n" + render(p))
