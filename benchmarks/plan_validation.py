@@ -57,15 +57,14 @@ def measure(argv: list[str]) -> dict:
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=world)
     job = load_config(argv=argv)
     b = plan.build(job, "cpu", world, plan.parallel_dims_for(job, "cpu", world))
-    plan.warm_optimizer(b)
+    plan.warm_optimizer(b, job.training.gradient_accumulation_steps)
     t = job.training
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, 151_936, (t.local_batch_size, t.seq_len), generator=g)
     tracker = plan._tracker_class(b.vocab_local)(b.model, b.optimizers.optimizers[0])
     tracker.track_inputs((tokens,))
     with tracker:
-        for _ in range(2 if t.gradient_accumulation_steps > 1 else 1):
-            plan.training_step(b, tokens, tokens.roll(-1, 1))
+        plan.training_step(b, tokens, tokens.roll(-1, 1))
         b.optimizers.step()
         b.optimizers.zero_grad(set_to_none=True)
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))

@@ -162,14 +162,18 @@ def training_step(b: Built, tokens, labels) -> None:
     loss.backward()
 
 
-def warm_optimizer(b: Built) -> None:
-    """One optimizer step on zero gradients so AdamW's lazily created moments exist before the traced step."""
+def warm_optimizer(b: Built, accumulation_steps: int = 1) -> None:
+    """One optimizer step on zero gradients so AdamW's lazily created moments exist before the traced step.
+
+    With gradient accumulation every micro-batch after the first runs with the sharded gradients resident (FSDP2
+    accumulates into them), so they are left allocated: the traced micro-batch is then the worst one.
+    """
     import torch
 
     for p in b.model.parameters():
         p.grad = torch.zeros_like(p)
     b.optimizers.step()
-    b.optimizers.zero_grad(set_to_none=True)
+    b.optimizers.zero_grad(set_to_none=accumulation_steps == 1)
 
 
 def parallel_dims_for(job: JobConfig, device_kind: str, world_size: int):
@@ -206,7 +210,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
         pd = parallel_dims_for(job, device_kind, world_size)
         with FakeTensorMode(allow_non_fake_inputs=True):
             b = build(job, device_kind, world_size, pd)
-            warm_optimizer(b)
+            warm_optimizer(b, job.training.gradient_accumulation_steps)
             ckpt = checkpoint_bytes(b)
             t = job.training
             tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
@@ -214,9 +218,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
                                                     if hasattr(b.optimizers, "optimizers") else b.optimizers)
             tracker.track_inputs((tokens,))
             with tracker:
-                # With accumulation, micro-batches after the first run with the gradients resident: trace two.
-                for _ in range(2 if t.gradient_accumulation_steps > 1 else 1):
-                    training_step(b, tokens, tokens.clone())
+                training_step(b, tokens, tokens.clone())
                 b.optimizers.step()
                 b.optimizers.zero_grad(set_to_none=True)
             snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
@@ -256,50 +258,62 @@ def _with(job: JobConfig, world_size: int, **changes) -> JobConfig:
     return new
 
 
-def candidates(job: JobConfig, world_size: int) -> list[tuple[str, dict]]:
-    """Changes that lower the per-rank peak, cheapest first (each is re-planned, not assumed to help)."""
+def candidates(job: JobConfig, world_size: int, categories: dict[str, int], cap: float
+               ) -> list[tuple[str, dict, int]]:
+    """Changes that lower the per-rank peak, cheapest first: (flag, changes, world size). Each is re-planned by
+    `plan`, not assumed to help."""
     t, par = job.training, job.parallelism
-    out: list[tuple[str, dict]] = []
+    out: list[tuple[str, dict, int]] = []
+    state = sum(categories[k] for k in ("sharded parameters", "gradients", "optimizer state"))
+    if state > 0.5 * cap:
+        # The sharded training state alone leaves no room: only more shards help. Grow the world (and the FSDP
+        # degree with it) by powers of two until the traced state is under half a rank, then re-plan that.
+        factor = 2
+        while state / factor > 0.5 * cap:
+            factor *= 2
+        world = world_size * factor
+        shard = (par.dp_shard if par.dp_shard > 0 else world_size // (par.tp * par.dp_replicate)) * factor
+        out.append((f"{world} ranks (torchrun --nproc_per_node x --nnodes = {world}) with --parallelism.dp_shard "
+                    f"{shard}", {"parallelism__dp_shard": shard}, world))
+        job = _with(job, world, parallelism__dp_shard=shard)
+        world_size = world
     chunks = 0 if t.loss_chunks else next((c for c in (8, 4, 2) if t.seq_len % (c * par.tp) == 0), 0)
+    base = dict(out[0][1]) if out else {}
+    prefix = f"{out[0][0]} + " if out else ""
+    cheap: list[tuple[str, dict]] = []
     if chunks:
-        out.append((f"--training.loss_chunks {chunks}", {"training__loss_chunks": chunks}))
+        cheap.append((f"--training.loss_chunks {chunks}", {"training__loss_chunks": chunks}))
     if t.local_batch_size > 1:
         acc = t.gradient_accumulation_steps * t.local_batch_size
         batch1 = {"training__local_batch_size": 1, "training__gradient_accumulation_steps": acc,
                   "training__global_batch_size": -1}
         flag = f"--training.local_batch_size 1 --training.gradient_accumulation_steps {acc}"
-        out.append((flag, batch1))
         if chunks:
-            out.append((f"{flag} --training.loss_chunks {chunks}", {**batch1, "training__loss_chunks": chunks}))
+            cheap.append((f"{flag} --training.loss_chunks {chunks}", {**batch1, "training__loss_chunks": chunks}))
+        cheap.append((flag, batch1))
     if t.activation_checkpoint != "full":
-        out.append(("--training.activation_checkpoint full", {"training__activation_checkpoint": "full"}))
-    shard = par.dp_shard if par.dp_shard > 0 else world_size // (par.tp * par.dp_replicate)
-    if par.dp_replicate > 1:
-        out.append(("--parallelism.dp_replicate 1 --parallelism.dp_shard -1",
-                    {"parallelism__dp_replicate": 1, "parallelism__dp_shard": -1}))
+        cheap.append(("--training.activation_checkpoint full", {"training__activation_checkpoint": "full"}))
     if job.model.backend != "huggingface_v5":
         for tp in (2, 4, 8):
-            if tp > par.tp and shard % (tp // par.tp) == 0 and t.seq_len % tp == 0:
-                out.append((f"--parallelism.tp {tp} --parallelism.dp_shard -1",
-                            {"parallelism__tp": tp, "parallelism__dp_shard": -1}))
+            if tp > par.tp and t.seq_len % tp == 0:
+                cheap.append((f"--parallelism.tp {tp} --parallelism.dp_shard -1",
+                              {"parallelism__tp": tp, "parallelism__dp_shard": -1}))
                 break
-    valid = []
-    for flag, change in out:
+    for flag, change in cheap:
         try:
             _with(job, world_size, **change)
         except ConfigError:
             continue
-        valid.append((flag, change))
-    return valid
+        out.append((prefix + flag, {**base, **change}, world_size))
+    return out
 
 
 def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, suggest: bool = True,
-         max_replans: int = 4) -> dict:
+         max_replans: int = 3) -> dict:
     """The memory plan of `job` on `nproc` x `nnodes` ranks of `device` (see module doc); JSON-serialisable."""
     world_size = nproc * nnodes
     cap = capacity(device, nproc)
     validate(job, world_size)
-    rss0 = _rss()
     traced = trace(job, device, world_size)
     print(f"workbench.plan: traced in {traced['trace_seconds']:.0f} s", file=sys.stderr, flush=True)
     peak = traced["peak_bytes"]
@@ -311,14 +325,17 @@ def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, 
     }
     result.update(_disk(job, traced["checkpoint_bytes"]))
     if suggest and peak > (1 - HEADROOM) * cap:
-        for flag, change in candidates(job, world_size)[:max_replans]:
-            p = trace(_with(job, world_size, **change), device, world_size)["peak_bytes"]
+        for flag, change, world in candidates(job, world_size, traced["categories"], cap):
+            if len(result["suggestions"]) >= max_replans:
+                break
+            p = trace(_with(job, world, **change), device, world)["peak_bytes"]
             print(f"workbench.plan: re-planned {flag}: {p / GiB:.2f} GiB", file=sys.stderr, flush=True)
-            result["suggestions"].append({"change": flag, "peak_bytes": p, "fits": p <= cap,
+            result["suggestions"].append({"change": flag, "world_size": world, "peak_bytes": p, "fits": p <= cap,
                                           "headroom": 1 - p / cap})
             if p <= (1 - HEADROOM) * cap:
                 break
-    result["planner_peak_rss_bytes"] = max(_rss(), rss0)
+    result["planner_peak_rss_bytes"] = _rss()
+    result["planner_cpu_seconds"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return result
 
 
@@ -360,7 +377,7 @@ def render(p: dict) -> str:
                      + ("" if p["disk_fits"] else "  -> NOT ENOUGH: lower checkpoint.keep_latest_k or move dump_folder"))
     else:
         lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk (checkpointing off)")
-    lines.append(f"  traced in {p['trace_seconds']:.1f} s, planner peak RSS {p['planner_peak_rss_bytes'] / GiB:.2f} GiB")
+    lines.append(f"  traced in {p['trace_seconds']:.1f} s (planner CPU {p['planner_cpu_seconds']:.0f} s), planner peak RSS {p['planner_peak_rss_bytes'] / GiB:.2f} GiB")
     return "\n".join(lines)
 
 
