@@ -85,6 +85,19 @@ def _tracker_class(vocab_local: int):
             super().__init__(*args, **kwargs)
             self._ref_class = ref
 
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+            # A chunked loss calls the FSDP-wrapped lm_head once per chunk; the tracker refuses a module's second
+            # forward (its per-module stats assume one). Only the global peak is used here: restart that module's
+            # stats instead.
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+            def pre_forward(*args, **kwargs):
+                if not self._mod_tracker.is_bw:
+                    self.memory_tracking.pop(fsdp_mod, None)
+                return inner(*args, **kwargs)
+
+            return pre_forward
+
         def _track(self, reftype, t):
             if reftype in (_FSDPRefType.ACT, _FSDPRefType.TEMP) and t.dim() >= 2 and t.shape[-1] == vocab_local:
                 reftype = ref.LOGITS
