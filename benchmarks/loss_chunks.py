@@ -42,13 +42,17 @@ def run(args: list[str], state=None, steps: int = 3):
     loss.backward()
     grads = {n: p.grad.full_tensor().clone() for n, p in b.model.named_parameters()}
     sd = {k: v.clone() for k, v in b.model.state_dict().items()}
-    plan.warm_optimizer(b)
-    tracker = plan._tracker_class(b.vocab_local)(b.model, b.optimizers.optimizers[0])
+    # Memory: a fresh build (the tracker must see the model from its first step), warmed optimizer, one step.
+    m = plan.build(job, "cpu", 1, plan.parallel_dims_for(job, "cpu", 1))
+    plan.warm_optimizer(m)
+    tracker = plan._tracker_class(m.vocab_local)(m.model, m.optimizers.optimizers[0])
     with tracker:
-        plan.training_step(b, tokens, labels)
-        b.optimizers.step()
-        b.optimizers.zero_grad(set_to_none=True)
+        plan.training_step(m, tokens, labels)
+        m.optimizers.step()
+        m.optimizers.zero_grad(set_to_none=True)
     peak = sum(plan._categories(next(iter(tracker.get_tracker_snapshot("peak").values()))).values())
+    del m, tracker
+    b.optimizers.zero_grad(set_to_none=True)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
