@@ -394,6 +394,50 @@ def render(p: dict) -> str:
     return "\n".join(lines)
 
 
+SHORT = {"sharded parameters": "params", "gradients": "grads", "optimizer state": "optimizer",
+         "all-gathered parameters": "all-gathered", "activations": "activations", "logits and loss": "logits+loss",
+         "other temporaries": "other"}
+
+
+def quote(p: dict, backend: str) -> str:
+    """The one-line form a shipped config's comment quotes (read back by `quoted_plans`)."""
+    cats = ", ".join(f"{SHORT[k]} {v / GiB:.2f}" for k, v in p["categories"].items())
+    return (f"# PLAN {backend}: peak {p['peak_bytes'] / GiB:.2f} GiB of {p['capacity_bytes'] / GiB:.0f} GiB "
+            f"(headroom {100 * p['headroom']:.0f}%): {cats} GiB")
+
+
+def quoted_plans(config: str | os.PathLike) -> dict[str, dict]:
+    """{backend: {"peak_bytes", "categories"}} from the `# PLAN ...` lines of a config's comment."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"# PLAN (\w+): peak ([\d.]+) GiB[^:]*: (.*) GiB", Path(config).read_text()):
+        short = {v: k for k, v in SHORT.items()}
+        cats = {short[name]: int(float(v) * GiB) for name, v in (c.rsplit(" ", 1) for c in m.group(3).split(", "))}
+        out[m.group(1)] = {"peak_bytes": int(float(m.group(2)) * GiB), "categories": cats}
+    return out
+
+
+def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
+    """Stacked bars of the categories per plan (label -> plan), with the per-rank capacity as a line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(plans) + 3, 4))
+    labels = list(plans)
+    bottom = [0.0] * len(labels)
+    for cat in CATEGORIES:
+        vals = [plans[k]["categories"].get(cat, 0) / GiB for k in labels]
+        ax.bar(labels, vals, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / GiB, color="red", linestyle="--", label="memory per rank")
+    ax.set_ylabel("GiB per rank")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    return fig
+
+
 # ------------------------------------------------------------------------------------------------
 # Preflight (train.py) and CLI
 # ------------------------------------------------------------------------------------------------
