@@ -242,6 +242,25 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
             "checkpoint_bytes": ckpt}
 
 
+def trace_in_subprocess(job: JobConfig, device: str, world_size: int) -> dict:
+    """`trace` in a fresh interpreter: torch's meshes and fake process groups are process-global, and a trace
+    after another one of a different layout (TP after FSDP-only, another world size) can trip over them."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(job.to_toml())
+    try:
+        proc = subprocess.run([sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc",
+                               str(world_size), "--device", device, "--json", "--no-suggest"],
+                              capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"memory plan failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
 def checkpoint_bytes(b: Built) -> int:
     """Bytes of one DCP checkpoint (model + optimizer state, global shapes, stored dtypes)."""
     from torch.distributed.tensor import DTensor
@@ -341,7 +360,7 @@ def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, 
         for flag, change, world in candidates(job, world_size, traced["categories"], cap):
             if len(result["suggestions"]) >= max_replans:
                 break
-            p = trace(_with(job, world, **change), device, world)["peak_bytes"]
+            p = trace_in_subprocess(_with(job, world, **change), device, world)["peak_bytes"]
             print(f"workbench.plan: re-planned {flag}: {p / GiB:.2f} GiB", file=sys.stderr, flush=True)
             result["suggestions"].append({"change": flag, "world_size": world, "peak_bytes": p, "fits": p <= cap,
                                           "headroom": 1 - p / cap})
