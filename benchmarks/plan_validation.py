@@ -23,17 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = [  # (label, nproc, args)
+CASES = [  # (label, nproc, args). MoE flavors are planned in bf16 only: the fake-tensor kernel of torch._grouped_mm
+    # (torchtitan's and transformers' experts, nki_moe's reference) accepts bf16 only, while CPU runs train in fp32.
     ("tiny native", 1, ["--model.flavor", "tiny", "--model.backend", "native"]),
     ("tiny huggingface_v5", 1, ["--model.flavor", "tiny", "--model.backend", "huggingface_v5"]),
-    ("tiny-moe nki_moe", 1, ["--model.flavor", "tiny-moe", "--model.backend", "nki_moe"]),
     ("tiny native", 2, ["--model.flavor", "tiny", "--model.backend", "native"]),
-    ("tiny-moe huggingface_v5", 2, ["--model.flavor", "tiny-moe", "--model.backend", "huggingface_v5"]),
-    ("tiny-moe nki_moe", 2, ["--model.flavor", "tiny-moe", "--model.backend", "nki_moe"]),
+    ("tiny huggingface_v5", 2, ["--model.flavor", "tiny", "--model.backend", "huggingface_v5"]),
+    ("tiny native loss_chunks 4", 2, ["--model.flavor", "tiny", "--model.backend", "native",
+                                      "--training.loss_chunks", "4"]),
     ("0.6B native seq 128", 1, ["--model.flavor", "0.6B", "--model.backend", "native", "--training.seq_len", "128",
                                 "--training.local_batch_size", "1"]),
-    ("0.6B huggingface_v5 seq 128", 2, ["--model.flavor", "0.6B", "--model.backend", "huggingface_v5",
-                                        "--training.seq_len", "128", "--training.local_batch_size", "1"]),
 ]
 COMMON = ["--training.seq_len", "256", "--training.local_batch_size", "2"]
 

@@ -46,7 +46,7 @@ def test_plan_matches_real_step_one_rank():
 def test_plan_matches_real_step_two_ranks():
     import plan_validation
 
-    planned, measured = plan_validation.run_case(2, [*TINY[:1], "tiny-moe", *TINY[2:], "--model.backend", "nki_moe"])
+    planned, measured = plan_validation.run_case(2, [*TINY, "--model.backend", "huggingface_v5"])
     _close(planned, measured)
     assert planned["world_size"] == 2
 
