@@ -73,10 +73,10 @@ def test_bad_input(capsys):
     assert "model.flavor" in capsys.readouterr().err
 
 
-SHIPPED = {  # config -> backends planned and quoted in its header (huggingface_v5 on 30B-A3B: see the report)
+SHIPPED = {  # config -> backends its header names (each planned and quoted there)
     "trn2_qwen3_8b.toml": ["native"],
-    "qwen3_trainium.toml": ["native", "nki_moe"],
-    "trn2_qwen3_30b_a3b.toml": ["native", "nki_moe"],
+    "qwen3_trainium.toml": ["native", "nki_moe", "huggingface_v5"],
+    "trn2_qwen3_30b_a3b.toml": ["native", "nki_moe", "huggingface_v5"],
 }
 
 
