@@ -53,6 +53,8 @@ class Job:
     """Show torchtitan's own INFO logs (otherwise only the workbench's progress lines)."""
     config_file: str = ""
     """The TOML this config was read from (set by --job.config_file)."""
+    memory_check: bool = True
+    """cuda/neuron: plan per-rank memory before launch (`python -m workbench.plan`) and exit 2 if it will not fit."""
 
 
 @dataclass
@@ -137,6 +139,9 @@ class Training:
     """'shakespeare' (bundled corpus) or a path: a .txt/.md file or folder, .jsonl, or .parquet files."""
     dataset_text_field: str = "text"
     """Column / key holding the document text in JSONL and parquet files."""
+    loss_chunks: int = 0
+    """lm_head + cross-entropy in this many sequence chunks (torchtitan's ChunkedLossWrapper): the full fp32
+    [tokens, vocab] logits never exist at once; same loss and gradients. 0 = plain loss."""
     holdout_docs: int = 1
     """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
 
@@ -445,6 +450,9 @@ def validate(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"training.seq_len={t.seq_len} exceeds the model's max_seq_len {shape.max_seq_len}.")
     if t.holdout_docs < 0:
         raise ConfigError(f"training.holdout_docs must be >= 0; got {t.holdout_docs}.")
+    if t.loss_chunks < 0 or (t.loss_chunks and t.seq_len % (t.loss_chunks * max(par.tp, 1))):
+        raise ConfigError(f"training.loss_chunks={t.loss_chunks} must be 0 (plain loss) or divide training.seq_len "
+                          f"({t.seq_len}) per tensor-parallel rank; e.g. --training.loss_chunks 8.")
     if m.moe_block_size <= 0:
         raise ConfigError(f"model.moe_block_size must be positive; got {m.moe_block_size}.")
     for key, value in (("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),

@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_config(argv=argv)
         preflight(job)
+        if int(os.environ.get("RANK", "0")) == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
+            from workbench import plan
+
+            plan.preflight(job, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, FileNotFoundError) as e:
         _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR

@@ -23,7 +23,7 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -312,9 +312,20 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         comm=CommConfig(init_timeout_seconds=init_timeout_s, train_timeout_seconds=step_timeout_s),
         debug=DebugConfig(seed=job.job.seed, enable_structured_logging=False),
         # Tensor parallelism shards the vocabulary dimension of the logits: the loss needs the global size.
-        loss=CrossEntropyLoss.Config(global_vocab_size=shape.vocab_size if par.tp > 1 else None),
+        loss=loss_config(job.training.loss_chunks, shape.vocab_size if par.tp > 1 else None),
     )
     return tcfg
+
+
+def loss_config(chunks: int, global_vocab_size: int | None = None):
+    """Plain cross-entropy, or torchtitan's ChunkedLossWrapper around it when `chunks` > 0.
+
+    Chunked: the model returns hidden states (`_skip_lm_head`, set by torchtitan's Trainer; huggingface_v5's
+    HFQwen3 honours it too) and lm_head + CE run per sequence chunk with a backward per chunk, so only one
+    chunk's fp32 logits are alive at a time. The sum over chunks is the same loss, the same gradients.
+    """
+    ce = CrossEntropyLoss.Config(global_vocab_size=global_vocab_size)
+    return ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=ce) if chunks > 0 else ce
 
 
 # torchtitan warnings that are expected with the workbench's setup (we supply the peak FLOPs ourselves,
@@ -340,4 +351,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "say", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "say", "quiet_titan_logs"]

@@ -109,7 +109,10 @@ def init_hf_weights(hf_model: nn.Module) -> None:
         _local(t).fill_(float("nan"))  # poison: anything init does not write stays NaN
     for module in hf_model.modules():
         hf_model._init_weights(module)
-    missed = [name for name, t in tensors.items() if torch.isnan(_local(t)).any()]
+    from torch._subclasses.fake_tensor import is_fake
+
+    # Under fake tensors (workbench.plan) there are no values to check.
+    missed = [name for name, t in tensors.items() if not is_fake(_local(t)) and torch.isnan(_local(t)).any()]
     if missed:
         raise RuntimeError(
             f"transformers' _init_weights left {len(missed)} tensor(s) uninitialised: {', '.join(missed[:8])}. "
@@ -152,6 +155,10 @@ class HFQwen3(BaseModel):
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             return nparams_and_flops(model, self.shape, seq_len)
 
+    _skip_lm_head: bool = False
+    """Set by torchtitan's Trainer with a chunked loss (`training.loss_chunks`): forward returns the final hidden
+    states and `ChunkedLossWrapper` applies `lm_head` per sequence chunk (torchtitan's Decoder has the same flag)."""
+
     def __init__(self, config: Config):
         super().__init__()
         self.shape = config.shape
@@ -160,6 +167,11 @@ class HFQwen3(BaseModel):
     @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.hf.model.layers
+
+    @property
+    def lm_head(self) -> nn.Module:
+        """transformers' output projection (what torchtitan's ChunkedLossWrapper applies per chunk)."""
+        return self.hf.lm_head
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """Logits [B, S, vocab] of transformers' forward (plain causal attention within each row).
@@ -175,6 +187,8 @@ class HFQwen3(BaseModel):
             )
         if positions is not None and positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        if self._skip_lm_head:
+            return self.hf.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
         return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
     def verify_module_protocol(self) -> None:

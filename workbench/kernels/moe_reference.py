@@ -98,7 +98,9 @@ def plan_blocks(topk_ids_TK: torch.Tensor, num_experts: int, block_size: int) ->
     device = topk_ids_TK.device
     flat = topk_ids_TK.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept within an expert
-    counts_E = torch.bincount(flat, minlength=num_experts)
+    # scatter-add rather than bincount: the same counts with a static output shape (bincount's depends on the
+    # largest id), so the block plan also traces under fake tensors (workbench.plan).
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=device).index_add_(0, flat, torch.ones_like(flat))
     blocks_E = (counts_E + block_size - 1) // block_size
     block_end_E = torch.cumsum(blocks_E, 0)
     sorted_e = flat[order]
@@ -129,7 +131,8 @@ def slot_weights(topk_weights_TK: torch.Tensor, plan: BlockPlan) -> torch.Tensor
 
 def expert_offsets(plan: BlockPlan, num_experts: int) -> torch.Tensor:
     """[E] int32 end slot of each expert's blocks (block-aligned group ends for a grouped GEMM); last == N."""
-    blocks_E = torch.bincount(plan.block_to_expert_B, minlength=num_experts)
+    ids = plan.block_to_expert_B
+    blocks_E = torch.zeros(num_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
     return (torch.cumsum(blocks_E, 0) * plan.block_size).to(torch.int32)
 
 
