@@ -61,13 +61,3 @@ __all__ = [
     "slot_weights",
 ]
 
-
-# (lead placeholder until the issue-12 kernels land; replaced at merge)
-_LNC: int | None = None
-
-
-def set_logical_nc_config(lnc: int) -> None:
-    global _LNC
-    if lnc not in (1, 2):
-        raise ValueError(f"logical NeuronCore degree must be 1 or 2; got {lnc}")
-    _LNC = lnc
