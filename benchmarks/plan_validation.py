@@ -23,14 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = [  # (label, nproc, args). MoE flavors are planned in bf16 only: the fake-tensor kernel of torch._grouped_mm
-    # (torchtitan's and transformers' experts, nki_moe's reference) accepts bf16 only, while CPU runs train in fp32.
+MOE_BF16 = ["--job.config_file", "configs/cpu_moe.toml", "--model.flavor", "tiny-moe", "--training.dtype", "bfloat16"]
+CASES = [  # (label, nproc, args). MoE cases run in bf16 (as on trn2/GPU): the fake-tensor kernel of torch._grouped_mm
+    # accepts bf16 only, while CPU training defaults to fp32.
     ("tiny native", 1, ["--model.flavor", "tiny", "--model.backend", "native"]),
     ("tiny huggingface_v5", 1, ["--model.flavor", "tiny", "--model.backend", "huggingface_v5"]),
     ("tiny native", 2, ["--model.flavor", "tiny", "--model.backend", "native"]),
     ("tiny huggingface_v5", 2, ["--model.flavor", "tiny", "--model.backend", "huggingface_v5"]),
     ("tiny native loss_chunks 4", 2, ["--model.flavor", "tiny", "--model.backend", "native",
                                       "--training.loss_chunks", "4"]),
+    ("tiny-moe native bf16", 1, [*MOE_BF16, "--model.backend", "native"]),
+    ("tiny-moe nki_moe bf16", 1, [*MOE_BF16, "--model.backend", "nki_moe"]),
+    ("tiny-moe huggingface_v5 bf16", 1, [*MOE_BF16, "--model.backend", "huggingface_v5"]),
     ("0.6B native seq 128", 1, ["--model.flavor", "0.6B", "--model.backend", "native", "--training.seq_len", "128",
                                 "--training.local_batch_size", "1"]),
 ]

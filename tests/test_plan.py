@@ -43,6 +43,16 @@ def test_plan_matches_real_step_one_rank():
 
 
 @pytest.mark.slow
+def test_plan_matches_real_step_moe_nki_moe():
+    """MoE (tiny-moe, bf16 as on the device) through the nki_moe path: blockwise experts, static-shape block plan."""
+    import plan_validation
+
+    planned, measured = plan_validation.run_case(1, [*plan_validation.MOE_BF16, *plan_validation.COMMON,
+                                                     "--model.backend", "nki_moe"])
+    _close(planned, measured)
+
+
+@pytest.mark.slow
 def test_plan_matches_real_step_two_ranks():
     import plan_validation
 
