@@ -464,7 +464,7 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
 
 
-def preflight(job: JobConfig, world_size: int, cache_dir: Path | None = None) -> dict | None:
+def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
     """Plans `job` before launch on cuda/neuron (cached by a hash of the resolved config and world size).
 
     The plan runs in a subprocess (it needs a fake process group and pins torchtitan to the CPU). On cuda the
@@ -475,13 +475,11 @@ def preflight(job: JobConfig, world_size: int, cache_dir: Path | None = None) ->
     Raises:
         ConfigError: the plan does not fit, with the table and the suggested changes (exit code 2).
     """
-    from workbench import device as wb_device
     from workbench import flavors
 
     if not job.job.memory_check:
         return None
-    kind = wb_device.detect(job.job.device).kind
-    device = DEVICE_OF_KIND.get(kind, "cpu")
+    device = DEVICE_OF_KIND.get(device_kind, "cpu")
     if device == "cpu":
         _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
         if 4 * flavors.count_params(shape)["total"] < capacity("cpu", world_size) / 8:

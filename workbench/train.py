@@ -140,10 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_config(argv=argv)
         preflight(job)
-        if int(os.environ.get("RANK", "0")) == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
-            from workbench import plan
-
-            plan.preflight(job, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, FileNotFoundError) as e:
         _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
@@ -152,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     except device.DeviceError as e:
         _announce(f"workbench: device error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
+    if int(os.environ.get("RANK", "0")) == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
+        from workbench import plan
+
+        try:
+            plan.preflight(job, int(os.environ.get("WORLD_SIZE", "1")), info.kind)
+        except ConfigError as e:
+            _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
+            return EXIT_CONFIG_ERROR
     from workbench.checkpoint import RunError  # torch-heavy: after the config is known to be good
 
     try:
