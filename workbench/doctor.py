@@ -44,7 +44,8 @@ class Check:
     fix: str = ""
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution (from its metadata), or None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -69,7 +70,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
     checks.append(Check("python", "ok" if lo <= py <= hi else "fail", "%d.%d" % py,
                         "" if lo <= py <= hi else f"use Python {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} ({MATRIX_SOURCE})"))
 
-    torch_v = _version("torch")
+    torch_v = installed_version("torch")
     if torch_v is None:
         checks.append(Check("torch", "fail", "not installed",
                             "on trn2: install torch-neuronx (it brings torch 2.14.0); elsewhere: `make setup`"))
@@ -80,7 +81,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
                             f"TorchNeuron supports torch {SUPPORT['torch']} only ({MATRIX_SOURCE}); install "
                             f"torch=={SUPPORT['torch']} (on trn2: the one torch-neuronx 2.14.3 installs)"))
 
-    tnx = _version("torch-neuronx")
+    tnx = installed_version("torch-neuronx")
     if tnx is None:
         checks.append(Check("torch-neuronx", "fail" if on_neuron else "ok", "not installed",
                             "install torch-neuronx 2.14.3.* from AWS's Neuron package index, then `make setup-neuron`"
@@ -91,7 +92,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
         checks.append(Check("torch-neuronx", "fail", tnx,
                             f"the workbench needs the 2.14.3.* family (PyTorch 2.14.0) ({MATRIX_SOURCE})"))
 
-    nki_v = _version("nki")
+    nki_v = installed_version("nki")
     if nki_v is None:
         checks.append(Check("nki", "warn" if on_neuron else "ok", "not installed",
                             "nki_moe on Trainium needs `nki` >= 0.3 from AWS's Neuron package index" if on_neuron
@@ -103,7 +104,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
                             "" if ok else "the kernels use the standalone nki >= 0.3 API; upgrade nki"))
 
     for dist in ("torchtitan", "transformers"):
-        v = _version(dist)
+        v = installed_version(dist)
         if v is None:
             checks.append(Check(dist, "fail", "not installed", "`make setup` (or `make setup-neuron` on trn2)"))
         else:

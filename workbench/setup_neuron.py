@@ -41,13 +41,6 @@ def project_requirements() -> list[str]:
     return [r for r in reqs if _name(r) not in NEURON_OWNED]
 
 
-def installed(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def torch_fingerprint() -> tuple[str, str] | None:
     """(version, location of its metadata) of the installed torch, or None."""
     try:
@@ -76,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print("setup-neuron: stopped: fix the failures above (or pass --force to install anyway).", file=sys.stderr)
         return 2
 
-    pins = [f"{d}=={v}" for d in NEURON_OWNED if (v := installed(d))]
+    pins = [f"{d}=={v}" for d in NEURON_OWNED if (v := doctor.installed_version(d))]
     with tempfile.NamedTemporaryFile("w", suffix="-neuron-constraints.txt", delete=False) as f:
         f.write("\n".join(pins) + "\n")
     pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]

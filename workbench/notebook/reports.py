@@ -8,7 +8,6 @@ objects can be inspected, saved or compared in scripts. Nothing here imports ipy
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -27,10 +26,9 @@ from workbench.run_folder import read_metrics
 
 
 def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    from workbench.doctor import installed_version
+
+    return installed_version(dist) or "not installed"
 
 
 def neuron_cores() -> str:
