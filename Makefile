@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine (Python 3.12, pip; no GPU/Trainium needed):
 #   make demo   creates .venv, installs, trains the tiny Qwen3 on the bundled corpus (2 CPU ranks), prints a summary
-#   make test   creates .venv if needed, installs, runs the whole test suite
+#   make test   creates .venv if needed, installs, lints (ruff, configured in pyproject.toml), runs the whole test suite
+#   make lint   ruff only
 # On a trn2 instance use `make setup-neuron` instead (installs into the active Neuron venv, never touches its torch).
 #
 # Python 3.12 because TorchNeuron (torch-neuronx 2.14.3) supports PyTorch 2.14.0 on Python 3.12-3.14 only.
@@ -37,7 +38,10 @@ demo: setup
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) train.py --job.config_file configs/cpu_dense.toml \
 		--model.backend native --job.experiment_name demo_native
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest -q
 
 clean:

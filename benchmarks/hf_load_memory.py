@@ -103,8 +103,10 @@ def main() -> None:
     print(f"RSS before the model  {r['rss_before_model'] / gb:6.3f} GB (python + torch + torchtitan)")
     print(f"RSS model built       {r['rss_model_built'] / gb:6.3f} GB")
     print(f"peak RSS during load  {r['peak_rss_during_load'] / gb:6.3f} GB ({r['load_seconds']:.1f} s)")
-    print(f"load overhead         {r['load_overhead_bytes'] / gb:6.3f} GB = {r['load_overhead_bytes'] / size:.2f} x checkpoint")
-    print(f"peak - RSS before the model = {(r['peak_rss_during_load'] - r['rss_before_model']) / size:.2f} x checkpoint "
+    print(f"load overhead         {r['load_overhead_bytes'] / gb:6.3f} GB = "
+          f"{r['load_overhead_bytes'] / size:.2f} x checkpoint")
+    print(f"peak - RSS before the model = "
+          f"{(r['peak_rss_during_load'] - r['rss_before_model']) / size:.2f} x checkpoint "
           "(goal <= 1.5)")
     if not (args.dir or args.keep):
         import shutil

@@ -28,7 +28,8 @@ CONFIGS = ("configs/cpu_dense.toml", "configs/cpu_moe.toml")
 BACKENDS = ("native", "huggingface_v5")
 
 
-def step_throughputs(config: str, backend: str, *, nproc: int, steps: int, warmup: int, dump: Path, tag: str) -> list[float]:
+def step_throughputs(config: str, backend: str, *, nproc: int, steps: int, warmup: int, dump: Path,
+                     tag: str) -> list[float]:
     """Trains once and returns tokens/s (per rank) of each logged step after the warm-up."""
     from workbench.config import load_config
     from workbench.train import train
@@ -50,7 +51,8 @@ def measure(config: str, *, nproc: int, steps: int, warmup: int, rounds: int, du
                                                  dump=dump, tag=str(r))
     native, hf = (statistics.median(samples[b]) for b in BACKENDS)
     return {"config": config, "ranks": nproc, "steps measured": len(samples["native"]),
-            "native tok/s": round(native, 1), "huggingface_v5 tok/s": round(hf, 1), "ratio hf/native": round(hf / native, 3)}
+            "native tok/s": round(native, 1), "huggingface_v5 tok/s": round(hf, 1),
+            "ratio hf/native": round(hf / native, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

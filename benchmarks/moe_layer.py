@@ -8,7 +8,8 @@ All three get the same routing and weights and compute grads for x, the top-k we
 weights. torchtitan's path is `LocalTokenDispatcher` (sort by expert) + `GroupedExperts` (`torch._grouped_mm`)
 + combine. Stock GroupedExperts hard-casts x and the weights to bf16 inside forward; like the training path on
 CPU, this script applies `workbench.cpu_adjustments` so GroupedExperts computes in the input dtype and the fp32
-rows compare fp32 with fp32 (pass --stock-titan to time torchtitan's unadjusted bf16-inside forward instead). The naive loop is Hugging Face's eager pattern (mask, gather, MLP, index_add per expert).
+rows compare fp32 with fp32 (pass --stock-titan to time torchtitan's unadjusted bf16-inside forward instead). The
+naive loop is Hugging Face's eager pattern (mask, gather, MLP, index_add per expert).
 Ratios are speedups of the reference: titan_time / ref_time and naive_time / ref_time. Not a test: numbers
 depend on the machine (2 shared CPU cores here); timing is the best of `--repeats` rounds after a warm-up round.
 """
@@ -127,7 +128,8 @@ def main():
     print("titan = LocalTokenDispatcher + GroupedExperts, "
           + ("stock: casts to bf16 internally, also in the fp32 rows" if args.stock_titan
              else "computing in the input dtype (workbench.cpu_adjustments, as in CPU training)"))
-    header = f"{'E':>4} {'K':>2} {'dtype':>9} | {'reference':>10} {'titan':>10} {'naive':>10} | {'vs titan':>8} {'vs naive':>8}"
+    header = (f"{'E':>4} {'K':>2} {'dtype':>9} | {'reference':>10} {'titan':>10} {'naive':>10} | "
+              f"{'vs titan':>8} {'vs naive':>8}")
     print(header + "\n" + "-" * len(header))
     speedups = {"titan": [], "naive": []}
     for E in args.experts:

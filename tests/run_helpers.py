@@ -32,7 +32,8 @@ def run_train(config: str, *args: str, nproc: int = 1, timeout: int = 600, check
     proc = subprocess.run(train_cmd(config, *args, nproc=nproc, extra_torchrun=extra_torchrun), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     if check:
-        assert proc.returncode == 0, f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        assert proc.returncode == 0, (f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n"
+                                      f"{proc.stderr[-6000:]}")
     return proc
 
 

@@ -133,7 +133,8 @@ def lab(tmp_path):
             return urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).status == 200
         except OSError:
             if server.poll() is not None:
-                raise AssertionError("JupyterLab exited:\n" + (tmp_path / "jupyterlab.log").read_text()[-3000:])
+                raise AssertionError(
+                    "JupyterLab exited:\n" + (tmp_path / "jupyterlab.log").read_text()[-3000:]) from None
             return False
 
     driver = None

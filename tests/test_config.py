@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from workbench.config import ConfigError, help_text, load_config, parse_cli, validate
-
 from run_helpers import ROOT
+from workbench.config import ConfigError, help_text, load_config, parse_cli, validate
 
 ARTICLE = ROOT / "configs" / "qwen3_trainium.toml"
 DENSE = ROOT / "configs" / "cpu_dense.toml"
 
 
 def test_article_config_loads_with_its_field_names():
-    os.environ["WORLD_SIZE"] = "64"  # the article's file shards over 64 ranks; validation reads WORLD_SIZE
-    try:
-        cfg = load_config(ARTICLE)
-    finally:
-        del os.environ["WORLD_SIZE"]
+    cfg = load_config(ARTICLE, world_size=64)  # the article's file shards over 64 ranks
     assert cfg.parallelism.dp_shard == 64  # job.model_parallel_size
     assert cfg.checkpoint.enable is True  # job.enable_checkpoint
     assert cfg.checkpoint.folder == "checkpoint"  # job.checkpoint_folder
@@ -30,10 +24,53 @@ def test_article_config_loads_with_its_field_names():
     assert cfg.model.flavor == "30B-A3B" and cfg.model.norm_type == "RMSNorm"
 
 
+def test_world_size_is_passed_not_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    with pytest.raises(ConfigError, match="do not fit 1 rank"):
+        load_config(ARTICLE)  # default world_size=1, whatever the environment says
+
+
+def test_shape_is_resolved_once_and_carried(monkeypatch):
+    from workbench import flavors
+
+    calls = []
+    real = flavors.resolve
+    monkeypatch.setattr(flavors, "resolve", lambda *a: calls.append(a) or real(*a))
+    cfg = load_config(None, model={"flavor": "tiny-moe"})
+    assert cfg.shape == flavors.FLAVORS["tiny-moe"] and cfg.flavor_name == "tiny-moe"
+    cfg.shape, cfg.shape  # noqa: B018
+    assert calls == [("tiny-moe", "")]  # validation resolved it; later reads use the carried shape
+    cfg.model.flavor = "tiny"
+    assert cfg.shape == flavors.FLAVORS["tiny"] and len(calls) == 2  # a changed flavor is resolved again
+    assert "shape" not in cfg.to_dict() and "_shape_cache" not in cfg.to_toml()
+
+
+@pytest.mark.parametrize("backend, argv, message", [
+    ("huggingface_v5", ["--parallelism.tp", "2"], "huggingface_v5 supports FSDP"),
+    ("huggingface_v5", ["--model.attn_backend", "flex"], "huggingface_v5 uses transformers' sdpa"),
+    ("nki_moe", ["--model.moe_experts_impl", "loop"], "nki_moe computes its experts blockwise"),
+    ("nki_moe", ["--parallelism.ep", "2"], "expert parallelism is only wired for the native backend"),
+])
+def test_each_backend_module_checks_its_own_rules(backend, argv, message):
+    import importlib
+
+    job = load_config(None, model={"flavor": "tiny-moe", "backend": "native"}, world_size=2)
+    for i in range(0, len(argv), 2):
+        from workbench.config import _set
+
+        _set(job, argv[i][2:], argv[i + 1])
+    job.model.backend = backend
+    with pytest.raises(ConfigError, match=message):
+        importlib.import_module(f"workbench.backends.{backend}").check(job)  # the rule's one home
+    with pytest.raises(ConfigError, match=message):
+        validate(job, world_size=2)  # reached through validation
+
+
 def test_cli_overrides_every_form():
     cfg = load_config(DENSE, argv=["--training.steps", "7", "--optimizer.lr=0.01", "--checkpoint.enable",
                                    "--job.model_parallel_size", "-1"])
-    assert (cfg.training.steps, cfg.optimizer.lr, cfg.checkpoint.enable, cfg.parallelism.dp_shard) == (7, 0.01, True, -1)
+    got = (cfg.training.steps, cfg.optimizer.lr, cfg.checkpoint.enable, cfg.parallelism.dp_shard)
+    assert got == (7, 0.01, True, -1)
     assert parse_cli(["--a.b", "--c.d", "1"]) == [("a.b", "true"), ("c.d", "1")]
     cfg = load_config(DENSE, training={"steps": 3}, model__backend="huggingface_v5")
     assert cfg.training.steps == 3 and cfg.model.backend == "huggingface_v5"
@@ -101,7 +138,8 @@ def test_help_lists_every_section():
 @pytest.mark.parametrize("args, message", [
     (["--model.flavor", "72B"], "Valid flavors: 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B"),
     (["--training.stepz", "3"], "training.steps"),
-    (["--job.model_parallel_size", "-1", "--training.dataset", "/nonexistent/corpus"], "does not exist. Use 'shakespeare'"),
+    (["--job.model_parallel_size", "-1", "--training.dataset", "/nonexistent/corpus"],
+     "does not exist. Use 'shakespeare'"),
     (["--job.model_parallel_size", "-1", "--model.tokenizer_path", "/nonexistent/tok"], "No tokenizer.json"),
     (["--job.model_parallel_size", "-1", "--training.holdout_docs", "38"], "leaves no training documents"),
 ])

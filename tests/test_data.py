@@ -26,7 +26,7 @@ def test_rows_are_shifted_and_deterministic():
     a = take(data.PackedDataset("shakespeare", "", seq_len=32, seed=3), 4)
     b = take(data.PackedDataset("shakespeare", "", seq_len=32, seed=3), 4)
     c = take(data.PackedDataset("shakespeare", "", seq_len=32, seed=4), 4)
-    for (x, y), (x2, y2) in zip(a, b):
+    for (x, y), (x2, y2) in zip(a, b, strict=True):
         assert torch.equal(x["input"], x2["input"]) and torch.equal(y, y2)
     assert torch.equal(a[0][0]["input"][1:], a[0][1][:-1])  # labels = inputs shifted by one
     assert not torch.equal(a[0][0]["input"], c[0][0]["input"])  # the seed changes the document order
@@ -49,7 +49,7 @@ def test_resume_continues_exactly_across_epochs():
     ds2 = data.PackedDataset("shakespeare", "", 4096, seed=0)
     ds2.load_state_dict(json.loads(json.dumps(state)))  # state is plain data
     assert state["epoch"] == 1
-    assert all(torch.equal(e, g[1]) for e, g in zip(expected, take(ds2, 3)))
+    assert all(torch.equal(e, g[1]) for e, g in zip(expected, take(ds2, 3), strict=False))
 
 
 def test_user_text_jsonl_and_parquet(tmp_path):

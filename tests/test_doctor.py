@@ -53,7 +53,7 @@ def test_cpu_host_is_ready(tmp_path):
     proc = doctor("--job.config_file", "configs/cpu_dense.toml", "--job.dump_folder", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     t = rows(proc.stdout)
-    assert t["python"] == ("ok", "%d.%d" % sys.version_info[:2])
+    assert t["python"] == ("ok", f"{sys.version_info[0]}.{sys.version_info[1]}")
     assert t["torch"][0] == "ok" and t["torch"][1].startswith("2.14.0")
     assert t["torch-neuronx"][0] == "ok" and "only needed on Trainium" in t["torch-neuronx"][1]
     assert t["neuron devices"] == ("ok", "none (not a Trainium host)")

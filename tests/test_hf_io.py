@@ -257,7 +257,8 @@ def test_key_mismatch_lists_the_keys(saved, tmp_path):
     with pytest.raises(hf.HFCheckpointError) as err:
         load_model(None, hf_checkpoint=d)
     msg = str(err.value)
-    assert "missing (2): " in msg and "model.norm.weight [32]" in msg and "model.layers.1.mlp.gate_proj.weight [48, 32]" in msg
+    assert "missing (2): " in msg and "model.norm.weight [32]" in msg
+    assert "model.layers.1.mlp.gate_proj.weight [48, 32]" in msg
     assert "unexpected (1): model.layers.1.mlp.gate.weight [48, 32]" in msg
 
 

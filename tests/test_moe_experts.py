@@ -61,7 +61,7 @@ def test_model_fallback_experts_equal_grouped_mm(backend, impl):
     torch.testing.assert_close(logits, ref_logits, **TOL)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_nki_moe_rejects_experts_impl():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_training_native import assert_learns
 
 from run_helpers import cached_run, losses_by_step, run_train
-from test_training_native import assert_learns
 
 pytestmark = pytest.mark.slow
 

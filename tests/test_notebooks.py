@@ -79,7 +79,8 @@ def test_notebook_is_committed_clean_and_parameterized(name):
             if NBVAL_MARK not in cell.source:
                 assert not cell.outputs and cell.execution_count is None, f"stored outputs in:\n{cell.source}"
             else:  # nbval compares only cells that were "run": outputs and an execution count
-                assert cell.outputs and cell.execution_count, f"checked cell without its expected output:\n{cell.source}"
+                assert cell.outputs and cell.execution_count, (
+                    f"checked cell without its expected output:\n{cell.source}")
 
 
 def test_clean_keeps_only_checked_outputs(tmp_path):

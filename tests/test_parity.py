@@ -47,7 +47,7 @@ def assert_paths_agree(table) -> None:
         assert row["logits_max_abs_diff"] <= 5e-5, row
         assert row["max_rel_loss_diff"] <= 1e-3, row
     assert len(hf["losses"]) == len(native["losses"]) == SETTINGS.steps
-    pairwise = max(abs(a - b) / abs(b) for a, b in zip(hf["losses"], native["losses"]))
+    pairwise = max(abs(a - b) / abs(b) for a, b in zip(hf["losses"], native["losses"], strict=True))
     assert pairwise <= 1e-3, pairwise
     assert native["losses"][-1] < native["losses"][0]  # the 20 steps trained something
 

@@ -8,7 +8,6 @@ with >= 10% headroom under each backend it names, as its comment quotes.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -92,16 +91,15 @@ SHIPPED = {  # config -> (backends its header names, the one re-planned here: ~1
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(SHIPPED))
-def test_shipped_trn2_configs_fit(config, monkeypatch):
+def test_shipped_trn2_configs_fit(config):
     """Every backend a shipped config names is quoted in its header as fitting 24 GiB with >= 10% headroom; one
     backend per config is re-planned here and must equal its quote (python -m workbench.plan re-plans any)."""
-    monkeypatch.setenv("WORLD_SIZE", "64")  # load_config validates the parallel degrees against it
     backends, replanned = SHIPPED[config]
     quoted = plan.quoted_plans(ROOT / "configs" / config)
     assert sorted(quoted) == sorted(backends)
     for backend in backends:
         assert quoted[backend]["peak_bytes"] <= 0.9 * 24 * 2**30, (backend, quoted[backend])
-    job = load_config(ROOT / "configs" / config, argv=["--model.backend", replanned])
+    job = load_config(ROOT / "configs" / config, argv=["--model.backend", replanned], world_size=64)
     p = plan.trace_in_subprocess(job, "trn2", 64)
     assert p["fits"] and p["headroom"] >= 0.10, p
     assert quoted[replanned]["peak_bytes"] / 2**30 == pytest.approx(p["peak_bytes"] / 2**30, abs=0.01), (

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 
 from run_helpers import read_metrics, run_train
 from workbench import flavors, profiling
+from workbench.config import Profiling
 
 # ------------------------------------------------------------------------------------------------
 # FLOPs per token
@@ -108,7 +109,7 @@ def test_step_breakdown_of_a_synthetic_trace():
 
 
 def test_step_profiler_writes_trace_and_tables(tmp_path):
-    cfg = {"enable": True, "start_step": 2, "steps": 2, "folder": "profiling"}
+    cfg = Profiling(enable=True, start_step=2, steps=2, folder="profiling")
     prof = profiling.StepProfiler(cfg, tmp_path, "cpu", last_step=4)
     model = torch.nn.Linear(32, 32)
     opt = torch.optim.AdamW(model.parameters())

@@ -48,13 +48,15 @@ def test_flavor_state_dict_equals_torchtitans_own(flavor):
 # (module, qualified name) -> (sha256[:16] of the installed source, what depends on it / what to re-check).
 UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.trainer", "Trainer._forward_backward_body"): (
-        "713182f4f13a628a", "copied verbatim (plus record_function labels) into WorkbenchTrainer._forward_backward_body"),
+        "713182f4f13a628a",
+        "copied verbatim (plus record_function labels) into WorkbenchTrainer._forward_backward_body"),
     ("torchtitan.trainer", "Trainer.train_step"): (
         "ab44cd6384aa6071", "wrapped by WorkbenchTrainer.train_step (step counter before the call, profiler window)"),
     ("torchtitan.trainer", "Trainer.train"): (
         "64fec79828ddfaf7", "wrapped by WorkbenchTrainer.train (HF load before, export and summary after)"),
     ("torchtitan.trainer", "Trainer.__init__"): (
-        "2d0b1a810a03eabe", "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
+        "2d0b1a810a03eabe",
+        "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
     ("torchtitan.components.metrics", "MetricsProcessor.log"): (
         "fe2e88a0f9ff3817", "overridden by WorkbenchMetrics.log (same arguments; metrics.jsonl and the progress line)"),
     ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (
@@ -64,12 +66,14 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.distributed.fsdp", "disable_fsdp_gradient_division"): (
         "74f226fab0a93a86", "wrapped by cpu_adjustments._force_sum_fsdp_reduction (gloo has no PreMulSum)"),
     ("torchtitan.tools.utils", "get_device_info"): (
-        "87aa7a5a0ddc2683", "sets the module globals device_type/device_module that cpu_adjustments._pin_device_to_cpu rebinds"),
+        "87aa7a5a0ddc2683",
+        "sets the module globals device_type/device_module that cpu_adjustments._pin_device_to_cpu rebinds"),
     ("torchtitan.models.qwen3", "_build_qwen3_layers"): (
         "abb595f921c9cc1f", "private builder called by flavors.titan_model_config (dense)"),
     ("torchtitan.models.qwen3", "_build_qwen3_moe_layers"): (
         "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
-    ("torchtitan.models.qwen3", "_qwen3_norm"): ("ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
+    ("torchtitan.models.qwen3", "_qwen3_norm"): (
+        "ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
 }
 # Private module-level names we read: they must still exist (their values are checked by the shape test above).
 PRIVATE_NAMES = {"torchtitan.models.qwen3": ["_EMBEDDING_INIT", "_EMBEDDING_SKIP_INIT", "_LINEAR_INIT"],

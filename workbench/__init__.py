@@ -3,11 +3,13 @@
 Python API (what the notebooks call)::
 
     job = workbench.load_config("configs/cpu_moe.toml", training={"steps": 10})
-    run_dir = workbench.train(job, nproc=2)                 # torchrun in a subprocess -> run folder
+    run_dir = workbench.train.train(job, nproc=2)           # torchrun in a subprocess -> run folder
     model = workbench.load_model(job, backend="native", hf_checkpoint=None)   # forward(input_ids) -> logits
     workbench.export_hf(model, "out/hf")                     # safetensors + config.json + tokenizer
 
-Imports are lazy so that `import workbench` (and config validation) stays fast and torch-free.
+`workbench.train` is the launcher module (`python -m workbench.train`); its Python entry point is the function
+`workbench.train.train` (one spelling: the module is not callable). Imports are lazy so that `import workbench`
+stays fast and torch-free; validating a config imports its backend module (torchtitan/transformers).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ __all__ = ["load_config", "train", "load_model", "export_hf"]
 
 _API = {
     "load_config": ("workbench.config", "load_config"),
-    "train": ("workbench.train", None),  # the module itself is callable: workbench.train(job, nproc=...)
+    "train": ("workbench.train", None),  # the launcher module (python -m workbench.train); its API is .train()
     "load_model": ("workbench.model", "load_model"),
     "export_hf": ("workbench.model", "export_hf"),
 }

@@ -40,8 +40,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -141,7 +142,7 @@ def run_backend(config: str | Path, backend: str, *, out: Path, overrides: list[
             "--job.experiment_name", backend]
     row: dict[str, Any] = {"backend": backend}
     try:
-        job = load_config(config, argv=argv)
+        job = load_config(config, argv=argv, world_size=nproc)
     except (ConfigError, FileNotFoundError) as e:
         return {**row, "status": "skipped", "error": str(e)}
     shutil.rmtree(job.run_dir, ignore_errors=True)  # metrics.jsonl appends and DCP resumes: start clean
@@ -195,7 +196,7 @@ def run_matrix(config: str | Path, backends: Iterable[str] = BACKENDS, *, steps:
     if unknown:
         raise ConfigError(f"Unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}.")
     overrides = list(overrides) + (["--training.steps", str(steps)] if steps is not None else [])
-    base = load_config(config, argv=overrides)  # fail fast on errors that are not about the backend
+    base = load_config(config, argv=overrides, world_size=nproc)  # fail fast on errors that are not about the backend
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows = [run_backend(config, b, out=out, overrides=overrides, nproc=nproc, warmup_steps=warmup_steps,
@@ -238,7 +239,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     panels = [("tokens_per_s", "tokens/s per device", 1), ("step_time_median_s", "step time (s), median & p90", 1),
               ("mfu", "MFU (%)", 100), ("peak_memory_gib", "peak memory (GiB)", 1),
               ("first_step_s", "first step (s): compile / warm-up", 1)]
-    for ax, (col, title, scale) in zip(axes.flat, panels):
+    for ax, (col, title, scale) in zip(axes.flat, panels, strict=False):
         values = (df[col] * scale).fillna(0)
         ax.bar(names, values, color="tab:blue")
         if col == "step_time_median_s":

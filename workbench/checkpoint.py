@@ -377,4 +377,5 @@ class _SlowCommitWriter:
 
 
 __all__ = ["RunError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError", "WorkbenchCheckpointManager",
-           "check_checkpoint", "newest_complete", "stale_checkpoints", "step_dirs", "EXIT_NON_FINITE", "EXIT_CHECKPOINT"]
+           "check_checkpoint", "newest_complete", "stale_checkpoints", "step_dirs", "EXIT_NON_FINITE",
+           "EXIT_CHECKPOINT"]

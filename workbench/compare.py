@@ -30,9 +30,10 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -90,12 +91,11 @@ def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
 
 
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
-    from workbench.config import load_config
     from workbench.export_hf import load_dcp_model_state
     from workbench.model import build_model
+    from workbench.run_folder import read_config
 
-    # The run trained with its own parallel degrees; this process is a world of one.
-    job = load_config(run / "config.toml", parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
+    job = read_config(run)
     if backend not in (None, job.model.backend):
         raise CheckpointError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
                               f"that backend, not {backend!r}. To load it into {backend!r}, export it first "

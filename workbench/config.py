@@ -24,7 +24,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from workbench.flavors import Qwen3Shape
 
 Backend = Literal["huggingface_v5", "native", "nki_moe"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
@@ -83,6 +86,28 @@ class Model:
     moe_experts_impl: Literal["grouped_mm", "batched_mm", "loop"] = "grouped_mm"
     """native / huggingface_v5 MoE experts: grouped_mm (torch._grouped_mm), or a fallback for devices without it:
     batched_mm (each expert's tokens padded to the largest group, one bmm) or loop (one matmul per expert)."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        """The model's own values, its shape (resolved here, once: `job.shape`), then its backend's rules."""
+        from workbench import backends, flavors
+
+        if self.name.lower() != "qwen3":
+            raise ConfigError(f"model.name={self.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
+        if self.norm_type != "RMSNorm":
+            raise ConfigError(
+                f"model.norm_type={self.norm_type!r}: Qwen3 uses RMSNorm; set model.norm_type = \"RMSNorm\".")
+        if not self.flavor and not self.hf_checkpoint:
+            raise ConfigError(
+                f"model.flavor is not set. Choose one of {', '.join(flavors.FLAVORS)}, or set model.hf_checkpoint "
+                "to infer it from the checkpoint's config.json."
+            )
+        try:
+            job.shape  # noqa: B018 - resolves and caches the shape
+        except (flavors.FlavorError, ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"model.flavor: {e}" if isinstance(e, flavors.FlavorError) else str(e)) from None
+        if self.moe_block_size <= 0:
+            raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
+        backends.get(self.backend).check(job)  # each backend's rules live in its module
 
 
 @dataclass
@@ -145,6 +170,37 @@ class Training:
     holdout_docs: int = 1
     """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
 
+    def check(self, job: JobConfig, world_size: int) -> None:
+        tp = job.parallelism.tp
+        for key in ("local_batch_size", "seq_len", "steps", "gradient_accumulation_steps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"training.{key} must be positive; got {getattr(self, key)}.")
+        if self.seq_len > job.shape.max_seq_len:
+            raise ConfigError(
+                f"training.seq_len={self.seq_len} exceeds the model's max_seq_len {job.shape.max_seq_len}.")
+        if tp > 1 and self.seq_len % tp:
+            raise ConfigError(f"training.seq_len={self.seq_len} must be divisible by parallelism.tp={tp}.")
+        if self.holdout_docs < 0:
+            raise ConfigError(f"training.holdout_docs must be >= 0; got {self.holdout_docs}.")
+        if self.loss_chunks < 0 or (self.loss_chunks and self.seq_len % (self.loss_chunks * max(tp, 1))):
+            raise ConfigError(f"training.loss_chunks={self.loss_chunks} must be 0 (plain loss) or divide "
+                              f"training.seq_len ({self.seq_len}) per tensor-parallel rank; "
+                              "e.g. --training.loss_chunks 8.")
+        if self.global_batch_size != -1:
+            per_pass = self.local_batch_size * (world_size // tp)
+            if self.global_batch_size <= 0 or self.global_batch_size % per_pass:
+                raise ConfigError(
+                    f"training.global_batch_size={self.global_batch_size} must be a positive multiple of "
+                    f"local_batch_size ({self.local_batch_size}) x data-parallel ranks ({world_size // tp}) = "
+                    f"{per_pass}."
+                )
+            if self.gradient_accumulation_steps not in (1, self.global_batch_size // per_pass):
+                raise ConfigError(
+                    f"training.gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts "
+                    f"global_batch_size={self.global_batch_size} ({self.global_batch_size // per_pass} accumulation "
+                    "steps); set only one of them."
+                )
+
 
 @dataclass
 class Parallelism:
@@ -156,6 +212,16 @@ class Parallelism:
     """Tensor-parallel degree (native / nki_moe)."""
     ep: int = 1
     """Expert-parallel degree (native MoE)."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        non_dp = self.tp * self.dp_replicate
+        shard = self.dp_shard if self.dp_shard != -1 else world_size // max(non_dp, 1)
+        if shard <= 0 or shard * non_dp != world_size:
+            raise ConfigError(
+                f"Parallel degrees do not fit {world_size} rank(s): dp_shard ({self.dp_shard}, the article's "
+                f"job.model_parallel_size) x dp_replicate ({self.dp_replicate}) x tp ({self.tp}) must equal the number "
+                f"of ranks (torchrun --nproc_per_node x --nnodes). Set --parallelism.dp_shard -1 to use all ranks."
+            )
 
 
 @dataclass
@@ -180,6 +246,13 @@ class Checkpoint:
     refuse_low_disk: bool = False
     """Stop (exit 4) instead of warning when the checkpoint folder lacks room for keep_latest_k checkpoints."""
 
+    def check(self, job: JobConfig, world_size: int) -> None:
+        if self.interval <= 0:
+            raise ConfigError(f"checkpoint.interval must be positive; got {self.interval}.")
+        if self.keep_latest_k == 1 or self.keep_latest_k < 0:
+            raise ConfigError(f"checkpoint.keep_latest_k={self.keep_latest_k}: keep 0 (all) or at least 2, so that "
+                              "the last complete checkpoint survives while the next one is written.")
+
 
 @dataclass
 class Profiling:
@@ -191,6 +264,14 @@ class Profiling:
     """Number of profiled steps."""
     folder: str = "profiling"
     """Trace folder inside the run folder."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        steps = job.training.steps
+        if self.enable and (self.steps <= 0 or not 1 <= self.start_step <= steps):
+            raise ConfigError(
+                f"profiling: start_step={self.start_step}, steps={self.steps} must profile at least one "
+                f"of the run's steps 1..{steps} (start_step within them, steps positive)."
+            )
 
 
 @dataclass
@@ -220,6 +301,10 @@ class Metrics:
     enable_tensorboard: bool = False
     """Also write TensorBoard scalars."""
 
+    def check(self, job: JobConfig, world_size: int) -> None:
+        if self.log_freq <= 0:
+            raise ConfigError(f"metrics.log_freq must be positive; got {self.log_freq}.")
+
 
 @dataclass
 class JobConfig:
@@ -233,6 +318,26 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     metrics: Metrics = field(default_factory=Metrics)
     neuron: Neuron = field(default_factory=Neuron)
+
+    @property
+    def shape(self) -> Qwen3Shape:
+        """The model's architecture, resolved from model.flavor / model.hf_checkpoint once (when the config is
+        validated) and carried with the config; resolved again only if either field changes."""
+        return self._resolved()[1]
+
+    @property
+    def flavor_name(self) -> str:
+        """model.flavor, or the flavor the checkpoint's config.json matches ("custom" when none does)."""
+        return self._resolved()[0]
+
+    def _resolved(self) -> tuple[str, Qwen3Shape]:
+        from workbench import flavors
+
+        key = (self.model.flavor, self.model.hf_checkpoint)
+        cached = self.__dict__.get("_shape_cache")  # not a dataclass field: never in to_dict / config.toml
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_shape_cache"] = (key, flavors.resolve(*key))
+        return cached[1]
 
     @property
     def run_dir(self) -> Path:
@@ -374,13 +479,13 @@ def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
 
 
 def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = None, *,
-                world_size: int | None = None, **overrides: Any) -> JobConfig:
+                world_size: int = 1, **overrides: Any) -> JobConfig:
     """Reads a TOML file, applies CLI-style `argv` and keyword overrides, and validates the result.
 
     Args:
         path: the TOML file (optional: defaults alone are the tiny CPU run).
         argv: command-line overrides, e.g. ["--training.steps", "30"]; may include --job.config_file.
-        world_size: total ranks the job will run on, for the parallelism checks (default: $WORLD_SIZE, else 1).
+        world_size: total ranks the job will run on, for the parallelism checks (default 1: one process).
         **overrides: Python overrides; use `section__key=value` or a dict per section
             (`training={"steps": 30}`).
 
@@ -415,93 +520,18 @@ def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = 
     return cfg
 
 
-def validate(cfg: JobConfig, world_size: int | None = None) -> None:
-    """Checks everything that can be checked before training starts.
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Checks everything that can be checked before training starts: each section's own `check` (the rules live
+    with their section; the model section resolves the shape and runs its backend's `check`).
 
     Args:
         cfg: the config.
-        world_size: total ranks; defaults to $WORLD_SIZE (1 when not launched by torchrun).
+        world_size: total ranks the job runs on (1 = one process); the launcher passes torchrun's WORLD_SIZE.
     """
-    from workbench import flavors
-
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    m, t, par = cfg.model, cfg.training, cfg.parallelism
-    if m.name.lower() != "qwen3":
-        raise ConfigError(f"model.name={m.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
-    if m.norm_type != "RMSNorm":
-        raise ConfigError(f"model.norm_type={m.norm_type!r}: Qwen3 uses RMSNorm; set model.norm_type = \"RMSNorm\".")
-    if not m.flavor and not m.hf_checkpoint:
-        raise ConfigError(
-            f"model.flavor is not set. Choose one of {', '.join(flavors.FLAVORS)}, or set model.hf_checkpoint "
-            "to infer it from the checkpoint's config.json."
-        )
-    try:
-        _, shape = flavors.resolve(m.flavor, m.hf_checkpoint)
-    except (flavors.FlavorError, ValueError, FileNotFoundError) as e:
-        raise ConfigError(f"model.flavor: {e}" if isinstance(e, flavors.FlavorError) else str(e)) from None
-    if m.backend == "nki_moe" and not shape.is_moe:
-        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
-        raise ConfigError(
-            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
-            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
-        )
-    if t.seq_len > shape.max_seq_len:
-        raise ConfigError(f"training.seq_len={t.seq_len} exceeds the model's max_seq_len {shape.max_seq_len}.")
-    if t.holdout_docs < 0:
-        raise ConfigError(f"training.holdout_docs must be >= 0; got {t.holdout_docs}.")
-    if t.loss_chunks < 0 or (t.loss_chunks and t.seq_len % (t.loss_chunks * max(par.tp, 1))):
-        raise ConfigError(f"training.loss_chunks={t.loss_chunks} must be 0 (plain loss) or divide training.seq_len "
-                          f"({t.seq_len}) per tensor-parallel rank; e.g. --training.loss_chunks 8.")
-    if m.moe_block_size <= 0:
-        raise ConfigError(f"model.moe_block_size must be positive; got {m.moe_block_size}.")
-    for key, value in (("training.local_batch_size", t.local_batch_size), ("training.seq_len", t.seq_len),
-                       ("training.steps", t.steps), ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
-                       ("metrics.log_freq", cfg.metrics.log_freq), ("checkpoint.interval", cfg.checkpoint.interval)):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive; got {value}.")
-    non_dp = par.tp * par.dp_replicate
-    shard = par.dp_shard if par.dp_shard != -1 else world_size // max(non_dp, 1)
-    if shard <= 0 or shard * non_dp != world_size:
-        raise ConfigError(
-            f"Parallel degrees do not fit {world_size} rank(s): dp_shard ({par.dp_shard}, the article's "
-            f"job.model_parallel_size) x dp_replicate ({par.dp_replicate}) x tp ({par.tp}) must equal the number "
-            f"of ranks (torchrun --nproc_per_node x --nnodes). Set --parallelism.dp_shard -1 to use all ranks."
-        )
-    if t.global_batch_size != -1:
-        per_pass = t.local_batch_size * (world_size // par.tp)
-        if t.global_batch_size <= 0 or t.global_batch_size % per_pass:
-            raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} must be a positive multiple of local_batch_size "
-                f"({t.local_batch_size}) x data-parallel ranks ({world_size // par.tp}) = {per_pass}."
-            )
-        if t.gradient_accumulation_steps not in (1, t.global_batch_size // per_pass):
-            raise ConfigError(
-                f"training.gradient_accumulation_steps={t.gradient_accumulation_steps} contradicts global_batch_size="
-                f"{t.global_batch_size} ({t.global_batch_size // per_pass} accumulation steps); set only one of them."
-            )
-    if cfg.checkpoint.keep_latest_k == 1 or cfg.checkpoint.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k={cfg.checkpoint.keep_latest_k}: keep 0 (all) or at least 2, so "
-                          "that the last complete checkpoint survives while the next one is written.")
-    if par.tp > 1 and t.seq_len % par.tp:
-        raise ConfigError(f"training.seq_len={t.seq_len} must be divisible by parallelism.tp={par.tp}.")
-    if par.ep > 1 and m.backend != "native":
-        raise ConfigError(f"parallelism.ep={par.ep}: expert parallelism is only wired for the native backend.")
-    if m.backend == "huggingface_v5" and (par.tp > 1 or par.ep > 1):
-        raise ConfigError("huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; set tp = ep = 1.")
-    if m.backend == "huggingface_v5" and m.hf_moe_implementation == "titan":
-        raise ConfigError('model.hf_moe_implementation="titan" is not implemented: huggingface_v5 trains '
-                          "transformers' own Qwen3MoeSparseMoeBlock. Use \"hf\", or --model.backend native.")
-    if m.moe_experts_impl != "grouped_mm" and m.backend == "nki_moe":
-        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
-                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
-    if m.attn_backend != "sdpa" and m.backend == "huggingface_v5":
-        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
-    if cfg.profiling.enable and (cfg.profiling.steps <= 0 or not 1 <= cfg.profiling.start_step <= t.steps):
-        raise ConfigError(
-            f"profiling: start_step={cfg.profiling.start_step}, steps={cfg.profiling.steps} must profile at least one "
-            f"of the run's steps 1..{t.steps} (start_step within them, steps positive)."
-        )
+    for name in SECTIONS:
+        check = getattr(getattr(cfg, name), "check", None)
+        if check is not None:
+            check(cfg, world_size)
 
 
 def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:
@@ -520,7 +550,7 @@ def help_text() -> str:
     for name, cls in SECTIONS.items():
         docs, src = {}, ast.parse(inspect.getsource(cls))
         body = src.body[0].body
-        for a, b in zip(body, body[1:]):
+        for a, b in zip(body, body[1:], strict=False):
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                 docs[a.target.id] = b.value.value
         lines.append(f"  [{name}]")

@@ -8,8 +8,9 @@ A user's own tokenizer directory and own data (.txt/.md files or folders, .jsonl
 Packing (GPT style): documents are tokenized, each followed by <|endoftext|>, concatenated, and cut into
 rows of seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row.
 The last `training.holdout_docs` documents of the fixed order (default 1: one play) never enter training;
-`heldout_tokens` returns them for perplexity. Global row g goes to data-parallel rank g % dp_world_size, so every rank sees different rows and the union
-is the same stream whatever the number of ranks. Document order is a seeded permutation per epoch.
+`heldout_tokens` returns them for perplexity. Global row g goes to data-parallel rank g % dp_world_size, so every
+rank sees different rows and the union is the same stream whatever the number of ranks. Document order is a
+seeded permutation per epoch.
 
 The dataset is resumable: its state (epoch, next document, leftover tokens, rows emitted) is saved in every
 DCP checkpoint, and a resumed run sees exactly the rows an uninterrupted run would.
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,7 +138,8 @@ def _parquet_texts(path: Path, field: str) -> list[str]:
 
         table = pq.read_table(path)
         if field not in table.column_names:
-            raise KeyError(f"{path} has no column {field!r} (training.dataset_text_field); columns: {table.column_names}")
+            raise KeyError(f"{path} has no column {field!r} (training.dataset_text_field); "
+                           f"columns: {table.column_names}")
         _TEXT_CACHE[key] = table.column(field).to_pylist()
     return _TEXT_CACHE[key]
 
@@ -174,8 +177,9 @@ class PackedDataset(IterableDataset, Stateful):
         self.sources = document_sources(dataset, text_field)
         if holdout_docs:
             if holdout_docs >= len(self.sources):
-                raise ValueError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(self.sources)} "
-                                 f"in {dataset!r}); set --training.holdout_docs 0 for a single-document dataset.")
+                raise ValueError(f"training.holdout_docs={holdout_docs} leaves no training documents "
+                                 f"({len(self.sources)} in {dataset!r}); set --training.holdout_docs 0 for a "
+                                 "single-document dataset.")
             self.sources = self.sources[:-holdout_docs]
         self.text_field = text_field
         self.tok = load_tokenizer(tokenizer_path)

@@ -67,7 +67,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
     checks = []
     lo, hi = SUPPORT["python"]
     py = sys.version_info[:2]
-    checks.append(Check("python", "ok" if lo <= py <= hi else "fail", "%d.%d" % py,
+    checks.append(Check("python", "ok" if lo <= py <= hi else "fail", f"{py[0]}.{py[1]}",
                         "" if lo <= py <= hi else f"use Python {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} ({MATRIX_SOURCE})"))
 
     torch_v = installed_version("torch")
@@ -159,7 +159,8 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
 
         ranks = nproc or 1
         checks.append(Check("ranks per node", "ok", f"{ranks} (CPU cores: {os.cpu_count()})"))
-        checks.append(Check("memory per rank", "ok", f"{psutil.virtual_memory().total / ranks / 2**30:.1f} GiB host RAM"))
+        checks.append(Check("memory per rank", "ok",
+                            f"{psutil.virtual_memory().total / ranks / 2**30:.1f} GiB host RAM"))
     return checks
 
 
@@ -167,8 +168,7 @@ def disk_check(job) -> Check:
     """Free space in job.dump_folder against `keep_latest_k` checkpoints of the configured flavor."""
     from workbench import flavors
 
-    _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    params = flavors.count_params(shape)["total"]
+    params = flavors.count_params(job.shape)["total"]
     one = params * CHECKPOINT_BYTES_PER_PARAM
     keep = job.checkpoint.keep_latest_k or 1
     where = Path(job.job.dump_folder).resolve()
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     job = None
     if argv:  # a config (and overrides) to check the disk against; without one the disk check is skipped
         try:
-            job = load_config(argv=argv, world_size=nproc)
+            job = load_config(argv=argv, world_size=nproc or 1)  # the config's parallel degrees for --nproc ranks
         except ConfigError as e:
             print(f"workbench: config error: {e}", file=sys.stderr)
             return 2

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.run_folder import read_config
 from workbench.run_folder import step_dir as _step_dir
 
 EXIT_USER_ERROR = 2
@@ -51,18 +52,13 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         overwrite: replace an existing `out`.
     """
     from workbench import hf
-    from workbench.config import load_config
     from workbench.model import build_model
 
     run = Path(run)
     problem = hf.target_problem(out, overwrite)
     if problem:  # before the (possibly long) model build and checkpoint read
         raise hf.HFExportError(problem)
-    if not (run / "config.toml").is_file():
-        raise FileNotFoundError(f"{run} is not a run folder (no config.toml); pass the folder a training run wrote, "
-                                "<job.dump_folder>/<job.experiment_name>.")
-    # Parallel degrees were for the training world; this process is a world of one.
-    job = load_config(run / "config.toml", parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
+    job = read_config(run)
     step_dir = _step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
     load_dcp_model_state(model, step_dir)

@@ -270,7 +270,8 @@ def read_hf_shape(checkpoint_dir: str | Path) -> Qwen3Shape:
     d = Path(checkpoint_dir)
     cfg_file = d / "config.json"
     if not d.is_dir():
-        raise FileNotFoundError(f"model.hf_checkpoint={str(d)!r} is not a directory (expected config.json + *.safetensors).")
+        raise FileNotFoundError(
+            f"model.hf_checkpoint={str(d)!r} is not a directory (expected config.json + *.safetensors).")
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{str(d)!r} has no config.json; a Hugging Face checkpoint directory needs one.")
     return shape_from_hf_config(json.loads(cfg_file.read_text()))

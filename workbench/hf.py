@@ -37,9 +37,10 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -393,9 +394,8 @@ def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
         path: the checkpoint directory (`model.hf_checkpoint`).
     """
     job = trainer.job
-    _, shape = flavors.resolve(job["model"]["flavor"], str(path))
-    stats = load_weights(_single_part(trainer), path, model_config=trainer.model_config, shape=shape,
-                         backend=job["model"]["backend"])
+    stats = load_weights(_single_part(trainer), path, model_config=trainer.model_config, shape=job.shape,
+                         backend=job.model.backend)
     if _rank() == 0:
         print(f"loaded {stats['tensors']} Hugging Face tensors ({stats['elements'] / 1e6:.1f}M values) from {path} "
               f"in {stats['seconds']:.1f}s", flush=True)
@@ -420,7 +420,8 @@ def _agree(decide: Callable[[], str | None]) -> None:
 
 def _single_part(trainer) -> torch.nn.Module:
     if len(trainer.model_parts) != 1:
-        raise NotImplementedError("Hugging Face load/export with pipeline parallelism (several model parts) is not supported.")
+        raise NotImplementedError(
+            "Hugging Face load/export with pipeline parallelism (several model parts) is not supported.")
     return trainer.model_parts[0]
 
 
@@ -520,7 +521,8 @@ def _warn_dropped(model: torch.nn.Module, units: list[_Unit]) -> None:
     lost = [k for u in units for k in u.dropped if k in buffers and bool(_local(buffers[k]).any())]
     if lost:
         warnings.warn(
-            f"{len(lost)} non-zero buffer(s) have no Hugging Face equivalent and are not exported ({', '.join(lost[:3])}"
+            f"{len(lost)} non-zero buffer(s) have no Hugging Face equivalent and are not exported "
+            f"({', '.join(lost[:3])}"
             f"{', ...' if len(lost) > 3 else ''}): torchtitan's expert-bias load balancing; the exported model routes "
             "without it. Train with model.moe_load_balance_coeff = 0 for an exact match.", stacklevel=3)
 
@@ -662,11 +664,10 @@ def export_trainer(trainer, out_dir: str | os.PathLike, *, overwrite: bool = Tru
         overwrite: replace an existing export.
     """
     job = trainer.job
-    _, shape = flavors.resolve(job["model"]["flavor"], job["model"]["hf_checkpoint"])
     return export_weights(
-        _single_part(trainer), out_dir, model_config=trainer.model_config, shape=shape,
-        backend=job["model"]["backend"], dtype=job["checkpoint"]["export_dtype"],
-        tokenizer_path=job["model"]["tokenizer_path"], overwrite=overwrite,
+        _single_part(trainer), out_dir, model_config=trainer.model_config, shape=job.shape,
+        backend=job.model.backend, dtype=job.checkpoint.export_dtype,
+        tokenizer_path=job.model.tokenizer_path, overwrite=overwrite,
     )
 
 

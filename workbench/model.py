@@ -67,10 +67,9 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     from workbench import backends, hf
 
     _prepare_device(job)
-    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    spec = backends.get(job.model.backend).model_spec(job, name, shape)
+    spec = backends.model_spec(job)
     model = _build_titan(job, spec.model).float().eval()
-    model.workbench_info = hf.ModelInfo(job.model.backend, shape, spec.model, job.model.tokenizer_path)
+    model.workbench_info = hf.ModelInfo(job.model.backend, job.shape, spec.model, job.model.tokenizer_path)
     return model
 
 

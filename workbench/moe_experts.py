@@ -51,7 +51,7 @@ def grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, impl: Imp
     n_rows, n_used = A.shape[0], int(ends[-1].item()) if ends.numel() else 0
     tail = A.new_zeros(n_rows - n_used, B_t.shape[-1])  # grouped_mm leaves no group for these rows
     if impl == "loop":
-        pieces = [A[s:e] @ B_t[g] for g, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())) if e > s]
+        pieces = [A[s:e] @ B_t[g] for g, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)) if e > s]
         return torch.cat([*pieces, tail])
     if impl == "batched_mm":
         counts = ends - starts

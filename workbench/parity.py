@@ -29,9 +29,10 @@ import argparse
 import importlib.util
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,22 +116,23 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
     Raises:
         BackendUnavailable: the backend module does not exist yet, or does not apply to this model.
     """
-    from workbench import backends, flavors
-    from workbench.config import load_config
+    from workbench import backends
+    from workbench.config import ConfigError, load_config
 
-    shape = flavors.read_hf_shape(checkpoint_dir)
     if importlib.util.find_spec(f"workbench.backends.{name}") is None:
         raise BackendUnavailable(f"workbench/backends/{name}.py does not exist yet")
-    if name == "nki_moe" and not shape.is_moe:
-        raise BackendUnavailable("nki_moe replaces MoE experts; this checkpoint is dense")
-    job = load_config(
-        None,
-        model={"backend": name, "hf_checkpoint": str(checkpoint_dir), "moe_load_balance_coeff": 0.0},
-        training={"seq_len": settings.seq_len},
-        job={"seed": settings.seed},
-    )
+    try:  # the backend's own rules (nki_moe on a dense checkpoint) decide what applies
+        job = load_config(
+            None,
+            model={"backend": name, "hf_checkpoint": str(checkpoint_dir), "moe_load_balance_coeff": 0.0},
+            training={"seq_len": settings.seq_len},
+            job={"seed": settings.seed},
+        )
+    except ConfigError as e:
+        raise BackendUnavailable(str(e)) from None
+    shape = job.shape
     module = backends.get(name)
-    spec = module.model_spec(job, "custom", shape)
+    spec = module.model_spec(job, job.flavor_name, shape)
     model = module.build_model(job, shape) if hasattr(module, "build_model") else _build_titan_model(spec, settings)
     adapter = module.hf_adapter(shape) if hasattr(module, "hf_adapter") else spec.state_dict_adapter(spec.model, None)
     _load_strict(model, adapter.from_hf(dict(load_hf_state_dict(checkpoint_dir))), name)
@@ -195,7 +197,7 @@ def train_losses(model: torch.nn.Module, forward: Forward, batches: Iterable[Bat
 
 def _row(backend: str, logits: torch.Tensor, ref_logits: torch.Tensor, losses: list[float],
          ref_losses: list[float]) -> dict[str, Any]:
-    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=False)]
     return {
         "backend": backend, "status": "ok", "note": "",
         "logits_max_abs_diff": float((logits - ref_logits).abs().max()),

@@ -140,7 +140,6 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     import torch
     from torchtitan.components.loss import ChunkedLossWrapper
 
-    from workbench import flavors
     from workbench.trainer import build_titan_config
 
     cfg = build_titan_config(job, device_kind, world_size)
@@ -161,8 +160,7 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
         loss_fn.set_lm_head(model.lm_head)
         model._skip_lm_head = True
     optimizers = cfg.optimizer.build(model_parts=[model])
-    _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    return Built(cfg, model, loss_fn, optimizers, shape.vocab_size // job.parallelism.tp)
+    return Built(cfg, model, loss_fn, optimizers, job.shape.vocab_size // job.parallelism.tp)
 
 
 def training_step(b: Built, tokens, labels) -> None:
@@ -406,10 +404,12 @@ def render(p: dict) -> str:
         free = p["disk_free_bytes"]
         lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk; {p['checkpoints_kept']}+1 kept need "
                      f"{p['checkpoint_disk_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB free in dump_folder"
-                     + ("" if p["disk_fits"] else "  -> NOT ENOUGH: lower checkpoint.keep_latest_k or move dump_folder"))
+                     + ("" if p["disk_fits"] else
+                        "  -> NOT ENOUGH: lower checkpoint.keep_latest_k or move dump_folder"))
     else:
         lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk (checkpointing off)")
-    lines.append(f"  traced in {p['trace_seconds']:.1f} s (planner CPU {p['planner_cpu_seconds']:.0f} s), planner peak RSS {p['planner_peak_rss_bytes'] / GiB:.2f} GiB")
+    lines.append(f"  traced in {p['trace_seconds']:.1f} s (planner CPU {p['planner_cpu_seconds']:.0f} s), "
+                 f"planner peak RSS {p['planner_peak_rss_bytes'] / GiB:.2f} GiB")
     return "\n".join(lines)
 
 
@@ -447,7 +447,7 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
     for cat in CATEGORIES:
         vals = [plans[k]["categories"].get(cat, 0) / GiB for k in labels]
         ax.bar(labels, vals, bottom=bottom, label=cat)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     if capacity_bytes:
         ax.axhline(capacity_bytes / GiB, color="red", linestyle="--", label="memory per rank")
     ax.set_ylabel("GiB per rank")
@@ -481,8 +481,7 @@ def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path
         return None
     device = DEVICE_OF_KIND.get(device_kind, "cpu")
     if device == "cpu":
-        _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-        if 4 * flavors.count_params(shape)["total"] < capacity("cpu", world_size) / 8:
+        if 4 * flavors.count_params(job.shape)["total"] < capacity("cpu", world_size) / 8:
             return None
     key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
     cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
@@ -526,8 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"Unknown --device {args.device!r}; choose one of {', '.join(DEVICES)}.")
         if args.nproc <= 0 or args.nnodes <= 0:
             raise ConfigError("--nproc and --nnodes must be positive.")
-        os.environ["WORLD_SIZE"] = str(args.nproc * args.nnodes)  # load_config validates against it
-        job = load_config(argv=rest)
+        job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
         p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest)
     except ConfigError as e:
         print(f"workbench: config error: {e}", file=sys.stderr)

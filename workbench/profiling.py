@@ -57,11 +57,14 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, record_function
+
+if TYPE_CHECKING:
+    from workbench.config import Profiling
 
 # ------------------------------------------------------------------------------------------------
 # Peak FLOP/s
@@ -289,7 +292,7 @@ def step_breakdown(trace: dict[str, Any] | str | os.PathLike) -> pd.DataFrame:
     for st in steps:
         lo, hi = st["ts"], st["ts"] + st["dur"]
 
-        def within(pred) -> float:
+        def within(pred, lo=lo, hi=hi) -> float:
             spans = [(max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in events
                      if pred(e) and e["ts"] < hi and e["ts"] + e["dur"] > lo]
             return _union_us(spans) / 1e3
@@ -370,25 +373,22 @@ class StepProfiler:
     the trace and tables are written (see the module docstring). Disabled, it costs nothing.
 
     Args:
-        cfg: the `[profiling]` section as a dict (enable, start_step, steps, folder).
+        cfg: the job's `[profiling]` section (validated: the window starts within the run).
         run_dir: the run folder.
         device_kind: "cpu", "cuda" or "neuron".
         last_step: the run's final step (a window reaching past it is cut there).
         rank: this process's global rank (names the files).
     """
 
-    def __init__(self, cfg: dict[str, Any], run_dir: str | os.PathLike, device_kind: str, last_step: int,
+    def __init__(self, cfg: Profiling, run_dir: str | os.PathLike, device_kind: str, last_step: int,
                  rank: int = 0):
-        self.enabled = bool(cfg["enable"]) and cfg["steps"] > 0
-        self.first = cfg["start_step"]
-        self.last = min(cfg["start_step"] + cfg["steps"] - 1, last_step)
-        self.folder = Path(run_dir) / cfg["folder"]
+        self.enabled = cfg.enable
+        self.first = cfg.start_step
+        self.last = min(cfg.start_step + cfg.steps - 1, last_step)
+        self.folder = Path(run_dir) / cfg.folder
         self.device_kind, self.rank = device_kind, rank
         self._prof: torch.profiler.profile | None = None
         self.files: dict[str, str] = {}
-        if self.enabled and self.first > last_step:
-            warnings.warn(f"profiling.start_step={self.first} is after the last step ({last_step}): nothing will be "
-                          "profiled. Lower profiling.start_step or raise training.steps.", stacklevel=2)
 
     def _begin(self, step: int) -> None:
         self._prof = torch.profiler.profile(activities=activities(self.device_kind), record_shapes=True,

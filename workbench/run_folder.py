@@ -1,4 +1,4 @@
-"""Reading a run folder: `metrics.jsonl` and the DCP checkpoints under `<checkpoint.folder>/step-N/`.
+"""Reading a run folder: `config.toml`, `metrics.jsonl` and the DCP checkpoints under `<checkpoint.folder>/step-N/`.
 
 The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, export_hf and the
 tests read it).
@@ -13,6 +13,22 @@ from pathlib import Path
 from typing import Any
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def read_config(run_dir: str | os.PathLike):
+    """The run's `config.toml` as a validated `JobConfig`, for reading in one process (a world of one): the
+    parallel degrees the run trained with are reset to single-process values; everything else is as trained.
+
+    Raises:
+        FileNotFoundError: no config.toml (not a run folder).
+    """
+    from workbench.config import load_config
+
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder (no config.toml); pass the folder a training run "
+                                "wrote, <job.dump_folder>/<job.experiment_name>.")
+    return load_config(path, parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
 
 
 def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
@@ -67,4 +83,4 @@ def step_dir(run: Path, folder: str, step: int | None) -> Path:
     return steps[step]
 
 
-__all__ = ["read_metrics", "checkpoint_steps", "step_dir"]
+__all__ = ["read_config", "read_metrics", "checkpoint_steps", "step_dir"]

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(cmd, check=True)
     after = torch_fingerprint()
     if after != before:
-        print(f"setup-neuron: torch changed from {before} to {after}: reinstall torch-neuronx's torch.", file=sys.stderr)
+        print(f"setup-neuron: torch changed from {before} to {after}: reinstall torch-neuronx's torch.",
+              file=sys.stderr)
         return 1
     print(f"setup-neuron: done; torch {after[0]} untouched ({after[1]}). Next: python -m workbench.doctor")
     return 0

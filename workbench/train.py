@@ -7,8 +7,9 @@ with exit code 2, before any process group or model exists) -> pick and pin the 
 config into the run folder -> build torchtitan's Trainer -> train (resuming from the newest DCP checkpoint in
 the run folder if there is one) -> summary.
 
-`train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a subprocess,
-streams its output, and returns the run folder.
+`workbench.train.train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a
+subprocess, streams its output, and returns the run folder. One spelling on purpose: `workbench.train` is this
+module (so `python -m workbench.train` works), and the function in it is `train`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def run(job: JobConfig, info=None) -> Path:
 
     import torch
 
-    from workbench import data, flavors
+    from workbench import flavors
     from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
 
     run_dir = job.run_dir
@@ -53,8 +54,7 @@ def run(job: JobConfig, info=None) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(job.to_toml())
         # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
-        _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-        (run_dir / "shape.json").write_text(json.dumps(flavors.describe(shape), indent=2))
+        (run_dir / "shape.json").write_text(json.dumps(flavors.describe(job.shape), indent=2))
     quiet_titan_logs(job.job.verbose)
     say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
         f"rank(s), run folder {run_dir}")
@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from workbench import device
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a lone process
     try:
-        job = load_config(argv=argv)
+        job = load_config(argv=argv, world_size=world_size)
         preflight(job)
     except (ConfigError, FileNotFoundError) as e:
         _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         from workbench import plan
 
         try:
-            plan.preflight(job, int(os.environ.get("WORLD_SIZE", "1")), info.kind)
+            plan.preflight(job, world_size, info.kind)
         except ConfigError as e:
             _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
             return EXIT_CONFIG_ERROR
@@ -184,7 +185,7 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         subprocess.CalledProcessError: training failed (the output was streamed before).
     """
     if not isinstance(job, JobConfig):
-        job = load_config(job, argv=extra_args)
+        job = load_config(job, argv=extra_args, world_size=nproc)
         extra_args = None
     job.run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = job.run_dir / "launch.toml"
@@ -202,16 +203,6 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return job.run_dir
 
-
-class _CallableModule(type(sys)):
-    """`workbench.train` is both this module (`python -m workbench.train`) and the API function
-    `workbench.train(job, nproc=...)` (architecture contract); calling the module calls `train`."""
-
-    def __call__(self, *args, **kwargs) -> Path:
-        return train(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,7 @@ from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data, flavors, neuron_adjustments, profiling
+from workbench import data, neuron_adjustments, profiling
 from workbench.checkpoint import NonFiniteError, WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
 from workbench.dist_utils import rank as _rank
@@ -128,8 +128,8 @@ class WorkbenchTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        job: dict = field(default_factory=dict)
-        """The resolved workbench JobConfig (as a dict)."""
+        job: JobConfig = field(default_factory=JobConfig)
+        """The validated workbench config (its shape resolved: `job.shape`)."""
 
     def __init__(self, config: Config):
         self.job = config.job
@@ -145,10 +145,10 @@ class WorkbenchTrainer(Trainer):
     # verbatim plus record_function labels). Everything else lives in workbench/profiling.py.
 
     def _setup_performance_accounting(self) -> None:
-        _, shape = flavors.resolve(self.job["model"]["flavor"], self.job["model"]["hf_checkpoint"])
         # The same formula for every backend (torchtitan's count depends on the module tree a backend builds).
-        self.metrics_processor.num_flops_per_token = profiling.flops_per_token(shape, self.config.training.seq_len)
-        self.step_profiler = profiling.StepProfiler(self.job["profiling"], self.config.dump_folder, self.device.type,
+        self.metrics_processor.num_flops_per_token = profiling.flops_per_token(self.job.shape,
+                                                                               self.config.training.seq_len)
+        self.step_profiler = profiling.StepProfiler(self.job.profiling, self.config.dump_folder, self.device.type,
                                                     last_step=self.config.training.steps, rank=_rank())
         profiling.label_calls(self.optimizers, "step", "optimizer")
 
@@ -178,7 +178,7 @@ class WorkbenchTrainer(Trainer):
         return NonFiniteError(
             f"step {self.step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this "
             f"state was saved; {kept_s}.",
-            f"lower --optimizer.lr (now {self.job['optimizer']['lr']:g}), lengthen --lr_scheduler.warmup_steps or "
+            f"lower --optimizer.lr (now {self.job.optimizer.lr:g}), lengthen --lr_scheduler.warmup_steps or "
             "lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
         )
 
@@ -211,14 +211,14 @@ class WorkbenchTrainer(Trainer):
     def train(self):
         run_dir = Path(self.config.dump_folder)
         t_start = time.perf_counter()
-        if self.job["model"]["hf_checkpoint"]:
+        if self.job.model.hf_checkpoint:
             # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
             # super().train()) then overwrites them with the newer state, optimizer included.
             from workbench import hf
 
-            hf.load_into_trainer(self, self.job["model"]["hf_checkpoint"])
+            hf.load_into_trainer(self, self.job.model.hf_checkpoint)
         super().train()
-        if self.job["checkpoint"]["export_hf"]:
+        if self.job.checkpoint.export_hf:
             from workbench import hf
 
             out = hf.export_trainer(self, run_dir / "hf")
@@ -228,7 +228,7 @@ class WorkbenchTrainer(Trainer):
             losses = [h["loss"] for h in hist]
             tps = sorted(h["tokens_per_second"] for h in hist[1:] or hist)
             summary = {
-                "backend": self.job["model"]["backend"],
+                "backend": self.job.model.backend,
                 "flavor": self.config.model_spec.flavor,
                 "steps": self.step,
                 "resumed_from": self._start_step or 0,
@@ -257,7 +257,6 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
     par = job.parallelism
     dp = world_size // par.tp  # data-parallel ranks (tensor-parallel ranks share a batch)
     spec = backends.model_spec(job)
-    _, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
     opt = job.optimizer
     ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[job.training.activation_checkpoint]
     init_timeout_s, step_timeout_s = neuron_adjustments.comm_timeouts(job.neuron, device_kind)
@@ -265,7 +264,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         model_spec=spec,
         hf_assets_path=str(data.tokenizer_dir(job.model.tokenizer_path)),
         dump_folder=str(run_dir),
-        job=job.to_dict(),
+        job=job,
         metrics=WorkbenchMetrics.Config(
             log_freq=job.metrics.log_freq, enable_tensorboard=job.metrics.enable_tensorboard,
             disable_color_printing=True, jsonl_path=str(run_dir / "metrics.jsonl"), backend=job.model.backend,
@@ -312,7 +311,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         comm=CommConfig(init_timeout_seconds=init_timeout_s, train_timeout_seconds=step_timeout_s),
         debug=DebugConfig(seed=job.job.seed, enable_structured_logging=False),
         # Tensor parallelism shards the vocabulary dimension of the logits: the loss needs the global size.
-        loss=loss_config(job.training.loss_chunks, shape.vocab_size if par.tp > 1 else None),
+        loss=loss_config(job.training.loss_chunks, job.shape.vocab_size if par.tp > 1 else None),
     )
     return tcfg
 
@@ -331,7 +330,8 @@ def loss_config(chunks: int, global_vocab_size: int | None = None):
 # torchtitan warnings that are expected with the workbench's setup (we supply the peak FLOPs ourselves,
 # export without an index template, load HF weights ourselves): hidden unless job.verbose.
 _EXPECTED_TITAN_WARNINGS = ("lspci", "Peak flops undefined", "initial_load_model_only", "model.safetensors.index.json")
-_EXPECTED_PY_WARNINGS = ("DTensor random operators", "'set_vital' is deprecated", "torch.distributed is already initialized")
+_EXPECTED_PY_WARNINGS = ("DTensor random operators", "'set_vital' is deprecated",
+                         "torch.distributed is already initialized")
 
 
 def quiet_titan_logs(verbose: bool) -> None:

@@ -13,8 +13,10 @@ import importlib
 
 from workbench.config import BACKENDS, JobConfig
 
+
 def get(name: str):
-    """The backend module for `name` (has `model_spec(job, flavor_name, shape)`)."""
+    """The backend module for `name`: `check(job)` (its config rules), `model_spec(job, flavor_name, shape)`,
+    `hf_adapter(shape)`."""
     if name not in BACKENDS:
         raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     return importlib.import_module(f"workbench.backends.{name}")  # one module per backend, named after it
@@ -22,7 +24,4 @@ def get(name: str):
 
 def model_spec(job: JobConfig):
     """torchtitan ModelSpec of the job's backend and flavor."""
-    from workbench import flavors
-
-    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    return get(job.model.backend).model_spec(job, name, shape)
+    return get(job.model.backend).model_spec(job, job.flavor_name, job.shape)

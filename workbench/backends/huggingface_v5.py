@@ -131,27 +131,6 @@ class HFQwen3(BaseModel):
         experts_implementation: str = EXPERTS_IMPLEMENTATION
         """transformers' experts kernel for MoE flavors."""
 
-        def update_from_config(self, *, config, **kwargs) -> None:
-            """Checks the trainer config against what this path supports (FSDP/HSDP only)."""
-            par = config.parallelism
-            others = {
-                "tensor_parallel_degree": par.tensor_parallel_degree,
-                "context_parallel_degree": par.context_parallel_degree,
-                "pipeline_parallel_degree": par.pipeline_parallel_degree,
-                "expert_parallel_degree": par.expert_parallel_degree,
-            }
-            unsupported = {k: v for k, v in others.items() if v != 1}
-            if unsupported:
-                raise ValueError(
-                    f"huggingface_v5 supports FSDP/HSDP only; got {unsupported}. Set them to 1, or use "
-                    "--model.backend native for tensor/context/pipeline/expert parallelism."
-                )
-            if config.training.seq_len > self.shape.max_seq_len:
-                raise ValueError(
-                    f"training.seq_len={config.training.seq_len} exceeds the model's max_seq_len "
-                    f"{self.shape.max_seq_len}; lower training.seq_len."
-                )
-
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             return nparams_and_flops(model, self.shape, seq_len)
 
@@ -407,18 +386,28 @@ def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
 # --------------------------------------------------------------------------------------------
 
 
-def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
-    """The torchtitan model config for a job.
+def check(job: JobConfig) -> None:
+    """This path's rules (run by `config.validate`): FSDP only, transformers' own MoE block and attention.
 
     Raises:
-        ConfigError: `model.hf_moe_implementation = "titan"` (not offered by this path).
+        ConfigError: naming the setting and the fix.
     """
-    if job.model.hf_moe_implementation != "hf":
+    m, par = job.model, job.parallelism
+    if par.tp > 1 or par.ep > 1:
+        raise ConfigError(f"huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; got tp={par.tp}, ep={par.ep}: "
+                          "set tp = ep = 1, or use --model.backend native.")
+    if m.hf_moe_implementation != "hf":
         raise ConfigError(
-            f"model.hf_moe_implementation={job.model.hf_moe_implementation!r} is not implemented: huggingface_v5 "
-            "trains transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
+            f"model.hf_moe_implementation={m.hf_moe_implementation!r} is not implemented: huggingface_v5 trains "
+            "transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
             "--model.backend native for torchtitan's MoE."
         )
+    if m.attn_backend != "sdpa":
+        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
+
+
+def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
+    """The torchtitan model config for a job (validated by `check`)."""
     return HFQwen3.Config(shape=shape, experts_implementation=HF_EXPERTS[job.model.moe_experts_impl])
 
 
@@ -451,5 +440,5 @@ def build_model(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3:
 
 __all__ = [
     "HFQwen3", "HFv5StateDictAdapter", "hf_adapter", "hf_causal_lm", "init_hf_weights", "nparams_and_flops",
-    "parallelize", "model_config", "model_spec", "build_model", "PREFIX", "EXPERTS_IMPLEMENTATION",
+    "parallelize", "check", "model_config", "model_spec", "build_model", "PREFIX", "EXPERTS_IMPLEMENTATION",
 ]

@@ -25,7 +25,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from workbench import flavors
 from workbench.backends import native
-from workbench.config import JobConfig
+from workbench.config import ConfigError, JobConfig
 from workbench.kernels import blockwise_moe_auto
 
 
@@ -46,19 +46,41 @@ class BlockwiseRoutedExperts(RoutedExperts):
         del num_local_tokens_per_expert_E  # the block plan recounts from the ids
         B, L, D = x_BLD.shape
         experts = self.inner_experts
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w
+                      for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
         dtype = x_BLD.dtype
         out_TD = blockwise_moe_auto(
-            x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, -1), topk_scores_BLK.reshape(B * L, -1).to(dtype),
+            x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, -1),
+            topk_scores_BLK.reshape(B * L, -1).to(dtype),
             w1.to(dtype), w3.to(dtype), w2.to(dtype), block_size=self.block_size,
         )
         return out_TD.view(B, L, D)
 
 
+def check(job: JobConfig) -> None:
+    """This path's rules (run by `config.validate`): a MoE model, blockwise experts, no expert parallelism.
+
+    Raises:
+        ConfigError: naming the setting and the fix.
+    """
+    m = job.model
+    if not job.shape.is_moe:
+        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
+        raise ConfigError(
+            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
+            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
+        )
+    if m.moe_experts_impl != "grouped_mm":
+        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
+                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
+    if job.parallelism.ep > 1:
+        raise ConfigError(f"parallelism.ep={job.parallelism.ep}: expert parallelism is only wired for the native "
+                          "backend; set ep = 1 for nki_moe.")
+
+
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
     """The native Qwen3-MoE config with every RoutedExperts swapped for BlockwiseRoutedExperts."""
     cfg = native.model_config(job, shape)
-    swapped = 0
     for _, sub, parent, attr in list(cfg.traverse(RoutedExperts.Config)):
         fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub) if f.init}
         new = BlockwiseRoutedExperts.Config(**fields, block_size=job.model.moe_block_size)
@@ -66,9 +88,6 @@ def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
             parent[attr] = new
         else:
             setattr(parent, attr, new)
-        swapped += 1
-    if not swapped:
-        raise ValueError(f"nki_moe needs a MoE model; flavor {job.model.flavor!r} has no routed experts.")
     return cfg
 
 

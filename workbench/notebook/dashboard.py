@@ -281,7 +281,7 @@ class Dashboard:
         if not ok:
             print("--- last output lines ---\n" + "\n".join(self.lines), file=sys.stderr, flush=True)
 
-    def __enter__(self) -> "Dashboard":
+    def __enter__(self) -> Dashboard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -13,12 +13,11 @@ holding `configs/`). Notebook kernels run in `notebooks/` (JupyterLab, nbval) or
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from workbench.config import ConfigError, JobConfig, load_config, validate
+from workbench.config import ConfigError, JobConfig, load_config
 
 
 def repo_root() -> Path:
@@ -48,20 +47,6 @@ def resolve_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
     if must_exist and not resolved.exists():
         raise ConfigError(f"{str(path)!r} does not exist (looked in {Path.cwd()} and {repo_root()}).")
     return resolved
-
-
-@contextlib.contextmanager
-def _world_size(n: int) -> Iterator[None]:
-    """`load_config` validates parallel degrees against $WORLD_SIZE; pretend we are the n-rank job."""
-    old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(n)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("WORLD_SIZE", None)
-        else:
-            os.environ["WORLD_SIZE"] = old
 
 
 # Notebook parameter name -> config key. Only parameters given as something other than None are applied;
@@ -116,14 +101,7 @@ def job_from_params(config: str | os.PathLike | None = None, *, nproc: int = 1,
             raise ConfigError(f"overrides keys look like 'section.key' (e.g. 'optimizer.lr'); got {key!r}.")
         kw[key.replace(".", "__")] = value
     path = str(resolve_path(config, must_exist=True)) if config else None
-    with _world_size(nproc):
-        job = load_config(path, **kw)
-    validate(job, world_size=nproc)
-    prof = job.profiling
-    if prof.enable and prof.start_step > job.training.steps:
-        # torchtitan would only warn and profile nothing; in a notebook that is a wasted run
-        raise ConfigError(f"profiling.start_step={prof.start_step} is after the last step (training.steps="
-                          f"{job.training.steps}): nothing would be profiled. Lower the start or train longer.")
+    job = load_config(path, world_size=nproc, **kw)
     job.job.dump_folder = str(resolve_path(job.job.dump_folder))
     return job
 
@@ -140,7 +118,8 @@ def bench_jobs(config: str | os.PathLike | None, backends: list[str], **params: 
         ConfigError: no backends, a repeated one, or a backend the config does not suit (e.g. nki_moe + dense).
     """
     if not backends or not isinstance(backends, (list, tuple)):
-        raise ConfigError(f"backends must be a non-empty list of backends, e.g. ['native', 'nki_moe']; got {backends!r}.")
+        raise ConfigError(
+            f"backends must be a non-empty list of backends, e.g. ['native', 'nki_moe']; got {backends!r}.")
     if len(set(backends)) != len(backends):
         raise ConfigError(f"backends lists a backend twice: {backends}.")
     return {b: job_from_params(config, backend=b, **params) for b in backends}

@@ -11,8 +11,9 @@ import dataclasses
 import json
 import os
 import platform
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -159,9 +160,8 @@ def flavor_table(job: JobConfig) -> pd.DataFrame:
     """Architecture numbers and parameter counts of the job's model."""
     from workbench import flavors
 
-    name, shape = flavors.resolve(job.model.flavor, job.model.hf_checkpoint)
-    counts = param_counts(shape)
-    rows = [("flavor", name), *flavors.describe(shape).items(),
+    counts = param_counts(job.shape)
+    rows = [("flavor", job.flavor_name), *flavors.describe(job.shape).items(),
             ("parameters (total)", counts["total"]), ("parameters (embedding)", counts["embedding"]),
             ("parameters (non-embedding)", counts["total"] - counts["embedding"]),
             ("parameters (active per token)", counts["active"])]
@@ -286,16 +286,13 @@ def performance_table(run_dir: str | os.PathLike, skip_first: int = 1) -> pd.Dat
     Rows: model FLOPs per token (from the shape: `workbench.profiling.flops_per_token`), tokens/s per device,
     achieved TFLOP/s, the device's peak TFLOP/s (implied by the logged MFU), MFU, step time, peak memory.
     """
-    import tomllib
+    from workbench import profiling
+    from workbench.run_folder import read_config
 
-    from workbench import flavors, profiling
-
-    run = Path(run_dir)
-    job = tomllib.loads((run / "config.toml").read_text())
-    _, shape = flavors.resolve(job["model"]["flavor"], job["model"]["hf_checkpoint"])
-    m = metrics_frame(run)
+    job = read_config(run_dir)
+    m = metrics_frame(run_dir)
     timed = m.iloc[skip_first:] if len(m) > skip_first else m
-    fpt = profiling.flops_per_token(shape, job["training"]["seq_len"])
+    fpt = profiling.flops_per_token(job.shape, job.training.seq_len)
     tps, mfu = float(timed["tokens_per_second"].median()), float(timed["mfu"].median())
     # The trainer logs mfu = fpt x tokens/s / peak for every step, so any step gives the peak it divided by.
     first = timed.iloc[0]

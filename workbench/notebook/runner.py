@@ -31,9 +31,10 @@ import io
 import os
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from workbench.notebook.params import repo_root
 
