@@ -37,6 +37,33 @@ def run_train(config: str, *args: str, nproc: int = 1, timeout: int = 600, check
     return proc
 
 
+def kill_run_when(config: str, *args: str, ready, nproc: int = 1, timeout: float = 300,
+                  env: dict[str, str] | None = None) -> list[int]:
+    """Launches a training job like `run_train`, polls `ready()` until it holds (or the run ends, or `timeout`
+    seconds pass), then SIGKILLs torchrun and every rank at once: no clean-up, what a crash or the OOM killer does.
+
+    Returns:
+        The killed pids (torchrun first), all reaped or gone.
+    """
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(train_cmd(config, *args, nproc=nproc, extra_torchrun=(f"--master_port={free_port()}",)),
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.05)
+    # torchrun starts each rank in its own session: kill the whole tree explicitly.
+    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    return victims
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """step -> loss; a resumed run appends to the same file, the latest record of a step wins."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir)}

@@ -7,16 +7,13 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
-from run_helpers import ROOT, free_port, losses_by_step, run_train, train_cmd
+from run_helpers import kill_run_when, losses_by_step, run_train
 from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints
 
 DENSE = "configs/cpu_dense.toml"
@@ -174,20 +171,10 @@ def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
     ckpt = run_dir / "checkpoint"
     args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(tmp_path))
     env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "15"}  # every save pauses before its .metadata
-    proc = subprocess.Popen(train_cmd(DENSE, *args, nproc=2, extra_torchrun=(f"--master_port={free_port()}",)),
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 400
     step4 = ckpt / "step-4"
-    while time.time() < deadline and proc.poll() is None:
-        # inside the step-4 save: both shard files written, the commit (.metadata) not yet
-        if (ckpt / "step-2" / ".metadata").is_file() and len(list(step4.glob("*.distcp"))) == 2:
-            break
-        time.sleep(0.05)
-    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
+    # inside the step-4 save: both shard files written, the commit (.metadata) not yet
+    kill_run_when(DENSE, *args, nproc=2, env=env, timeout=400,
+                  ready=lambda: (ckpt / "step-2" / ".metadata").is_file() and len(list(step4.glob("*.distcp"))) == 2)
     assert not (step4 / ".metadata").exists(), "the kill did not land inside the step-4 save"
     assert check_checkpoint(ckpt / "step-2") is None
     # The relaunch ignores the partial step 4 and continues from step 2 on the reference curve.

@@ -4,8 +4,6 @@ writes the run folder, checkpoints, and resumes exactly, including after SIGKILL
 from __future__ import annotations
 
 import math
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
+from run_helpers import ROOT, cached_run, free_port, kill_run_when, losses_by_step, read_metrics, run_train, train_cmd
 
 pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"
@@ -68,18 +66,8 @@ def test_resume_continues_exactly(uninterrupted, outdir):
 def test_sigkill_loses_at_most_one_interval(uninterrupted, outdir):
     args = (*COMMON, "--job.dump_folder", str(outdir), "--training.steps", "20")
     run_dir = outdir / "cpu_dense"
-    proc = subprocess.Popen(train_cmd(DENSE, *args, nproc=2, extra_torchrun=(f"--master_port={free_port()}",)),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.jsonl").is_file() and max(losses_by_step(run_dir), default=0) >= 8:
-            break
-        time.sleep(0.05)
-    # SIGKILL torchrun and both ranks at once (torchrun starts each rank in its own session): no clean-up.
-    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
+    victims = kill_run_when(DENSE, *args, nproc=2, timeout=300, ready=lambda: (
+        (run_dir / "metrics.jsonl").is_file() and max(losses_by_step(run_dir), default=0) >= 8))
     time.sleep(0.5)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in victims)
     killed_at = max(losses_by_step(run_dir))

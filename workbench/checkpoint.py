@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -31,6 +30,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
+
+from workbench.dist_utils import rank
+from workbench.run_folder import is_complete, step_dirs
 
 EXIT_NON_FINITE = 3
 EXIT_CHECKPOINT = 4
@@ -72,22 +74,6 @@ class NonFiniteError(RunError):
 
 
 # ---- cheap checks of a DCP checkpoint folder --------------------------------------------------------------------
-
-_STEP = re.compile(r"^step-(\d+)$")
-
-
-def step_dirs(folder: str | os.PathLike) -> dict[int, Path]:
-    """step -> `step-N/` folder (complete or not), for every step folder in `folder`."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return {}
-    return {int(m.group(1)): p for p in folder.iterdir() if p.is_dir() and (m := _STEP.match(p.name))}
-
-
-def is_complete(path: Path) -> bool:
-    """DCP writes `.metadata` last (tmp file + rename): without it the save did not finish."""
-    return (path / ".metadata").is_file()
-
 
 def newest_complete(folder: str | os.PathLike) -> int | None:
     steps = [s for s, p in step_dirs(folder).items() if is_complete(p)]
@@ -160,7 +146,7 @@ def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> li
 
 
 def _say(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank() == 0:
         print(msg, flush=True)
 
 
@@ -377,5 +363,5 @@ class _SlowCommitWriter:
 
 
 __all__ = ["RunError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError", "WorkbenchCheckpointManager",
-           "check_checkpoint", "newest_complete", "stale_checkpoints", "step_dirs", "EXIT_NON_FINITE",
+           "check_checkpoint", "newest_complete", "stale_checkpoints", "EXIT_NON_FINITE",
            "EXIT_CHECKPOINT"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def rank() -> int:
@@ -11,8 +12,7 @@ def rank() -> int:
     The environment covers the time before `init_process_group` (torchrun sets RANK for every worker), so
     rank-0-only output works from the first line of a run.
     """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported yet = no process group (and no torch import here)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))

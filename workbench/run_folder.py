@@ -53,16 +53,18 @@ def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[d
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def checkpoint_steps(folder: Path) -> dict[int, Path]:
-    """step -> directory, for every complete DCP checkpoint (one with .metadata) in a checkpoint folder."""
+def is_complete(path: Path) -> bool:
+    """DCP writes `.metadata` last (tmp file + rename): without it the save did not finish."""
+    return (path / ".metadata").is_file()
+
+
+def step_dirs(folder: str | os.PathLike, complete: bool = False) -> dict[int, Path]:
+    """step -> `step-N/` directory of a checkpoint folder; with `complete`, only finished saves (`is_complete`)."""
+    folder = Path(folder)
     if not folder.is_dir():
         return {}
-    steps = {}
-    for d in folder.iterdir():
-        m = _STEP_DIR.fullmatch(d.name)
-        if m and (d / ".metadata").is_file():
-            steps[int(m[1])] = d
-    return steps
+    dirs = {int(m[1]): p for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))}
+    return {s: p for s, p in dirs.items() if is_complete(p)} if complete else dirs
 
 
 def step_dir(run: Path, folder: str, step: int | None) -> Path:
@@ -71,7 +73,7 @@ def step_dir(run: Path, folder: str, step: int | None) -> Path:
     Raises:
         FileNotFoundError: no complete checkpoint there, or none for `step` (the message lists those there are).
     """
-    steps = checkpoint_steps(run / folder)
+    steps = step_dirs(run / folder, complete=True)
     if not steps:
         raise FileNotFoundError(f"No DCP checkpoint in {run / folder}: train with --checkpoint.enable true "
                                 "(and --checkpoint.interval N) to write one.")
@@ -83,4 +85,4 @@ def step_dir(run: Path, folder: str, step: int | None) -> Path:
     return steps[step]
 
 
-__all__ = ["read_config", "read_metrics", "checkpoint_steps", "step_dir"]
+__all__ = ["read_config", "read_metrics", "is_complete", "step_dirs", "step_dir"]

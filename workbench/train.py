@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from workbench.config import ConfigError, JobConfig, help_text, load_config
+from workbench.dist_utils import rank
 
 EXIT_CONFIG_ERROR = 2  # also a checkpoint written for another model; 3 = non-finite loss, 4 = checkpoint/disk
 
@@ -50,7 +51,7 @@ def run(job: JobConfig, info=None) -> Path:
     from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
 
     run_dir = job.run_dir
-    if int(os.environ["RANK"]) == 0:
+    if rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(job.to_toml())
         # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
@@ -112,14 +113,14 @@ def _announce(line: str, code: int) -> None:
     4 checkpoint/disk) shows as `exitcode` there; torchrun itself exits 1. Alone (no torchrun), rank 0 prints
     the line on stderr.
     """
-    rank = int(os.environ.get("RANK", "0"))
+    first = rank() == 0
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        text = line if rank == 0 else f"stopped with rank 0's error (the root cause below), exit code {code}"
-        when = str(int(time.time()) - (1 if rank == 0 else 0))
+        text = line if first else f"stopped with rank 0's error (the root cause below), exit code {code}"
+        when = str(int(time.time()) - (1 if first else 0))
         Path(error_file).write_text(json.dumps(
             {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": when}}}))
-    elif rank == 0:
+    elif first:
         print(line, file=sys.stderr, flush=True)
 
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except device.DeviceError as e:
         _announce(f"workbench: device error: {e}", EXIT_CONFIG_ERROR)
         return EXIT_CONFIG_ERROR
-    if int(os.environ.get("RANK", "0")) == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
+    if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
         from workbench import plan
 
         try:
