@@ -150,3 +150,10 @@ def test_cli_exits_nonzero_before_any_process_group(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "torch.distributed" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_load_model_applies_the_backend_rules():
+    import workbench
+
+    with pytest.raises(ConfigError, match="flavor 'tiny' is dense"):
+        workbench.load_model(load_config(DENSE), backend="nki_moe")
