@@ -44,7 +44,8 @@ class Counters:
     dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
     pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
     on the PE array; that part alone is pe_transpose_flops);
-    loop_trips: "file:line" of a dynamic_range -> iterations run.
+    loop_trips: "file:line" of a dynamic_range -> iterations run;
+    sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches).
     """
 
     static: dict = field(default_factory=dict)
@@ -56,6 +57,8 @@ class Counters:
     pe_transpose_flops: int = 0
     loop_trips: dict = field(default_factory=dict)
     launches: int = 0
+    sbuf_peak: int = 0
+    psum_peak: int = 0
 
     @property
     def static_total(self) -> int:
@@ -294,6 +297,8 @@ def run_launch(lnc: int, body):
         for engine in set().union(*launch.static):
             _bump(launch.stats.static, engine, max(s.get(engine, 0) for s in launch.static))
         launch.stats.launches = 1
+        launch.stats.sbuf_peak = max(b.peak["sbuf"] for b in launch.budgets)
+        launch.stats.psum_peak = max(b.peak["psum"] for b in launch.budgets)
         for c in _active_counters:
             _merge(c, launch.stats)
         return results
@@ -311,6 +316,8 @@ def _merge(into: Counters, add: Counters) -> None:
     into.pe_flops += add.pe_flops
     into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
+    into.sbuf_peak = max(into.sbuf_peak, add.sbuf_peak)
+    into.psum_peak = max(into.psum_peak, add.psum_peak)
 
 
 def _run_cores(launch: Launch, body):
