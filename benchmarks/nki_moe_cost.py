@@ -12,7 +12,9 @@ executed (every core, every iteration), DMAs (count, bytes, bytes per partition)
 Printed: a table per direction, then as the LAST line a JSON object with
   static_instructions      traced program, forward + backward (target <= 5,000)
   executed_instructions    all cores, all iterations, forward + backward
-  padding_fraction         padding slots computed / slots computed (target <= 0.10)
+  padding_fraction         padding slots computed / slots computed (target <= 0.10), counted by the emulator:
+                           rows of x_pad the forward's row gathers read that are x_pad's zero row (the padding
+                           slots' row), over all rows they read; cross-checked against the host plan
   dma_small_fraction       expert-weight bytes moved in DMAs < 2 KiB per partition / all expert-weight bytes (<= 0.10)
   pe_flops_ratio           PE FLOPs / FLOPs of the unpadded expert matmuls (fwd 3 + bwd 6 per assignment; <= 1.25)
   lnc, block_size, kernel_block, plus per-direction numbers.
@@ -62,7 +64,8 @@ def summarize(c, direction):
         "executed": dict(sorted(c.executed.items())), "executed_total": c.executed_total,
         "dma_count": c.dma_count, "dma_bytes": c.dma_bytes, "weight_dma_count": len(weights),
         "weight_bytes": weight_bytes, "weight_small_bytes": small, "pe_flops": c.pe_flops,
-        "loop_trips": dict(c.loop_trips),
+        "loop_trips": dict(c.loop_trips), "sbuf_peak": c.sbuf_peak,
+        "gathered": c.gathered_rows.get("arg0", 0), "padding": c.padding_rows.get("arg0", 0),
     }
 
 
@@ -99,13 +102,17 @@ def main(argv=None):
         out.backward(torch.randn(out.shape, generator=g).to(dtype))
     t2 = time.perf_counter()
     fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
+    padding = fwd["padding"] / fwd["gathered"]  # the emulator's count (forward's gathers of x_pad = arg0)
+    padding_plan = 1 - T * K / slots_run  # what the host plan says the kernels compute
+    if abs(padding - padding_plan) > 1e-9:
+        raise SystemExit(f"emulator padding count {padding} != host plan {padding_plan}")
 
     useful = 2 * T * K * D * F  # FLOPs of one unpadded expert matmul over all assignments
     weight_bytes = fwd["weight_bytes"] + bwd["weight_bytes"]
     result = {
         "static_instructions": fwd["static_total"] + bwd["static_total"],
         "executed_instructions": fwd["executed_total"] + bwd["executed_total"],
-        "padding_fraction": round(1 - T * K / slots_run, 4),
+        "padding_fraction": round(padding, 4),
         "dma_small_fraction": round((fwd["weight_small_bytes"] + bwd["weight_small_bytes"]) / weight_bytes, 4),
         "pe_flops_ratio": round((fwd["pe_flops"] + bwd["pe_flops"]) / (9 * useful), 4),
         "lnc": args.lnc,
@@ -119,6 +126,8 @@ def main(argv=None):
         "weight_dma_count": fwd["weight_dma_count"] + bwd["weight_dma_count"],
         "weight_gib": round(weight_bytes / 2**30, 3),
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
+        "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
+        "sbuf_peak_kib": round(max(fwd["sbuf_peak"], bwd["sbuf_peak"]) / 1024, 1),
     }
 
     print(f"NKI MoE kernels, one rank's layer: T={T} E={E} K={K} D={D} F={F} {args.dtype} LNC={args.lnc} "

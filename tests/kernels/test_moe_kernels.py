@@ -170,6 +170,24 @@ def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
+@pytest.mark.skipif(REAL_NKI, reason="the emulator's counters are what is under test")
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_emulator_counts_padding_slots_computed(lnc):
+    """Expert 0 gets 3 tokens, expert 1 gets 2, blocks of 4: the kernels compute 2 blocks = 8 slots of which
+    1 + 2 = 3 are padding (they read x_pad's zero row). The emulator counts that itself from the row gathers
+    (forward: x_pad = arg0; backward: x_pad and dout_pad each once per block)."""
+    from workbench.kernels.nki_emulator import counters
+
+    x, ids, w, wg, wu, wd = make_case(5, 1, 2, 8, 12, ids=[0, 0, 0, 1, 1])
+    with counters() as cf:
+        out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=4, lnc=lnc)
+    with counters() as cb:
+        out.sum().backward()
+    assert (cf.gathered_rows["arg0"], cf.padding_rows["arg0"]) == (8, 3)
+    assert (cb.gathered_rows["arg0"], cb.padding_rows["arg0"]) == (8, 3)
+    assert (cb.gathered_rows["arg1"], cb.padding_rows["arg1"]) == (8, 3)
+
+
 def test_kernel_plan_splits_whole_experts_across_cores():
     """LNC 2: each core gets whole expert segments (one dW writer per expert), balanced to within one segment."""
     from workbench.kernels.autograd import KernelPlan
@@ -294,3 +312,23 @@ def test_kernels_under_real_nki_simulate():
     out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) for a in args))
     np.testing.assert_allclose(out.reshape(-1, 136)[:9], blockwise_moe(x, ids, w, wg, wu, wd, block_size=8).numpy(),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(REAL_NKI, reason="the cost report reads the emulator's counters")
+def test_cost_report_padding_comes_from_the_emulator(capsys):
+    """benchmarks/nki_moe_cost.py at toy scale: its padding_fraction is the emulator's count (it exits if the count
+    disagrees with the host plan), and the padded slots it reports are whole-block rounding of each expert."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "nki_moe_cost.py"
+    spec = importlib.util.spec_from_file_location("nki_moe_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tokens", "64", "--experts", "4", "--top-k", "2", "--hidden", "128", "--ffn", "128", "--lnc", "2",
+              "--block-size", "32", "--dtype", "float32"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
+    assert result["padding_fraction"] == round(result["padding_slots_computed"] / result["slots_computed"], 4)
+    assert 0 < result["sbuf_peak_kib"] <= 224

@@ -45,7 +45,11 @@ class Counters:
     pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
     on the PE array; that part alone is pe_transpose_flops);
     loop_trips: "file:line" of a dynamic_range -> iterations run;
-    sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches).
+    sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches);
+    gathered_rows: source tensor name -> rows read by indirect row gathers (`vector_offset` DMAs);
+    padding_rows: source name -> those of them that were entirely zero. "Padding slots computed" is
+    padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
+    (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan).
     """
 
     static: dict = field(default_factory=dict)
@@ -59,6 +63,8 @@ class Counters:
     launches: int = 0
     sbuf_peak: int = 0
     psum_peak: int = 0
+    gathered_rows: dict = field(default_factory=dict)
+    padding_rows: dict = field(default_factory=dict)
 
     @property
     def static_total(self) -> int:
@@ -307,7 +313,8 @@ def run_launch(lnc: int, body):
 
 
 def _merge(into: Counters, add: Counters) -> None:
-    for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips)):
+    for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips),
+                          (into.gathered_rows, add.gathered_rows), (into.padding_rows, add.padding_rows)):
         for k, v in d_add.items():
             _bump(d_into, k, v)
     into.dma_count += add.dma_count
