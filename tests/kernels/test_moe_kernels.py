@@ -62,6 +62,9 @@ EDGE_CASES = {
     "all_on_one_expert": (9, 1, 4, 8, 12, 4, [2] * 9),
     "block_of_128": (10, 3, 4, 8, 8, 128, None),
     "two_sub_tiles_and_multi_tile_D_F": (9, 2, 3, 136, 130, 256, None),
+    # 150 / 70 / 30 / 50 slots: full 128-blocks plus 32-, 64- and 64+32-slot tail pieces
+    "full_blocks_and_tail_pieces": (150, 2, 4, 16, 24, 128, [0, 1] * 70 + [0, 2] * 30 + [0, 3] * 50),
+    "tail_pieces_of_256_blocks": (150, 2, 4, 16, 24, 256, [0, 1] * 70 + [0, 2] * 30 + [0, 3] * 50),
 }
 
 
@@ -188,26 +191,48 @@ def test_emulator_counts_padding_slots_computed(lnc):
     assert (cb.gathered_rows["arg1"], cb.padding_rows["arg1"]) == (8, 3)
 
 
-def test_kernel_plan_splits_whole_experts_across_cores():
-    """LNC 2: each core gets whole expert segments (one dW writer per expert), balanced to within one segment."""
+@pytest.mark.parametrize("bs,lnc", [(128, 2), (256, 2), (128, 1), (8, 2)])
+def test_kernel_plan_pieces_cover_experts_and_split_cores(bs, lnc):
+    """Each non-empty expert is one segment on one core (one dW writer); its slots, padded only to the 32-slot
+    granule, are covered exactly once by full KB blocks plus at most one tail piece of each of KB/2 .. 32 slots;
+    at LNC 2 the cores' slot groups balance to within one segment."""
     from workbench.kernels.autograd import KernelPlan
 
-    _, ids, *_ = make_case(50, 4, 16, 4, 4, seed=3)
-    plan = plan_blocks(ids, 16, 8)
-    kp = KernelPlan.from_plan(plan, 16, lnc=2)
-    counts = kp.seg_count.view(-1).tolist()
-    segs = [(kp.seg_expert.view(2, 16)[c, :n], kp.seg_begin.view(2, 16)[c, :n], kp.seg_end.view(2, 16)[c, :n])
-            for c, n in enumerate(counts)]
-    experts = torch.cat([s[0] for s in segs])
-    assert sorted(experts.tolist()) == torch.unique(ids).tolist()  # every non-empty expert exactly once
-    blocks = [int((s[2] - s[1]).sum()) for s in segs]
-    assert sum(blocks) == plan.num_blocks.item() and min(counts) >= 1
-    biggest = int((torch.cat([s[2] - s[1] for s in segs])).max())
-    assert abs(blocks[0] - blocks[1]) <= biggest
-    bte = plan.block_to_expert_B
-    for e, b0, b1 in zip(torch.cat([s[0] for s in segs]), torch.cat([s[1] for s in segs]),
-                         torch.cat([s[2] for s in segs])):
-        assert (bte[b0:b1] == e).all()
+    T, K, E = 400, 4, 8
+    _, ids, *_ = make_case(T, K, E, 4, 4, seed=bs)
+    ids[:60, 0] = 5  # uneven experts
+    plan, kp = KernelPlan.build(ids, E, bs, lnc)
+    G = plan.block_size
+    assert G == (32 if bs >= 32 else bs) and kp.kb == kernel_block_size(bs)
+    counts_E = torch.bincount(ids.reshape(-1), minlength=E)
+    L = (kp.seg_table.shape[1] - 1) // 2
+    seen = torch.zeros(plan.max_blocks * G, dtype=torch.long)
+    groups_per_core = []
+    for c in range(lnc):
+        n = int(kp.seg_count[c, 0])
+        groups_per_core.append(0)
+        for s in range(n):
+            row = kp.seg_table[c * E + s]
+            e = int(row[0])
+            for k in range(L):
+                b0, b1 = int(row[1 + 2 * k]), int(row[2 + 2 * k])
+                assert k == 0 or b1 - b0 <= 1  # tail pieces: at most one of each width
+                for j in range(b0, b1):
+                    g, r0 = int(kp.piece[j, 0]), int(kp.piece[j, 1])
+                    width = kp.kb >> k
+                    assert r0 == g * G
+                    assert (plan.block_to_expert_B[g:g + width // G] == e).all()
+                    seen[r0:r0 + width] += 1
+                    groups_per_core[c] += width // G
+    real_slots = int(((counts_E + G - 1) // G * G).sum())
+    assert int(seen.sum()) == real_slots and int(seen.max()) == 1  # each real slot group exactly once
+    assert seen[:real_slots].all() and not seen[real_slots:].any()
+    assert sorted(int(e) for c in range(lnc) for e in kp.seg_table[c * E:c * E + int(kp.seg_count[c, 0]), 0]) == \
+        torch.nonzero(counts_E).view(-1).tolist()
+    if lnc == 2:
+        assert abs(groups_per_core[0] - groups_per_core[1]) <= int(((counts_E + G - 1) // G).max())
+    # padding is the rounding of each expert to the granule only
+    assert real_slots - T * K == int(((-counts_E) % G).sum())
 
 
 def test_logical_nc_config(monkeypatch):
@@ -307,7 +332,7 @@ def test_kernels_under_real_nki_simulate():
     kp = KernelPlan.from_plan(plan, 4, lnc=1)
     weight = slot_weights(w, plan).float().view(kp.token_index.shape)
     x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    args = [x_pad, kp.token_index, weight, *kp.plan_args()[1:], kp.slot_of_assignment, wg.transpose(1, 2),
+    args = [x_pad, kp.token_index, weight, *kp.plan_args(), kp.slot_of_assignment, wg.transpose(1, 2),
             wu.transpose(1, 2), wd.transpose(1, 2)]
     out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) for a in args))
     np.testing.assert_allclose(out.reshape(-1, 136)[:9], blockwise_moe(x, ids, w, wg, wu, wd, block_size=8).numpy(),

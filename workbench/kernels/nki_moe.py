@@ -59,10 +59,11 @@ def _width(n, size, j):
 
 
 # -- data movement -----------------------------------------------------------------------------------------------------
-def _load_scalar(table, row0, reg):
-    """int32 SBUF [1, 1] <- table[row0 + reg, 0] of an [R, 1] int32 HBM table (reg: a loop register)."""
+def _load_entry(table, row0, col, reg):
+    """int32 SBUF [1, 1] <- table[row0 + reg, col] of an [R, C] int32 HBM table (reg: a loop register)."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, 1], [1, 1]], offset=row0, scalar_offset=reg, indirect_dim=0))
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, 1], [1, 1]], offset=row0 * table.shape[1] + col,
+                                         scalar_offset=reg, indirect_dim=0))
     return tile
 
 
@@ -182,6 +183,40 @@ def _workspace(kb, D, F, io_dtype, backward, slot_dtype, chunked):
     return ws
 
 
+def _ws_view(ws, kb):
+    """The workspace cut to a kb-slot piece (kb <= the workspace's block): every per-slot tile sliced to kb."""
+    v = {}
+    for key in ("x", "dy", "tok"):
+        if key in ws:
+            tiles = []
+            for s in range(_ntiles(kb, P)):
+                t = ws[key][s]
+                tiles.append(t[0:_width(kb, P, s), 0:t.shape[1]])
+            v[key] = tiles
+    for key in ("xT", "g", "u", "sig", "silu", "h", "dg", "du"):
+        if key in ws:
+            t = ws[key]
+            v[key] = t[0:t.shape[0], 0:t.shape[1], 0:kb]
+    for key in ("tmp1", "tmp2", "aff_b", "row", "row2"):
+        if key in ws:
+            v[key] = ws[key][0:ws[key].shape[0], 0:kb]
+    for key in ("chunk", "prev", "band", "ones"):
+        if key in ws:
+            v[key] = ws[key]
+    return v
+
+
+def _piece_widths(token_index, seg_table):
+    """Slots per piece of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column
+    pair of seg_table after the expert column)."""
+    G = token_index.shape[1]
+    L = (seg_table.shape[1] - 1) // 2
+    widths = []
+    for k in range(L):
+        widths.append(G * 2 ** (L - 1 - k))
+    return widths
+
+
 # -- layout changes (Tensor Engine transposes through PSUM) -------------------------------------------------------------
 def _transpose_into(dst, src, ps):
     """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
@@ -290,12 +325,11 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
                           src=result)
 
 
-def _segment_bounds(seg_expert, seg_begin, seg_end, row0, s):
-    """(expert tile, first block register, end block register) of segment s of this core."""
-    e = _load_scalar(seg_expert, row0, s)
-    begin = _register(_load_scalar(seg_begin, row0, s))
-    end = _register(_load_scalar(seg_end, row0, s))
-    return e, begin, end
+def _class_bounds(seg_table, row0, k, s):
+    """(first, end) piece-table rows of class k of segment s of this core, as loop registers."""
+    begin = _register(_load_entry(seg_table, row0, 1 + 2 * k, s))
+    end = _register(_load_entry(seg_table, row0, 2 + 2 * k, s))
+    return begin, end
 
 
 def _segment_count(seg_count, pid):
@@ -326,11 +360,11 @@ def _emit(dst_slots, acc, scale, ws, row0, s0, sl, c0, cl, first):
 
 
 # -- forward -------------------------------------------------------------------------------------------------------------
-def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb, first):
+def _forward_block(grp, row0, x_pad, token_index, slot_weight, w, ws, ps, y_slots, kb, first):
+    """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables)."""
     D, F = x_pad.shape[1], w[0].shape[2]
-    row0 = _load_scalar(block_row, 0, b)
-    _load_block([ws["x"]], [x_pad], token_index, b, kb)
-    affinity = _affinities(slot_weight, b, kb)
+    _load_block([ws["x"]], [x_pad], token_index, grp, kb)
+    affinity = _affinities(slot_weight, grp, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
     for s in range(len(ws["x"])):
         sl = _width(kb, P, s)
@@ -344,37 +378,47 @@ def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_s
             _emit(y_slots, acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
 
 
-def _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      w_gate_t, w_up_t, w_down_t, y_slots, kb):
+def _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
+                      w_down_t, y_slots):
     """This core's expert segments (its own function so the workspace is freed before the combine)."""
     D, F = x_pad.shape[1], w_gate_t.shape[2]
+    widths = _piece_widths(token_index, seg_table)
     fc = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
-    ws = _workspace(kb, D, fc, x_pad.dtype, False, y_slots.dtype, fc < F)
+    ws = _workspace(widths[0], D, fc, x_pad.dtype, False, y_slots.dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
     for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        e = _load_entry(seg_table, pid * S, 0, s)
         for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the weights do not fit SBUF
             f0, fl = c * fc, _width(F, fc, c)
             w = (_load_expert_matrix(w_gate_t, e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk], reused
-                 _load_expert_matrix(w_up_t, e, 0, D, f0, fl),  # by every block of the segment; W_up^T[:, chunk]
+                 _load_expert_matrix(w_up_t, e, 0, D, f0, fl),  # by every piece of the segment; W_up^T[:, chunk]
                  _load_expert_matrix(w_down_t, e, f0, fl, 0, D))  # [min(P, fl), nF, D] W_down^T[chunk, :]
-            for b in nl.dynamic_range(begin, end):
-                _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb, c == 0)
+            for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
+                view = _ws_view(ws, widths[k])
+                begin, end = _class_bounds(seg_table, pid * S, k, s)
+                for j in nl.dynamic_range(begin, end):
+                    grp = _load_entry(piece, 0, 0, j)
+                    row0 = _load_entry(piece, 0, 1, j)
+                    _forward_block(grp, row0, x_pad, token_index, slot_weight, w, view, ps, y_slots, widths[k],
+                                   c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      slot_of_assignment, w_gate_t, w_up_t, w_down_t):
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+                      w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
+
+    Slots come in groups of G (each expert's slots padded to a multiple of G); an expert's groups are computed as
+    full blocks of KB = G * 2^(L-1) slots, then its tail as at most one piece each of KB/2, ..., G slots.
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
-        token_index: [NB, KB] int32 slot -> token (T on padding slots).
-        slot_weight: [NB, KB] fp32 routing affinity per slot (0 on padding).
-        block_row: [NB, 1] int32, b * KB (the first slot row of block b).
-        seg_expert, seg_begin, seg_end: [lnc * S, 1] int32; core c's segment s at row c * S + s: its expert and
-            block range [begin, end). seg_count: [lnc, 1] int32, segments per core.
+        token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g.
+        slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
+        piece: [M, 2] int32, per piece its first slot group and first slot row (group * G); rows grouped by class.
+        seg_table: [lnc * S, 1 + 2L] int32; core c's segment s at row c * S + s: its expert, then per piece class
+            k (KB >> k slots) the [begin, end) rows of `piece`. seg_count: [lnc, 1] int32, segments per core.
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT (padded tokens
             point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
@@ -384,15 +428,15 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, se
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
-    nb, kb = token_index.shape
+    ng, G = token_index.shape
     D = x_pad.shape[1]
-    S = seg_expert.shape[0] // lnc
+    S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
     F = w_gate_t.shape[2]
     chunked = _f_chunk(D, F, x_pad.dtype.itemsize, 3) < F
-    y_slots = nl.ndarray((nb * kb, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
-    _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      w_gate_t, w_up_t, w_down_t, y_slots, kb)
+    y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
+    _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
+                      w_down_t, y_slots)
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
@@ -476,11 +520,11 @@ def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps, r_base, R, c_base
         nisa.dma_copy(dst=_expert_window(dw, e, r_base + r0, rl, c_base, C), src=total)
 
 
-def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot, grads,
+def _backward_block(b, row0, e, x_pad, dout_pad, token_index, slot_weight, w, ws, ps, dx_slots, d_slot, grads,
                     kb, f0, first):
-    """One block against one F chunk [f0, f0 + F) of expert e (w: that chunk's five resident matrices)."""
+    """One kb-slot piece (slot group b, slot row row0) against one F chunk [f0, f0 + F) of expert e (w: that
+    chunk's five resident matrices)."""
     D, F = x_pad.shape[1], w[0].shape[2]
-    row0 = _load_scalar(block_row, 0, b)
     _load_block([ws["x"], ws["dy"]], [x_pad, dout_pad], token_index, b, kb)
     affinity = _affinities(slot_weight, b, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
@@ -500,15 +544,16 @@ def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, 
     _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps, 0, D, f0, F)  # dW_down[e, :, chunk]
 
 
-def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                       seg_count, weights, dx_slots, d_slot, grads, kb):
+def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, weights,
+                       dx_slots, d_slot, grads):
     """This core's expert segments (its own function so the workspace is freed before the combine)."""
     D, F = x_pad.shape[1], weights[0].shape[2]
+    widths = _piece_widths(token_index, seg_table)
     fc = _f_chunk(D, F, x_pad.dtype.itemsize, 5)
-    ws = _workspace(kb, D, fc, x_pad.dtype, True, dx_slots.dtype, fc < F)
+    ws = _workspace(widths[0], D, fc, x_pad.dtype, True, dx_slots.dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
     for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
+        e = _load_entry(seg_table, pid * S, 0, s)
         for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the five matrices do not fit SBUF
             f0, fl = c * fc, _width(F, fc, c)
             w = (_load_expert_matrix(weights[0], e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk]
@@ -516,9 +561,14 @@ def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_
                  _load_expert_matrix(weights[2], e, 0, D, f0, fl),  # natural W_down[:, chunk]
                  _load_expert_matrix(weights[3], e, f0, fl, 0, D),  # [min(P, fl), nF, D] natural W_gate[chunk, :]
                  _load_expert_matrix(weights[4], e, f0, fl, 0, D))  # natural W_up[chunk, :]
-            for b in nl.dynamic_range(begin, end):
-                _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots,
-                                d_slot, grads, kb, f0, c == 0)
+            for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
+                view = _ws_view(ws, widths[k])
+                begin, end = _class_bounds(seg_table, pid * S, k, s)
+                for j in nl.dynamic_range(begin, end):
+                    grp = _load_entry(piece, 0, 0, j)
+                    row0 = _load_entry(piece, 0, 1, j)
+                    _backward_block(grp, row0, e, x_pad, dout_pad, token_index, slot_weight, w, view, ps, dx_slots,
+                                    d_slot, grads, widths[k], f0, c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
@@ -560,29 +610,29 @@ def _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc):
 
 
 @nki.jit
-def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                      seg_count, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t):
+def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
+                      w_gate, w_up, w_down, w_gate_t, w_up_t):
     """Blockwise expert MLP backward (recomputes the forward activations per block); launch as `[lnc]`.
 
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
-        token_index, slot_weight, block_row, seg_*, slot_of_assignment: as in `moe_blockwise_fwd`.
+        token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
         w_gate, w_up: [E, F, D]; w_down: [E, D, F] (torchtitan layouts); w_gate_t, w_up_t: [E, D, F].
 
     Returns:
-        dx [nT, TT, D] (io dtype), d_slot_weight [NB, KB] fp32, dw_gate [E, F, D], dw_up [E, F, D],
+        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E, F, D], dw_up [E, F, D],
         dw_down [E, D, F] (fp32).
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
-    nb, kb = token_index.shape
+    ng, G = token_index.shape
     D = x_pad.shape[1]
-    S = seg_expert.shape[0] // lnc
+    S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
     io = x_pad.dtype
     chunked = _f_chunk(D, w_gate.shape[1], io.itemsize, 5) < w_gate.shape[1]
-    dx_slots = nl.ndarray((nb * kb, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="dx_slots")
-    d_slot = nl.ndarray((nb, kb), dtype=F32, buffer=nl.shared_hbm)
+    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="dx_slots")
+    d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
     dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_down = nl.ndarray(w_down.shape, dtype=F32, buffer=nl.shared_hbm)
@@ -592,9 +642,8 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_
         nisa.core_barrier(data=dw_gate, cores=(0, 1))
         nisa.core_barrier(data=dw_up, cores=(0, 1))
         nisa.core_barrier(data=dw_down, cores=(0, 1))
-    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                       seg_count, (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot,
-                       (dw_gate, dw_up, dw_down), kb)
+    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count,
+                       (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot, (dw_gate, dw_up, dw_down))
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
