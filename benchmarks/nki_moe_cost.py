@@ -64,6 +64,7 @@ def summarize(c, direction):
         "executed": dict(sorted(c.executed.items())), "executed_total": c.executed_total,
         "dma_count": c.dma_count, "dma_bytes": c.dma_bytes, "weight_dma_count": len(weights),
         "weight_bytes": weight_bytes, "weight_small_bytes": small, "pe_flops": c.pe_flops,
+        "pe_transpose_flops": c.pe_transpose_flops,
         "loop_trips": dict(c.loop_trips), "sbuf_peak": c.sbuf_peak,
         "gathered": c.gathered_rows.get("arg0", 0), "padding": c.padding_rows.get("arg0", 0),
     }
@@ -122,6 +123,8 @@ def main(argv=None):
         "static_fwd": fwd["static_total"], "static_bwd": bwd["static_total"],
         "executed_fwd": fwd["executed_total"], "executed_bwd": bwd["executed_total"],
         "pe_flops_ratio_fwd": round(fwd["pe_flops"] / (3 * useful), 4),
+        "pe_flops_ratio_matmul_only": round((fwd["pe_flops"] + bwd["pe_flops"] - fwd["pe_transpose_flops"]
+                                             - bwd["pe_transpose_flops"]) / (9 * useful), 4),
         "pieces_run": dict(sorted(widths.items(), reverse=True)), "slot_granule": plan.block_size,
         "whole_block_padding_fraction": round(old_padding, 4),
         "weight_dma_count": fwd["weight_dma_count"] + bwd["weight_dma_count"],
