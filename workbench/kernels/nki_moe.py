@@ -14,14 +14,21 @@ kernels int32 tables (design, cost numbers and the block-size sweep: docs/nki_ke
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-dynamic-loops.html):
 
-* **Segments.** The real blocks (sorted by expert) are cut into *segments*: runs of consecutive blocks with one
-  expert. The host gives every core its own list of whole segments (an expert never spans two cores, so the fp32
-  dW read-modify-write of an expert has one writer). Core `nl.program_id(0)` runs
-  `for s in nl.dynamic_range(n_segments)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
-  -> `for b in nl.dynamic_range(begin, end)` over the segment's blocks. Both loops are hardware loops: the body is
-  traced once, so the program size does not grow with T, and blocks past the real count are never visited.
-  Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF [1, 1] tile>)`.
-* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by blocks).
+* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 only (the host plan); the
+  expert's slot groups run as full blocks of KB slots, then its tail as at most one piece each of KB/2, ..., G
+  slots (the binary digits of the leftover group count). The host gives every core its own list of whole
+  segments (one per non-empty expert: an expert never spans two cores, so the fp32 dW read-modify-write of an
+  expert has one writer). Core `nl.program_id(0)` runs `for s in nl.dynamic_range(n_segments)` -> load the
+  expert's weights once (a few DMAs of >= 2 KiB per partition) -> per piece class k (KB >> k slots)
+  `for j in nl.dynamic_range(begin_k, end_k)` over the segment's pieces of that class. All are hardware loops:
+  each body is traced once (one body per piece class), so the program size does not grow with T, and pieces past
+  the real count are never visited. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF
+  [1, 1] tile>)`.
+* **F chunks.** When an expert's resident matrices exceed RESIDENT_WEIGHT_BYTES per partition (D = 4096), the
+  weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
+  d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
+  disjoint.
+* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by slot groups).
   Shared HBM scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
@@ -33,8 +40,8 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/lates
 Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html): the
 matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
 <= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF. Kernel blocks
-hold KB <= 256 slots (token sub-tiles of 128 on the partition axis). Matmul operands use the io dtype; elementwise
-math is fp32. The code sticks to the documented NKI Python subset (plain for loops over range, no comprehensions).
+hold KB <= 256 slots (token sub-tiles of 128 on the partition axis); tail pieces are 32..KB/2 slots. Matmul
+operands use the io dtype; elementwise math is fp32. The code sticks to the documented NKI Python subset (plain for loops over range, no comprehensions).
 
 Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
 """
