@@ -94,7 +94,7 @@ def main(argv=None):
     widths = {}
     for _, w, _ in pieces:
         widths[w] = widths.get(w, 0) + 1
-    old_padding = 1 - T * K / int((plan_blocks(ids, E, bs).num_blocks * bs))  # whole blocks per expert
+    old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
     t0 = time.perf_counter()
     with counters() as cf:

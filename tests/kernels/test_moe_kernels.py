@@ -203,7 +203,7 @@ def test_kernel_plan_pieces_cover_experts_and_split_cores(bs, lnc):
     ids[:60, 0] = 5  # uneven experts
     plan, kp = KernelPlan.build(ids, E, bs, lnc)
     G = plan.block_size
-    assert G == (32 if bs >= 32 else bs) and kp.kb == kernel_block_size(bs)
+    assert G == min(32, bs) and kp.kb == kernel_block_size(bs)
     counts_E = torch.bincount(ids.reshape(-1), minlength=E)
     L = (kp.seg_table.shape[1] - 1) // 2
     seen = torch.zeros(plan.max_blocks * G, dtype=torch.long)

@@ -246,7 +246,8 @@ def neuron_moe_op():
                 seg_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_fwd[lnc](
-            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
+            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, _transposed(w_gate, io),
+            _transposed(w_up, io), _transposed(w_down, io))
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
     def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
@@ -254,7 +255,8 @@ def neuron_moe_op():
                 w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_bwd[lnc](
-            x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
+            x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
+            w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
             _transposed(w_gate, io), _transposed(w_up, io))
 
     def setup_context(ctx, inputs, output):

@@ -41,7 +41,8 @@ Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/
 matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
 <= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF. Kernel blocks
 hold KB <= 256 slots (token sub-tiles of 128 on the partition axis); tail pieces are 32..KB/2 slots. Matmul
-operands use the io dtype; elementwise math is fp32. The code sticks to the documented NKI Python subset (plain for loops over range, no comprehensions).
+operands use the io dtype; elementwise math is fp32. The code sticks to the documented NKI Python subset (plain
+for loops over range, no comprehensions).
 
 Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
 """
@@ -115,7 +116,7 @@ def _expert_window(w, e, r0, rows, c0, cols):
     return w.ap(pattern=[[Ct, rows], [1, cols]], offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0)
 
 
-# -- F chunks: how much of an expert's weights is resident at once ------------------------------------------------------
+# -- F chunks: how much of an expert's weights is resident at once ---------------------------------------------------
 # SBUF is 224 KiB per partition (trn2). The resident expert weights get at most this much; the rest holds one
 # block's workspace (x / dy token tiles, xT, the fp32 dW row band, ...: <= 80 KiB at D = 4096, KB = 256).
 RESIDENT_WEIGHT_BYTES = 144 * 1024
