@@ -99,7 +99,7 @@ def test_nki_kernels_match_reference_fp32(name, lnc):
 
 @pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
 @pytest.mark.parametrize("T,K,E,D,F,bs,lnc", [(12, 2, 4, 16, 24, 4, 1), (10, 2, 3, 32, 40, 8, 2),
-                                              (6, 2, 4, 136, 24, 256, 2)])
+                                              (6, 2, 4, 136, 24, 256, 2), (150, 2, 4, 32, 40, 128, 2)])
 def test_nki_kernels_match_reference_bf16(T, K, E, D, F, bs, lnc):
     case = make_case(T, K, E, D, F, dtype=torch.bfloat16)
     assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=lnc), case, block_size=bs),
@@ -160,7 +160,8 @@ def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
-@pytest.mark.parametrize("name", ["two_sub_tiles_and_multi_tile_D_F", "tk_not_multiple_of_block", "empty_experts"])
+@pytest.mark.parametrize("name", ["two_sub_tiles_and_multi_tile_D_F", "tk_not_multiple_of_block", "empty_experts",
+                                  "full_blocks_and_tail_pieces"])
 def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
     """Forced F chunks at small shapes (chunks of 128 and a short last one when F = 130; one chunk per f-tile
     otherwise): the partial-sum paths (y, dx, d_affinity, dW row/column windows) within 1e-5 of the reference."""
