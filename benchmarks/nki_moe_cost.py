@@ -12,7 +12,9 @@ executed (every core, every iteration), DMAs (count, bytes, bytes per partition)
 Printed: a table per direction, then as the LAST line a JSON object with
   static_instructions      traced program, forward + backward (target <= 5,000)
   executed_instructions    all cores, all iterations, forward + backward
-  padding_fraction         padding slots computed / slots computed (target <= 0.10)
+  padding_fraction         padding slots computed / slots computed (target <= 0.10), counted by the emulator:
+                           rows of x_pad the forward's row gathers read that are x_pad's zero row (the padding
+                           slots' row), over all rows they read; cross-checked against the host plan
   dma_small_fraction       expert-weight bytes moved in DMAs < 2 KiB per partition / all expert-weight bytes (<= 0.10)
   pe_flops_ratio           PE FLOPs / FLOPs of the unpadded expert matmuls (fwd 3 + bwd 6 per assignment; <= 1.25)
   lnc, block_size, kernel_block, plus per-direction numbers.
@@ -30,12 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from workbench.kernels import blockwise_moe_nki, plan_blocks, route  # noqa: E402
-from workbench.kernels.autograd import KernelPlan, kernel_block_size  # noqa: E402
+from workbench.kernels.autograd import KernelPlan  # noqa: E402
 from workbench.kernels.nki_emulator import counters  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
-WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg10", "arg11", "arg12", "arg13", "arg14"}}
+WEIGHT_ARGS = {"fwd": {"arg7", "arg8", "arg9"}, "bwd": {"arg8", "arg9", "arg10", "arg11", "arg12"}}
 
 
 def parse_args(argv=None):
@@ -62,7 +64,9 @@ def summarize(c, direction):
         "executed": dict(sorted(c.executed.items())), "executed_total": c.executed_total,
         "dma_count": c.dma_count, "dma_bytes": c.dma_bytes, "weight_dma_count": len(weights),
         "weight_bytes": weight_bytes, "weight_small_bytes": small, "pe_flops": c.pe_flops,
-        "loop_trips": dict(c.loop_trips),
+        "pe_transpose_flops": c.pe_transpose_flops,
+        "loop_trips": dict(c.loop_trips), "sbuf_peak": c.sbuf_peak,
+        "gathered": c.gathered_rows.get("arg0", 0), "padding": c.padding_rows.get("arg0", 0),
     }
 
 
@@ -83,13 +87,14 @@ def main(argv=None):
     xs = x.to(dtype).requires_grad_()
     ws = weights.to(dtype).requires_grad_()
 
-    plan = plan_blocks(ids, E, bs)
-    kplan = KernelPlan.from_plan(plan, E, args.lnc)
-    kb = kernel_block_size(bs)
-    blocks_run = int((kplan.seg_end - kplan.seg_begin).view(args.lnc, E)[
-        torch.arange(E)[None, :] < kplan.seg_count].sum())
-    slots_run = blocks_run * kb
-    static_plan_slots = plan.max_blocks * bs
+    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc)
+    kb = kplan.kb
+    pieces = kplan.pieces()
+    slots_run = sum(w for _, w, _ in pieces)
+    widths = {}
+    for _, w, _ in pieces:
+        widths[w] = widths.get(w, 0) + 1
+    old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
     t0 = time.perf_counter()
     with counters() as cf:
@@ -99,13 +104,17 @@ def main(argv=None):
         out.backward(torch.randn(out.shape, generator=g).to(dtype))
     t2 = time.perf_counter()
     fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
+    padding = fwd["padding"] / fwd["gathered"]  # the emulator's count (forward's gathers of x_pad = arg0)
+    padding_plan = 1 - T * K / slots_run  # what the host plan says the kernels compute
+    if abs(padding - padding_plan) > 1e-9:
+        raise SystemExit(f"emulator padding count {padding} != host plan {padding_plan}")
 
     useful = 2 * T * K * D * F  # FLOPs of one unpadded expert matmul over all assignments
     weight_bytes = fwd["weight_bytes"] + bwd["weight_bytes"]
     result = {
         "static_instructions": fwd["static_total"] + bwd["static_total"],
         "executed_instructions": fwd["executed_total"] + bwd["executed_total"],
-        "padding_fraction": round(1 - T * K / slots_run, 4),
+        "padding_fraction": round(padding, 4),
         "dma_small_fraction": round((fwd["weight_small_bytes"] + bwd["weight_small_bytes"]) / weight_bytes, 4),
         "pe_flops_ratio": round((fwd["pe_flops"] + bwd["pe_flops"]) / (9 * useful), 4),
         "lnc": args.lnc,
@@ -114,11 +123,15 @@ def main(argv=None):
         "static_fwd": fwd["static_total"], "static_bwd": bwd["static_total"],
         "executed_fwd": fwd["executed_total"], "executed_bwd": bwd["executed_total"],
         "pe_flops_ratio_fwd": round(fwd["pe_flops"] / (3 * useful), 4),
-        "blocks_run": blocks_run, "blocks_static_plan": plan.max_blocks * (bs // kb),
-        "static_plan_padding_fraction": round(1 - T * K / static_plan_slots, 4),
+        "pe_flops_ratio_matmul_only": round((fwd["pe_flops"] + bwd["pe_flops"] - fwd["pe_transpose_flops"]
+                                             - bwd["pe_transpose_flops"]) / (9 * useful), 4),
+        "pieces_run": dict(sorted(widths.items(), reverse=True)), "slot_granule": plan.block_size,
+        "whole_block_padding_fraction": round(old_padding, 4),
         "weight_dma_count": fwd["weight_dma_count"] + bwd["weight_dma_count"],
         "weight_gib": round(weight_bytes / 2**30, 3),
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
+        "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
+        "sbuf_peak_kib": round(max(fwd["sbuf_peak"], bwd["sbuf_peak"]) / 1024, 1),
     }
 
     print(f"NKI MoE kernels, one rank's layer: T={T} E={E} K={K} D={D} F={F} {args.dtype} LNC={args.lnc} "
@@ -130,9 +143,9 @@ def main(argv=None):
               f"{fwd['executed'].get(e, 0):>12,}{bwd['executed'].get(e, 0):>12,}")
     print(f"{'total':<10}{fwd['static_total']:>12,}{bwd['static_total']:>12,}{fwd['executed_total']:>12,}"
           f"{bwd['executed_total']:>12,}")
-    print(f"blocks run {blocks_run} of a static plan of {result['blocks_static_plan']} kernel blocks; "
-          f"padding {result['padding_fraction']:.1%} of computed slots (static plan: "
-          f"{result['static_plan_padding_fraction']:.1%})")
+    print(f"pieces run (slots: count) {result['pieces_run']}; padding {result['padding_fraction']:.1%} of computed "
+          f"slots (rounding each expert to {plan.block_size}; whole {bs}-slot blocks would pad "
+          f"{old_padding:.1%})")
     print(f"DMAs fwd {fwd['dma_count']:,} ({fwd['dma_bytes'] / 2**20:,.0f} MiB), bwd {bwd['dma_count']:,} "
           f"({bwd['dma_bytes'] / 2**20:,.0f} MiB); expert weights {result['weight_dma_count']:,} DMAs, "
           f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")

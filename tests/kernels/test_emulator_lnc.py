@@ -452,3 +452,28 @@ def test_register_and_dma_compute_rules():
                        (dma_compute_scaled, "dma-compute-op")):
         with raises(rule):
             nki.jit(body)(rand(1, 1))
+
+
+def test_counters_gathered_and_padding_rows_and_sbuf_peak():
+    """Row gathers (vector_offset DMAs) count the rows they read and how many of them are all zero (the padding
+    rows a blockwise kernel computes on); sbuf_peak is the high-water mark of live SBUF bytes per partition."""
+
+    @nki.jit
+    def gather(x, idx):
+        index = load(idx)
+        rows = nl.ndarray((idx.shape[0], x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=x.ap(pattern=[[x.shape[1], idx.shape[0]], [1, x.shape[1]]], offset=0,
+                                         vector_offset=index, indirect_dim=0))
+        extra = nl.ndarray((4, 64), dtype=nl.float32, buffer=nl.sbuf)  # 256 B/partition more, live with `rows`
+        nisa.memset(dst=extra, value=0.0)
+        out = nl.ndarray(rows.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=rows)
+        return out
+
+    x = rand(5, 8)
+    x[4] = 0.0  # the zero row padding slots point at
+    idx = np.array([[0], [4], [2], [4], [4], [1]], dtype=np.int32)
+    with counters() as c:
+        np.testing.assert_array_equal(gather[1](x, idx), x[idx[:, 0]])
+    assert c.gathered_rows == {"arg0": 6} and c.padding_rows == {"arg0": 3}
+    assert c.sbuf_peak == 4 + 8 * 4 + 64 * 4  # index (int32 [6, 1]) + rows (fp32 [6, 8]) + extra

@@ -21,7 +21,7 @@ from workbench.kernels.nki_api import REAL_NKI, nki
 
 
 def kernel_block_size(block_size: int) -> int:
-    """Rows per kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
+    """Slots per full kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
 
     A plan block larger than that is several consecutive kernel blocks with the same expert (one segment, so
     the expert's weights are still loaded once). 256 keeps the backward's resident weights plus one block's
@@ -35,79 +35,139 @@ def kernel_block_size(block_size: int) -> int:
     raise ValueError(f"the NKI kernels need block_size <= 128 or a multiple of 128, got {block_size}")
 
 
+TAIL_GRANULE = 32  # slots: each expert is padded to a multiple of this, not of the block
+
+
+def slot_granule(kb: int) -> int:
+    """G: each expert's slots are padded to a multiple of G. 32 when the kernel block KB is 32 x a power of two
+    (its tail then runs as pieces of KB/2, ..., 32 slots), else KB itself (no tail pieces)."""
+    r = kb // TAIL_GRANULE
+    if kb % TAIL_GRANULE == 0 and r & (r - 1) == 0:
+        return TAIL_GRANULE
+    return kb
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """The block plan in the kernels' int32 layouts (see `nki_moe.moe_blockwise_fwd`), for `lnc` cores.
 
-    Built with static-shaped tensor ops only (no host sync), so the kernels' input shapes depend on (T, K, E,
-    block size, lnc) alone.
+    The plan's blocks are slot groups of G (`plan.block_size`); each expert's groups run as full kernel blocks
+    of KB = G * 2^(L-1) slots, then a tail of at most one piece of each of KB/2, ..., G slots (the binary digits
+    of its remaining group count), so padding is only each expert's rounding up to G. Built with static-shaped
+    tensor ops only (no host sync), so the kernels' input shapes depend on (T, K, E, block size, lnc) alone.
     """
 
-    token_index: torch.Tensor  # [NB, KB]
-    block_row: torch.Tensor  # [NB, 1]
-    seg_expert: torch.Tensor  # [lnc * E, 1]
-    seg_begin: torch.Tensor  # [lnc * E, 1]
-    seg_end: torch.Tensor  # [lnc * E, 1]
+    token_index: torch.Tensor  # [NG, G]
+    piece: torch.Tensor  # [M, 2]: first slot group, first slot row
+    seg_table: torch.Tensor  # [lnc * E, 1 + 2L]: expert, then [begin, end) piece rows per class
     seg_count: torch.Tensor  # [lnc, 1]
     slot_of_assignment: torch.Tensor  # [nT, TT, K]
     num_tokens: int
     lnc: int
+    kb: int
 
     @classmethod
-    def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int) -> "KernelPlan":
-        kb = kernel_block_size(plan.block_size)
-        repeat = plan.block_size // kb
-        nb = plan.max_blocks * repeat
-        i32 = torch.int32
-        # kernel blocks per expert and where each expert's run starts / ends (experts are sorted in the plan)
-        bte = plan.block_to_expert_B.repeat_interleave(repeat)
-        real = torch.arange(nb, device=bte.device) < plan.num_blocks * repeat
-        blocks_E = torch.zeros(num_experts, dtype=torch.long, device=bte.device).index_add_(0, bte, real.long())
-        end_E = blocks_E.cumsum(0)
-        begin_E = end_E - blocks_E
-        # segments: the non-empty experts in order (one segment each: an expert's blocks are consecutive)
-        order = torch.argsort((blocks_E == 0).to(torch.int8), stable=True)
-        nseg = (blocks_E > 0).sum()
-        seg_e, seg_b, seg_x = order, begin_E[order], end_E[order]
-        valid = torch.arange(num_experts, device=bte.device) < nseg
+    def build(cls, topk_ids_TK: torch.Tensor, num_experts: int, block_size: int, lnc: int):
+        """(slot plan at granule G, kernel plan) for the model's `block_size` (kernel block `kernel_block_size`)."""
+        kb = kernel_block_size(block_size)
+        plan = plan_blocks(topk_ids_TK, num_experts, slot_granule(kb))
+        return plan, cls.from_plan(plan, num_experts, lnc, kb)
+
+    @classmethod
+    def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int, kb: int | None = None) -> "KernelPlan":
+        G = plan.block_size
+        kb = G if kb is None else kb
+        r = kb // G
+        if kb % G or r & (r - 1):
+            raise ValueError(f"kernel block {kb} must be the slot granule {G} times a power of two")
+        L = r.bit_length()
+        E = num_experts
+        dev = plan.block_to_expert_B.device
+        i32, i64 = torch.int32, torch.long
+        ng = plan.max_blocks
+        bte = plan.block_to_expert_B
+        real = torch.arange(ng, device=dev) < plan.num_blocks
+        n_E = torch.zeros(E, dtype=i64, device=dev).index_add_(0, bte, real.long())  # slot groups per expert
+        gstart_E = n_E.cumsum(0) - n_E
+        full_E, rem_E = n_E // r, n_E % r
+        # class 0: full KB blocks, every expert's in order
+        mf = max(1, ng // r)
+        fend_E = full_E.cumsum(0)
+        fbeg_E = fend_E - full_E
+        j = torch.arange(mf, device=dev)
+        e_j = torch.searchsorted(fend_E, j, right=True).clamp(max=E - 1)
+        groups = [torch.where(j < fend_E[-1], gstart_E[e_j] + r * (j - fbeg_E[e_j]), 0)]
+        begins, ends = [fbeg_E], [fend_E]
+        # class k >= 1: one piece of r >> k groups where that bit of the expert's remainder is set
+        for k in range(1, L):
+            m = r >> k
+            has = (rem_E & m) > 0
+            cend = has.long().cumsum(0)
+            cbeg = cend - has.long()
+            start = gstart_E + r * full_E + (rem_E & ~(2 * m - 1))
+            tab = torch.zeros(E + 1, dtype=i64, device=dev).scatter_(0, torch.where(has, cbeg, E), start)[:E]
+            off = mf + (k - 1) * E
+            groups.append(tab)
+            begins.append(cbeg + off)
+            ends.append(cend + off)
+        group = torch.cat(groups)
+        # segments: the non-empty experts in order, split between cores at the boundary closest to half the groups
+        order = torch.argsort((n_E == 0).to(torch.int8), stable=True)
+        nseg = (n_E > 0).sum()
+        valid = torch.arange(E, device=dev) < nseg
         if lnc == 1:
             cuts = torch.stack([torch.zeros_like(nseg), nseg])
         else:
-            # split between two cores at the segment boundary closest to half the real blocks
-            total = end_E[-1]
-            ends = torch.where(valid, seg_x, total)
-            k = (2 * ends <= total).sum()
+            total = n_E.sum()
+            ends_g = torch.where(valid, (gstart_E + n_E)[order], total)
+            k = (2 * ends_g <= total).sum()
             k_up = torch.clamp(k + 1, max=nseg)
-            end_at = lambda j: torch.where(j > 0, ends[torch.clamp(j - 1, min=0)], torch.zeros_like(total))  # noqa: E731
+            end_at = lambda q: torch.where(q > 0, ends_g[torch.clamp(q - 1, min=0)], torch.zeros_like(total))  # noqa: E731
             better_up = (2 * end_at(k_up) - total).abs() < (2 * end_at(k) - total).abs()
             cut = torch.where(better_up, k_up, k)
             cuts = torch.stack([torch.zeros_like(nseg), cut, nseg])
+        cols = [order]
+        for k in range(L):
+            cols.append(begins[k][order])
+            cols.append(ends[k][order])
+        seg_all = torch.stack(cols, 1)  # [E, 1 + 2L], segment (non-empty expert) order
         rows, counts = [], []
         for c in range(lnc):
-            idx = torch.clamp(torch.arange(num_experts, device=bte.device) + cuts[c], max=num_experts - 1)
-            live = torch.arange(num_experts, device=bte.device) < cuts[c + 1] - cuts[c]
-            rows.append((torch.where(live, seg_e[idx], 0), torch.where(live, seg_b[idx], 0),
-                         torch.where(live, seg_x[idx], 0)))
+            idx = torch.clamp(torch.arange(E, device=dev) + cuts[c], max=E - 1)
+            live = torch.arange(E, device=dev) < cuts[c + 1] - cuts[c]
+            rows.append(torch.where(live[:, None], seg_all[idx], 0))
             counts.append(cuts[c + 1] - cuts[c])
         T, K = plan.slot_of_assignment_TK.shape
         tt = min(T, nki_moe.P)
         nt = -(-T // tt)
         soa = F.pad(plan.slot_of_assignment_TK, (0, 0, 0, nt * tt - T))  # padded tokens read slot 0 (always real)
         return cls(
-            token_index=plan.token_index_N.to(i32).view(nb, kb),
-            block_row=(torch.arange(nb, device=bte.device) * kb).to(i32)[:, None],
-            seg_expert=torch.cat([r[0] for r in rows]).to(i32)[:, None],
-            seg_begin=torch.cat([r[1] for r in rows]).to(i32)[:, None],
-            seg_end=torch.cat([r[2] for r in rows]).to(i32)[:, None],
+            token_index=plan.token_index_N.to(i32).view(ng, G),
+            piece=torch.stack([group, group * G], 1).to(i32),
+            seg_table=torch.cat(rows).to(i32),
             seg_count=torch.stack(counts).to(i32)[:, None],
             slot_of_assignment=soa.to(i32).view(nt, tt, K),
             num_tokens=T,
             lnc=lnc,
+            kb=kb,
         )
 
     def plan_args(self) -> tuple[torch.Tensor, ...]:
-        """token_index, block_row, seg_expert, seg_begin, seg_end, seg_count (kernel argument order)."""
-        return (self.token_index, self.block_row, self.seg_expert, self.seg_begin, self.seg_end, self.seg_count)
+        """piece, seg_table, seg_count (kernel arguments after token_index and slot_weight)."""
+        return (self.piece, self.seg_table, self.seg_count)
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(core, slots, first slot row) of every piece the kernels run (host-side, for tests and the cost report)."""
+        L = (self.seg_table.shape[1] - 1) // 2
+        E = self.seg_table.shape[0] // self.lnc
+        out = []
+        for c in range(self.lnc):
+            for s in range(int(self.seg_count[c, 0])):
+                row = self.seg_table[c * E + s]
+                for k in range(L):
+                    for j in range(int(row[1 + 2 * k]), int(row[2 + 2 * k])):
+                        out.append((c, self.kb >> k, int(self.piece[j, 1])))
+        return out
 
     def tokens(self, out: torch.Tensor) -> torch.Tensor:
         """[nT, TT, D] kernel output -> [T, D]."""
@@ -130,7 +190,7 @@ class BlockwiseMoEFunction(torch.autograd.Function):
         weight = slot_weight_N.detach().float().view(kplan.token_index.shape)
         ctx.save_for_backward(x_pad, weight, w_gate_EFD, w_up_EFD, w_down_EDF)
         ctx.kplan, ctx.kernels, ctx.slot_dtype = kplan, kernels, slot_weight_N.dtype
-        out = kernels.forward(kplan.lnc, x_pad, kplan.token_index, weight, *kplan.plan_args()[1:],
+        out = kernels.forward(kplan.lnc, x_pad, kplan.token_index, weight, *kplan.plan_args(),
                               kplan.slot_of_assignment, _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io),
                               _transposed(w_down_EDF, io))
         return kplan.tokens(out)
@@ -141,7 +201,7 @@ class BlockwiseMoEFunction(torch.autograd.Function):
         kplan, io = ctx.kplan, x_pad.dtype
         dout_pad = F.pad(dout_TD.to(io).contiguous(), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = ctx.kernels.backward(
-            kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.plan_args()[1:], kplan.slot_of_assignment,
+            kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.plan_args(), kplan.slot_of_assignment,
             w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
             _transposed(w_gate, io), _transposed(w_up, io))
         return (kplan.tokens(dx), d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate.to(w_gate.dtype),
@@ -182,23 +242,21 @@ def neuron_moe_op():
     Tensor = torch.Tensor
 
     @nki_op("workbench::moe_blockwise_fwd", mutates_args={})
-    def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, block_row: Tensor,
-                seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor, slot_of_assignment: Tensor,
-                w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
+                seg_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_fwd[lnc](
-            x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-            slot_of_assignment, _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
+            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, _transposed(w_gate, io),
+            _transposed(w_up, io), _transposed(w_down, io))
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
     def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
-                block_row: Tensor, seg_expert: Tensor, seg_begin: Tensor, seg_end: Tensor, seg_count: Tensor,
-                slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
-                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                piece: Tensor, seg_table: Tensor, seg_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor,
+                w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_bwd[lnc](
-            x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-            slot_of_assignment, w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
+            x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
+            w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
             _transposed(w_gate, io), _transposed(w_up, io))
 
     def setup_context(ctx, inputs, output):
@@ -210,10 +268,10 @@ def neuron_moe_op():
         T = x_pad.shape[0] - 1  # rows past T of out are padded tokens: their grads are dropped, row T is zero
         dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(ctx.lnc, x_pad, dout_pad, *plan, w_gate, w_up, w_down)
-        grads = [None] * 13
+        grads = [None] * 11
         grads[1] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
         grads[3] = d_slot
-        grads[10], grads[11], grads[12] = dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype)
+        grads[8], grads[9], grads[10] = dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype)
         return tuple(grads)
 
     moe_fwd.register_autograd(backward, setup_context=setup_context)
@@ -251,12 +309,11 @@ def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, 
     from workbench.kernels import logical_nc_config
 
     _, _, E, _, _ = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-    plan = plan_blocks(topk_ids_TK, E, block_size)
-    kplan = KernelPlan.from_plan(plan, E, logical_nc_config() if lnc is None else lnc)
+    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config() if lnc is None else lnc)
     slot_w = slot_weights(topk_weights_TK, plan)
     if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
         out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
-                              slot_w.float().view(kplan.token_index.shape), *kplan.plan_args()[1:],
+                              slot_w.float().view(kplan.token_index.shape), *kplan.plan_args(),
                               kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)
         return kplan.tokens(out).to(x_TD.dtype)
     return BlockwiseMoEFunction.apply(x_TD, slot_w, w_gate_EFD, w_up_EFD, w_down_EDF, kplan, HOST_KERNELS)

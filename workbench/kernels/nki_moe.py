@@ -14,14 +14,21 @@ kernels int32 tables (design, cost numbers and the block-size sweep: docs/nki_ke
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-dynamic-loops.html):
 
-* **Segments.** The real blocks (sorted by expert) are cut into *segments*: runs of consecutive blocks with one
-  expert. The host gives every core its own list of whole segments (an expert never spans two cores, so the fp32
-  dW read-modify-write of an expert has one writer). Core `nl.program_id(0)` runs
-  `for s in nl.dynamic_range(n_segments)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
-  -> `for b in nl.dynamic_range(begin, end)` over the segment's blocks. Both loops are hardware loops: the body is
-  traced once, so the program size does not grow with T, and blocks past the real count are never visited.
-  Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF [1, 1] tile>)`.
-* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by blocks).
+* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 only (the host plan); the
+  expert's slot groups run as full blocks of KB slots, then its tail as at most one piece each of KB/2, ..., G
+  slots (the binary digits of the leftover group count). The host gives every core its own list of whole
+  segments (one per non-empty expert: an expert never spans two cores, so the fp32 dW read-modify-write of an
+  expert has one writer). Core `nl.program_id(0)` runs `for s in nl.dynamic_range(n_segments)` -> load the
+  expert's weights once (a few DMAs of >= 2 KiB per partition) -> per piece class k (KB >> k slots)
+  `for j in nl.dynamic_range(begin_k, end_k)` over the segment's pieces of that class. All are hardware loops:
+  each body is traced once (one body per piece class), so the program size does not grow with T, and pieces past
+  the real count are never visited. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF
+  [1, 1] tile>)`.
+* **F chunks.** When an expert's resident matrices exceed RESIDENT_WEIGHT_BYTES per partition (D = 4096), the
+  weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
+  d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
+  disjoint.
+* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by slot groups).
   Shared HBM scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
@@ -33,8 +40,9 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/lates
 Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html): the
 matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
 <= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF. Kernel blocks
-hold KB <= 256 slots (token sub-tiles of 128 on the partition axis). Matmul operands use the io dtype; elementwise
-math is fp32. The code sticks to the documented NKI Python subset (plain for loops over range, no comprehensions).
+hold KB <= 256 slots (token sub-tiles of 128 on the partition axis); tail pieces are 32..KB/2 slots. Matmul
+operands use the io dtype; elementwise math is fp32. The code sticks to the documented NKI Python subset (plain
+for loops over range, no comprehensions).
 
 Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
 """
@@ -59,10 +67,11 @@ def _width(n, size, j):
 
 
 # -- data movement -----------------------------------------------------------------------------------------------------
-def _load_scalar(table, row0, reg):
-    """int32 SBUF [1, 1] <- table[row0 + reg, 0] of an [R, 1] int32 HBM table (reg: a loop register)."""
+def _load_entry(table, row0, col, reg):
+    """int32 SBUF [1, 1] <- table[row0 + reg, col] of an [R, C] int32 HBM table (reg: a loop register)."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, 1], [1, 1]], offset=row0, scalar_offset=reg, indirect_dim=0))
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, 1], [1, 1]], offset=row0 * table.shape[1] + col,
+                                         scalar_offset=reg, indirect_dim=0))
     return tile
 
 
@@ -79,29 +88,56 @@ def _block_column(table, b, s0, sl, dtype):
     return tile
 
 
-def _load_expert_matrix(w, e):
-    """SBUF [min(P, R), ceil(R / P), C] <- w[e] of an [E, R, C] HBM tensor: row r at [r % P, r // P, :].
+def _load_expert_matrix(w, e, r0, R, c0, C):
+    """SBUF [min(P, R), ceil(R / P), C] <- w[e, r0:r0+R, c0:c0+C] of an [E, Rt, Ct] HBM tensor: row r of the
+    window at [r % P, r // P, :].
 
-    One DMA moves all full 128-row tiles (C * itemsize * R // 128 bytes per partition: 24 KiB for a
-    30B-A3B expert matrix), a second one the remainder rows. `e` is an int32 SBUF [1, 1] tile (runtime).
+    One DMA moves all full 128-row tiles (C * itemsize * R // 128 bytes per partition: 24 KiB for a whole
+    30B-A3B expert matrix, or for a 384-wide F chunk at D = 4096), a second one the remainder rows. `e` is an
+    int32 SBUF [1, 1] tile (runtime).
     """
-    R, C = w.shape[1], w.shape[2]
+    Ct = w.shape[2]
     rp = min(P, R)
     nfull = R // rp
     rem = R - nfull * rp
-    tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile[0:rp, 0:nfull, 0:C],
-                  src=w.ap(pattern=[[C, rp], [rp * C, nfull], [1, C]], offset=0, scalar_offset=e, indirect_dim=0))
+    tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf, name="w_resident")
+    nisa.dma_copy(dst=tile[0:rp, 0:nfull, 0:C], src=w.ap(pattern=[[Ct, rp], [rp * Ct, nfull], [1, C]],
+                                                         offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0))
     if rem > 0:
-        nisa.dma_copy(dst=tile[0:rem, nfull, 0:C],
-                      src=w.ap(pattern=[[C, rem], [1, C]], offset=nfull * rp * C, scalar_offset=e, indirect_dim=0))
+        nisa.dma_copy(dst=tile[0:rem, nfull, 0:C], src=w.ap(pattern=[[Ct, rem], [1, C]],
+                                                            offset=(r0 + nfull * rp) * Ct + c0, scalar_offset=e,
+                                                            indirect_dim=0))
     return tile
 
 
-def _expert_rows(w, e, r0, rows):
-    """HBM view w[e, r0:r0+rows, :] of an [E, R, C] tensor."""
-    cols = w.shape[2]
-    return w.ap(pattern=[[cols, rows], [1, cols]], offset=r0 * cols, scalar_offset=e, indirect_dim=0)
+def _expert_window(w, e, r0, rows, c0, cols):
+    """HBM view w[e, r0:r0+rows, c0:c0+cols] of an [E, R, C] tensor."""
+    Ct = w.shape[2]
+    return w.ap(pattern=[[Ct, rows], [1, cols]], offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0)
+
+
+# -- F chunks: how much of an expert's weights is resident at once ---------------------------------------------------
+# SBUF is 224 KiB per partition (trn2). The resident expert weights get at most this much; the rest holds one
+# block's workspace (x / dy token tiles, xT, the fp32 dW row band, ...: <= 80 KiB at D = 4096, KB = 256).
+RESIDENT_WEIGHT_BYTES = 144 * 1024
+
+
+def _resident_bytes(D, fc, itemsize, n_mats):
+    """Bytes/partition of n_mats resident [D, fc] expert matrices (either layout: [D/128, fc] or [fc/128, D])."""
+    return n_mats * max(_ntiles(D, P) * fc, _ntiles(fc, P) * D) * itemsize
+
+
+def _f_chunk(D, F, itemsize, n_mats):
+    """Width of the F chunk a kernel keeps resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES, else the
+    widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert segment;
+    the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks (docs/nki_kernels.md)."""
+    if _resident_bytes(D, F, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES or F <= P:
+        return F
+    fc = P
+    for n in range(2, F // P + 1):
+        if _resident_bytes(D, n * P, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES:
+            fc = n * P
+    return fc
 
 
 # -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ------------------
@@ -124,7 +160,8 @@ def _block_tiles(kb, width, dtype, name):
     return tiles
 
 
-def _workspace(kb, D, F, io_dtype, backward):
+def _workspace(kb, D, F, io_dtype, backward, slot_dtype, chunked):
+    """F: the F-chunk width; chunked: F is split (partial sums accumulate in the slot scratch, then fp32)."""
     dp, fp, nD, nF = min(P, D), min(P, F), _ntiles(D, P), _ntiles(F, P)
     ws = {
         "x": _block_tiles(kb, D, io_dtype, "x_tok"),
@@ -134,8 +171,10 @@ def _workspace(kb, D, F, io_dtype, backward):
         "sig": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="sigT"),
         "silu": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="siluT"),
         "h": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
-        "chunk": nl.ndarray((P, MOVING_FMAX), dtype=io_dtype, buffer=nl.sbuf, name="out_chunk"),
+        "chunk": nl.ndarray((P, MOVING_FMAX), dtype=slot_dtype, buffer=nl.sbuf, name="out_chunk"),
     }
+    if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
+        ws["prev"] = nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.sbuf, name="partial_sum")
     if backward:
         ws["dy"] = _block_tiles(kb, D, io_dtype, "dy_tok")
         ws["dg"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="dgT")
@@ -144,11 +183,46 @@ def _workspace(kb, D, F, io_dtype, backward):
         ws["tmp2"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp2")
         ws["aff_b"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="affinity_bcast")
         ws["row"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row")
+        ws["row2"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row_partial")
         ws["tok"] = _block_tiles(kb, F, io_dtype, "grad_tok")  # dg, then du, then h, token-major
         ws["band"] = nl.ndarray((P, max(D, F)), dtype=F32, buffer=nl.sbuf, name="dw_band")
         ws["ones"] = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="ones")
         nisa.memset(dst=ws["ones"], value=1.0)
     return ws
+
+
+def _ws_view(ws, kb):
+    """The workspace cut to a kb-slot piece (kb <= the workspace's block): every per-slot tile sliced to kb."""
+    v = {}
+    for key in ("x", "dy", "tok"):
+        if key in ws:
+            tiles = []
+            for s in range(_ntiles(kb, P)):
+                t = ws[key][s]
+                tiles.append(t[0:_width(kb, P, s), 0:t.shape[1]])
+            v[key] = tiles
+    for key in ("xT", "g", "u", "sig", "silu", "h", "dg", "du"):
+        if key in ws:
+            t = ws[key]
+            v[key] = t[0:t.shape[0], 0:t.shape[1], 0:kb]
+    for key in ("tmp1", "tmp2", "aff_b", "row", "row2"):
+        if key in ws:
+            v[key] = ws[key][0:ws[key].shape[0], 0:kb]
+    for key in ("chunk", "prev", "band", "ones"):
+        if key in ws:
+            v[key] = ws[key]
+    return v
+
+
+def _piece_widths(token_index, seg_table):
+    """Slots per piece of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column
+    pair of seg_table after the expert column)."""
+    G = token_index.shape[1]
+    L = (seg_table.shape[1] - 1) // 2
+    widths = []
+    for k in range(L):
+        widths.append(G * 2 ** (L - 1 - k))
+    return widths
 
 
 # -- layout changes (Tensor Engine transposes through PSUM) -------------------------------------------------------------
@@ -259,12 +333,11 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
                           src=result)
 
 
-def _segment_bounds(seg_expert, seg_begin, seg_end, row0, s):
-    """(expert tile, first block register, end block register) of segment s of this core."""
-    e = _load_scalar(seg_expert, row0, s)
-    begin = _register(_load_scalar(seg_begin, row0, s))
-    end = _register(_load_scalar(seg_end, row0, s))
-    return e, begin, end
+def _class_bounds(seg_table, row0, k, s):
+    """(first, end) piece-table rows of class k of segment s of this core, as loop registers."""
+    begin = _register(_load_entry(seg_table, row0, 1 + 2 * k, s))
+    end = _register(_load_entry(seg_table, row0, 2 + 2 * k, s))
+    return begin, end
 
 
 def _segment_count(seg_count, pid):
@@ -273,19 +346,33 @@ def _segment_count(seg_count, pid):
     return _register(tile)
 
 
-def _store_chunk(dst_slots, chunk, row0, s0, sl, c0, cl):
-    """dst_slots[row0 + s0 : row0 + s0 + sl, c0 : c0 + cl] <- chunk [sl, cl] (row0 an int32 SBUF [1, 1] tile)."""
-    D = dst_slots.shape[1]
-    nisa.dma_copy(dst=dst_slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0,
-                                   indirect_dim=0), src=chunk)
+def _slot_window(slots, row0, s0, sl, c0, cl):
+    """HBM view slots[row0 + s0 : row0 + s0 + sl, c0 : c0 + cl] (row0 an int32 SBUF [1, 1] tile)."""
+    D = slots.shape[1]
+    return slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0, indirect_dim=0)
+
+
+def _emit(dst_slots, acc, scale, ws, row0, s0, sl, c0, cl, first):
+    """Slot rows [s0, s0 + sl) x columns [c0, c0 + cl) of the block: = acc * scale (scale None: acc) for the first
+    F chunk, += for later chunks (read-modify-write of the fp32 scratch; the rows belong to this core's block)."""
+    chunk = ws["chunk"][0:sl, 0:cl]
+    if scale is None:
+        nisa.tensor_copy(dst=chunk, src=acc)
+    else:
+        nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=scale)
+    if not first:
+        prev = ws["prev"][0:sl, 0:cl]
+        nisa.dma_copy(dst=prev, src=_slot_window(dst_slots, row0, s0, sl, c0, cl))
+        nisa.tensor_tensor(dst=chunk, data1=chunk, data2=prev, op=nl.add)
+    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, c0, cl), src=chunk)
 
 
 # -- forward -------------------------------------------------------------------------------------------------------------
-def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb):
+def _forward_block(grp, row0, x_pad, token_index, slot_weight, w, ws, ps, y_slots, kb, first):
+    """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables)."""
     D, F = x_pad.shape[1], w[0].shape[2]
-    row0 = _load_scalar(block_row, 0, b)
-    _load_block([ws["x"]], [x_pad], token_index, b, kb)
-    affinity = _affinities(slot_weight, b, kb)
+    _load_block([ws["x"]], [x_pad], token_index, grp, kb)
+    affinity = _affinities(slot_weight, grp, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
     for s in range(len(ws["x"])):
         sl = _width(kb, P, s)
@@ -296,38 +383,50 @@ def _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_s
                 fl = _width(F, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
                                moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
-            chunk = ws["chunk"][0:sl, 0:cl]
-            nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=affinity[s])
-            _store_chunk(y_slots, chunk, row0, s * P, sl, c0, cl)
+            _emit(y_slots, acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
 
 
-def _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      w_gate_t, w_up_t, w_down_t, y_slots, kb):
+def _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
+                      w_down_t, y_slots):
     """This core's expert segments (its own function so the workspace is freed before the combine)."""
     D, F = x_pad.shape[1], w_gate_t.shape[2]
-    ws = _workspace(kb, D, F, x_pad.dtype, False)
+    widths = _piece_widths(token_index, seg_table)
+    fc = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
+    ws = _workspace(widths[0], D, fc, x_pad.dtype, False, y_slots.dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
     for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
-        w = (_load_expert_matrix(w_gate_t, e),  # [min(P, D), nD, F] W_gate^T, reused by every block of the segment
-             _load_expert_matrix(w_up_t, e),  # [min(P, D), nD, F] W_up^T
-             _load_expert_matrix(w_down_t, e))  # [min(P, F), nF, D] W_down^T
-        for b in nl.dynamic_range(begin, end):
-            _forward_block(b, x_pad, token_index, slot_weight, block_row, w, ws, ps, y_slots, kb)
+        e = _load_entry(seg_table, pid * S, 0, s)
+        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the weights do not fit SBUF
+            f0, fl = c * fc, _width(F, fc, c)
+            w = (_load_expert_matrix(w_gate_t, e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk], reused
+                 _load_expert_matrix(w_up_t, e, 0, D, f0, fl),  # by every piece of the segment; W_up^T[:, chunk]
+                 _load_expert_matrix(w_down_t, e, f0, fl, 0, D))  # [min(P, fl), nF, D] W_down^T[chunk, :]
+            for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
+                view = _ws_view(ws, widths[k])
+                begin, end = _class_bounds(seg_table, pid * S, k, s)
+                for j in nl.dynamic_range(begin, end):
+                    grp = _load_entry(piece, 0, 0, j)
+                    row0 = _load_entry(piece, 0, 1, j)
+                    _forward_block(grp, row0, x_pad, token_index, slot_weight, w, view, ps, y_slots, widths[k],
+                                   c == 0)
+            w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      slot_of_assignment, w_gate_t, w_up_t, w_down_t):
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+                      w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
+
+    Slots come in groups of G (each expert's slots padded to a multiple of G); an expert's groups are computed as
+    full blocks of KB = G * 2^(L-1) slots, then its tail as at most one piece each of KB/2, ..., G slots.
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
-        token_index: [NB, KB] int32 slot -> token (T on padding slots).
-        slot_weight: [NB, KB] fp32 routing affinity per slot (0 on padding).
-        block_row: [NB, 1] int32, b * KB (the first slot row of block b).
-        seg_expert, seg_begin, seg_end: [lnc * S, 1] int32; core c's segment s at row c * S + s: its expert and
-            block range [begin, end). seg_count: [lnc, 1] int32, segments per core.
+        token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g.
+        slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
+        piece: [M, 2] int32, per piece its first slot group and first slot row (group * G); rows grouped by class.
+        seg_table: [lnc * S, 1 + 2L] int32; core c's segment s at row c * S + s: its expert, then per piece class
+            k (KB >> k slots) the [begin, end) rows of `piece`. seg_count: [lnc, 1] int32, segments per core.
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT (padded tokens
             point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
@@ -337,13 +436,15 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, block_row, seg_expert, se
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
-    nb, kb = token_index.shape
+    ng, G = token_index.shape
     D = x_pad.shape[1]
-    S = seg_expert.shape[0] // lnc
+    S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    y_slots = nl.ndarray((nb * kb, D), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
-    _forward_segments(pid, S, x_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end, seg_count,
-                      w_gate_t, w_up_t, w_down_t, y_slots, kb)
+    F = w_gate_t.shape[2]
+    chunked = _f_chunk(D, F, x_pad.dtype.itemsize, 3) < F
+    y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
+    _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
+                      w_down_t, y_slots)
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
@@ -361,7 +462,7 @@ def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
     nisa.tensor_copy(dst=ws["aff_b"], src=acc)
 
 
-def _swiglu_backward(ws, d_slot, b, kb, F, ps):
+def _swiglu_backward(ws, d_slot, b, kb, F, ps, first):
     """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (in ws["g"]); writes the affinity grads d_slot[b, :].
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
@@ -382,11 +483,15 @@ def _swiglu_backward(ws, d_slot, b, kb, F, ps):
         nisa.tensor_tensor(dst=t2, data1=t2, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
         nisa.tensor_tensor(dst=ws["dg"][0:fl, i, 0:kb], data1=t1, data2=t2, op=nl.multiply)
     nisa.tensor_copy(dst=ws["row"], src=d_aff)
+    if not first:  # later F chunks add their partial sum over f
+        nisa.dma_copy(dst=ws["row2"], src=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
+                                                     indirect_dim=0))
+        nisa.tensor_tensor(dst=ws["row"], data1=ws["row"], data2=ws["row2"], op=nl.add)
     nisa.dma_copy(dst=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0),
                   src=ws["row"])
 
 
-def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps):
+def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps, first):
     """dx_slots rows of the block = dg @ W_gate[e] + du @ W_up[e] (resident natural [min(P, F), nF, D] tiles)."""
     for s in range(_ntiles(kb, P)):
         sl = _width(kb, P, s)
@@ -399,21 +504,19 @@ def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps):
                                moving=wg[0:fl, i, c0:c0 + cl], accumulate=i > 0)
                 nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
                                moving=wu[0:fl, i, c0:c0 + cl], accumulate=True)
-            chunk = ws["chunk"][0:sl, 0:cl]
-            nisa.tensor_copy(dst=chunk, src=acc)
-            _store_chunk(dx_slots, chunk, row0, s * P, sl, c0, cl)
+            _emit(dx_slots, acc, None, ws, row0, s * P, sl, c0, cl, first)
 
 
-def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps):
-    """dw[e] += sum_s lhs_tok[s]^T @ rhs_tok[s] (tokens on partitions; dw an [E, R, C] fp32 HBM accumulator).
+def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps, r_base, R, c_base, C):
+    """dw[e, r_base:r_base+R, c_base:c_base+C] += sum_s lhs_tok[s][:, :R]^T @ rhs_tok[s][:, :C] (tokens on
+    partitions; dw an [E, *, *] fp32 HBM accumulator).
 
     Read-modify-write one [<=128, C] row band at a time (C * 4 bytes per partition per DMA).
     """
-    R, C = dw.shape[1], dw.shape[2]
     for r in range(_ntiles(R, P)):
         r0, rl = r * P, _width(R, P, r)
         total = band[0:rl, 0:C]
-        nisa.dma_copy(dst=total, src=_expert_rows(dw, e, r0, rl))
+        nisa.dma_copy(dst=total, src=_expert_window(dw, e, r_base + r0, rl, c_base, C))
         for c in range(_ntiles(C, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(C, MOVING_FMAX, c)
             acc = ps["acc"][0:rl, 0:cl]
@@ -422,46 +525,59 @@ def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps):
                 nisa.nc_matmul(dst=acc, stationary=lhs_tok[s][0:sl, r0:r0 + rl], moving=rhs_tok[s][0:sl, c0:c0 + cl],
                                accumulate=s > 0)
             nisa.tensor_tensor(dst=band[0:rl, c0:c0 + cl], data1=band[0:rl, c0:c0 + cl], data2=acc, op=nl.add)
-        nisa.dma_copy(dst=_expert_rows(dw, e, r0, rl), src=total)
+        nisa.dma_copy(dst=_expert_window(dw, e, r_base + r0, rl, c_base, C), src=total)
 
 
-def _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot, grads,
-                    kb):
+def _backward_block(b, row0, e, x_pad, dout_pad, token_index, slot_weight, w, ws, ps, dx_slots, d_slot, grads,
+                    kb, f0, first):
+    """One kb-slot piece (slot group b, slot row row0) against one F chunk [f0, f0 + F) of expert e (w: that
+    chunk's five resident matrices)."""
     D, F = x_pad.shape[1], w[0].shape[2]
-    row0 = _load_scalar(block_row, 0, b)
     _load_block([ws["x"], ws["dy"]], [x_pad, dout_pad], token_index, b, kb)
     affinity = _affinities(slot_weight, b, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
     _feature_major(ws["xT"], ws["dy"], kb, D, ps)  # dyT (xT is no longer needed)
     _project(ws["g"], w[2], ws["xT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T (gT is no longer needed)
-    _broadcast_row(ws, slot_weight, b, min(P, F), kb, ps)
-    _swiglu_backward(ws, d_slot, b, kb, F, ps)
-    _dx_block(dx_slots, ws, w[3], w[4], row0, kb, D, F, ps)
+    _broadcast_row(ws, slot_weight, b, ws["aff_b"].shape[0], kb, ps)
+    _swiglu_backward(ws, d_slot, b, kb, F, ps, first)
+    _dx_block(dx_slots, ws, w[3], w[4], row0, kb, D, F, ps, first)
     # weight grads contract over the block's tokens: token-major operands
     for s in range(len(ws["dy"])):
         nisa.tensor_scalar(dst=ws["dy"][s], data=ws["dy"][s], op0=nl.multiply, operand0=affinity[s])
     _token_major(ws["tok"], ws["dg"], kb, F, ps)
-    _accumulate_weight_grad(grads[0], e, ws["tok"], ws["x"], ws["band"], ps)
+    _accumulate_weight_grad(grads[0], e, ws["tok"], ws["x"], ws["band"], ps, f0, F, 0, D)  # dW_gate[e, chunk, :]
     _token_major(ws["tok"], ws["du"], kb, F, ps)
-    _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps)
+    _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps, f0, F, 0, D)  # dW_up[e, chunk, :]
     _token_major(ws["tok"], ws["h"], kb, F, ps)
-    _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps)
+    _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps, 0, D, f0, F)  # dW_down[e, :, chunk]
 
 
-def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                       seg_count, weights, dx_slots, d_slot, grads, kb):
+def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, weights,
+                       dx_slots, d_slot, grads):
     """This core's expert segments (its own function so the workspace is freed before the combine)."""
     D, F = x_pad.shape[1], weights[0].shape[2]
-    ws = _workspace(kb, D, F, x_pad.dtype, True)
+    widths = _piece_widths(token_index, seg_table)
+    fc = _f_chunk(D, F, x_pad.dtype.itemsize, 5)
+    ws = _workspace(widths[0], D, fc, x_pad.dtype, True, dx_slots.dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
     for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e, begin, end = _segment_bounds(seg_expert, seg_begin, seg_end, pid * S, s)
-        w = (_load_expert_matrix(weights[0], e), _load_expert_matrix(weights[1], e),  # [min(P, D), nD, F] W^T
-             _load_expert_matrix(weights[2], e),  # [min(P, D), nD, F] natural W_down
-             _load_expert_matrix(weights[3], e), _load_expert_matrix(weights[4], e))  # [min(P, F), nF, D] natural
-        for b in nl.dynamic_range(begin, end):
-            _backward_block(b, e, x_pad, dout_pad, token_index, slot_weight, block_row, w, ws, ps, dx_slots, d_slot,
-                            grads, kb)
+        e = _load_entry(seg_table, pid * S, 0, s)
+        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the five matrices do not fit SBUF
+            f0, fl = c * fc, _width(F, fc, c)
+            w = (_load_expert_matrix(weights[0], e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk]
+                 _load_expert_matrix(weights[1], e, 0, D, f0, fl),  # W_up^T[:, chunk]
+                 _load_expert_matrix(weights[2], e, 0, D, f0, fl),  # natural W_down[:, chunk]
+                 _load_expert_matrix(weights[3], e, f0, fl, 0, D),  # [min(P, fl), nF, D] natural W_gate[chunk, :]
+                 _load_expert_matrix(weights[4], e, f0, fl, 0, D))  # natural W_up[chunk, :]
+            for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
+                view = _ws_view(ws, widths[k])
+                begin, end = _class_bounds(seg_table, pid * S, k, s)
+                for j in nl.dynamic_range(begin, end):
+                    grp = _load_entry(piece, 0, 0, j)
+                    row0 = _load_entry(piece, 0, 1, j)
+                    _backward_block(grp, row0, e, x_pad, dout_pad, token_index, slot_weight, w, view, ps, dx_slots,
+                                    d_slot, grads, widths[k], f0, c == 0)
+            w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
 def _zero_fill(t, zeros, pid, lnc):
@@ -502,28 +618,29 @@ def _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc):
 
 
 @nki.jit
-def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                      seg_count, slot_of_assignment, w_gate, w_up, w_down, w_gate_t, w_up_t):
+def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
+                      w_gate, w_up, w_down, w_gate_t, w_up_t):
     """Blockwise expert MLP backward (recomputes the forward activations per block); launch as `[lnc]`.
 
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
-        token_index, slot_weight, block_row, seg_*, slot_of_assignment: as in `moe_blockwise_fwd`.
+        token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
         w_gate, w_up: [E, F, D]; w_down: [E, D, F] (torchtitan layouts); w_gate_t, w_up_t: [E, D, F].
 
     Returns:
-        dx [nT, TT, D] (io dtype), d_slot_weight [NB, KB] fp32, dw_gate [E, F, D], dw_up [E, F, D],
+        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E, F, D], dw_up [E, F, D],
         dw_down [E, D, F] (fp32).
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
-    nb, kb = token_index.shape
+    ng, G = token_index.shape
     D = x_pad.shape[1]
-    S = seg_expert.shape[0] // lnc
+    S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
     io = x_pad.dtype
-    dx_slots = nl.ndarray((nb * kb, D), dtype=io, buffer=nl.shared_hbm, name="dx_slots")
-    d_slot = nl.ndarray((nb, kb), dtype=F32, buffer=nl.shared_hbm)
+    chunked = _f_chunk(D, w_gate.shape[1], io.itemsize, 5) < w_gate.shape[1]
+    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="dx_slots")
+    d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
     dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
     dw_down = nl.ndarray(w_down.shape, dtype=F32, buffer=nl.shared_hbm)
@@ -533,9 +650,8 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, block_row, seg_
         nisa.core_barrier(data=dw_gate, cores=(0, 1))
         nisa.core_barrier(data=dw_up, cores=(0, 1))
         nisa.core_barrier(data=dw_down, cores=(0, 1))
-    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, block_row, seg_expert, seg_begin, seg_end,
-                       seg_count, (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot,
-                       (dw_gate, dw_up, dw_down), kb)
+    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count,
+                       (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot, (dw_gate, dw_up, dw_down))
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)

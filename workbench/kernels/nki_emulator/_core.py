@@ -83,6 +83,7 @@ class _Budget:
 
     def __init__(self):
         self.live = {"sbuf": 0, "psum": 0}
+        self.peak = {"sbuf": 0, "psum": 0}  # high-water mark of live bytes/partition (Counters.sbuf_peak)
 
     def claim(self, storage: "_Storage", per_partition: int) -> "_Claim | None":
         """Count the allocation; it stays live while the returned claim (held by the kernel's views) is alive."""
@@ -103,6 +104,7 @@ class _Budget:
                 url,
             )
         self.live[kind] += per_partition
+        self.peak[kind] = max(self.peak[kind], self.live[kind])
         claim = _Claim()
         weakref.finalize(claim, self._release, kind, per_partition)
         return claim

@@ -44,7 +44,12 @@ class Counters:
     dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
     pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
     on the PE array; that part alone is pe_transpose_flops);
-    loop_trips: "file:line" of a dynamic_range -> iterations run.
+    loop_trips: "file:line" of a dynamic_range -> iterations run;
+    sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches);
+    gathered_rows: source tensor name -> rows read by indirect row gathers (`vector_offset` DMAs);
+    padding_rows: source name -> those of them that were entirely zero. "Padding slots computed" is
+    padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
+    (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan).
     """
 
     static: dict = field(default_factory=dict)
@@ -56,6 +61,10 @@ class Counters:
     pe_transpose_flops: int = 0
     loop_trips: dict = field(default_factory=dict)
     launches: int = 0
+    sbuf_peak: int = 0
+    psum_peak: int = 0
+    gathered_rows: dict = field(default_factory=dict)
+    padding_rows: dict = field(default_factory=dict)
 
     @property
     def static_total(self) -> int:
@@ -294,6 +303,8 @@ def run_launch(lnc: int, body):
         for engine in set().union(*launch.static):
             _bump(launch.stats.static, engine, max(s.get(engine, 0) for s in launch.static))
         launch.stats.launches = 1
+        launch.stats.sbuf_peak = max(b.peak["sbuf"] for b in launch.budgets)
+        launch.stats.psum_peak = max(b.peak["psum"] for b in launch.budgets)
         for c in _active_counters:
             _merge(c, launch.stats)
         return results
@@ -302,7 +313,8 @@ def run_launch(lnc: int, body):
 
 
 def _merge(into: Counters, add: Counters) -> None:
-    for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips)):
+    for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips),
+                          (into.gathered_rows, add.gathered_rows), (into.padding_rows, add.padding_rows)):
         for k, v in d_add.items():
             _bump(d_into, k, v)
     into.dma_count += add.dma_count
@@ -311,6 +323,8 @@ def _merge(into: Counters, add: Counters) -> None:
     into.pe_flops += add.pe_flops
     into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
+    into.sbuf_peak = max(into.sbuf_peak, add.sbuf_peak)
+    into.psum_peak = max(into.psum_peak, add.psum_peak)
 
 
 def _run_cores(launch: Launch, body):

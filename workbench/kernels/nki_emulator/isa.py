@@ -205,7 +205,27 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
                             "(evict PSUM to SBUF with tensor_copy first)", url)
     if tuple(dst.shape) != tuple(src.shape):
         raise violation("dma-shape", f"dst shape {dst.shape} != src shape {src.shape}", url)
-    emit("dma", op, lambda: (dst.write(src.read()), _count_dma(dst, src)))
+    def run():
+        value = src.read()
+        dst.write(value)
+        _count_dma(dst, src)
+        if getattr(src, "vector_offset", None) is not None:
+            _count_gather(src, value)
+
+    emit("dma", op, run)
+
+
+def _count_gather(src, value) -> None:
+    """Row gather (indirect DMA, `vector_offset`): rows read, and how many of them were entirely zero.
+
+    A zero row is what a padding slot computes on: blockwise kernels point padding slots at a zero row (the MoE
+    kernels' row T of x_pad), so for the gather of a kernel's input rows this is "padding slots computed"."""
+    stats = current().stats
+    rows = src.pattern[0][1]
+    zero = int((value.reshape(rows, -1) == 0).all(dim=1).sum())
+    name = _name(src)
+    stats.gathered_rows[name] = stats.gathered_rows.get(name, 0) + rows
+    stats.padding_rows[name] = stats.padding_rows.get(name, 0) + zero
 
 
 def _count_dma(dst, src) -> None:
