@@ -37,7 +37,7 @@ def load(src):
 @nki.jit
 def split_rows_then_swap(x):
     """Core c copies rows [c*h, (c+1)*h) of x into `half`; after the barrier each core adds the other core's half."""
-    n, h = num = nl.num_programs(0), x.shape[0] // nl.num_programs(0)
+    n, h = nl.num_programs(0), x.shape[0] // nl.num_programs(0)
     c = nl.program_id(0)
     half = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm, name="half")
     out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm, name="out")
@@ -232,7 +232,7 @@ def test_nested_dynamic_loops_with_register_bound():
         bound = nisa.register_alloc(3)
         for i in nl.dynamic_range(0, x.shape[0], 2):  # rows 0, 2
             nisa.memset(dst=acc, value=0.0)
-            for j in nl.dynamic_range(bound):
+            for _j in nl.dynamic_range(bound):
                 row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=row, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0,
                                                  scalar_offset=i, indirect_dim=0))
@@ -267,7 +267,7 @@ def test_dynamic_range_step_must_be_static_int():
     @nki.jit
     def register_step(x):
         reg = nisa.register_alloc(1)
-        for i in nl.dynamic_range(0, 4, reg):
+        for _i in nl.dynamic_range(0, 4, reg):
             pass
         return x
 
@@ -275,7 +275,7 @@ def test_dynamic_range_step_must_be_static_int():
         register_step(rand(1, 1))
 
 
-# -- the NKI Python subset -----------------------------------------------------------------------------------------------
+# -- the NKI Python subset ---------------------------------------------------------------------------------------------
 def _helper_with_comprehension(x):
     return [x for _ in range(2)]
 
@@ -288,7 +288,7 @@ def test_python_subset_rejects_undocumented_constructs():
 
     @nki.jit
     def enumerate_tuple_target(x):
-        for i, t in enumerate([x]):
+        for i, t in enumerate([x]):  # noqa: B007 - the deliberate tuple target under test
             pass
         return x
 
@@ -311,7 +311,7 @@ def test_python_subset_rejects_undocumented_constructs():
 
     @nki.jit
     def break_in_dynamic_loop(x):
-        for i in nl.dynamic_range(2):
+        for _i in nl.dynamic_range(2):
             break
         return x
 
@@ -326,7 +326,7 @@ def test_python_subset_rejects_undocumented_constructs():
 def test_python_subset_rejects_undocumented_builtins():
     @nki.jit
     def uses_zip(x):
-        for pair in zip([x], [x]):
+        for pair in zip([x], [x]):  # noqa: B007, B905 - the deliberate zip under test
             pass
         return x
 
@@ -433,7 +433,7 @@ def test_counters_dma_sizes_and_pe_flops():
 def test_register_and_dma_compute_rules():
     def unset_register_as_bound(x):
         reg = nisa.register_alloc()
-        for i in nl.dynamic_range(reg):
+        for _i in nl.dynamic_range(reg):
             pass
 
     def register_load_from_fp32(x):

@@ -46,7 +46,7 @@ NAMES = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
 
 def assert_match(got, want, rtol):
     """Max error relative to the reference's max magnitude, per tensor."""
-    for name, a, b in zip(NAMES, got, want):
+    for name, a, b in zip(NAMES, got, want, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = (a.float() - b.float()).abs().max().item()
         scale = max(b.float().abs().max().item(), 1e-6)
@@ -288,7 +288,7 @@ def test_hf_qwen3_moe_block_parity():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    E, K, H, I = 6, 2, 16, 12
+    E, K, H, I = 6, 2, 16, 12  # noqa: E741 - Qwen3-MoE's moe_intermediate_size, named as in the paper
     config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
                             norm_topk_prob=True, hidden_act="silu")
     config._experts_implementation = "eager"
@@ -308,7 +308,7 @@ def test_hf_qwen3_moe_block_parity():
     out = blockwise_moe(x_TD, ids, weights, gate_up[:, :I], gate_up[:, I:], down, block_size=4).view(2, 7, H)
     grads = torch.autograd.grad(out, (ours_x, gate_up, down, router), grad_out)
     torch.testing.assert_close(out, hf_out, rtol=1e-5, atol=1e-5)
-    for name, a, b in zip(("x", "gate_up_proj", "down_proj", "gate.weight"), grads, hf_grads):
+    for name, a, b in zip(("x", "gate_up_proj", "down_proj", "gate.weight"), grads, hf_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 

@@ -9,8 +9,8 @@ pads x / dout with a zero row for padding slots, and hands the forward kernel tr
 """
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

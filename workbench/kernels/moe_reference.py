@@ -91,7 +91,8 @@ def plan_blocks(topk_ids_TK: torch.Tensor, num_experts: int, block_size: int) ->
     Expert ids must lie in [0, num_experts) (not checked: that would need a device->host sync).
     """
     if topk_ids_TK.dim() != 2 or topk_ids_TK.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids_TK must be an integer [T, K] tensor, got {topk_ids_TK.dtype} {tuple(topk_ids_TK.shape)}")
+        raise ValueError(
+            f"topk_ids_TK must be an integer [T, K] tensor, got {topk_ids_TK.dtype} {tuple(topk_ids_TK.shape)}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     T, K = topk_ids_TK.shape

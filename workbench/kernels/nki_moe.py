@@ -140,7 +140,7 @@ def _f_chunk(D, F, itemsize, n_mats):
     return fc
 
 
-# -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ------------------
+# -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ----------------
 # A dynamic loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
 # the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
 # backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
@@ -225,7 +225,7 @@ def _piece_widths(token_index, seg_table):
     return widths
 
 
-# -- layout changes (Tensor Engine transposes through PSUM) -------------------------------------------------------------
+# -- layout changes (Tensor Engine transposes through PSUM) ------------------------------------------------------------
 def _transpose_into(dst, src, ps):
     """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
     p, f = src.shape
@@ -252,7 +252,7 @@ def _token_major(tiles, feature, kb, width, ps):
             _transpose_into(tiles[s][0:sl, j * P:j * P + fl], feature[0:fl, j, s * P:s * P + sl], ps)
 
 
-# -- expert MLP pieces ---------------------------------------------------------------------------------------------------
+# -- expert MLP pieces -------------------------------------------------------------------------------------------------
 def _gather_into(dst, src, index):
     """dst [rows, C] with row i = src[index[i], :] (indirect DMA; `index` an int32 SBUF [rows, 1] tile)."""
     rows, cols = dst.shape[0], src.shape[1]
@@ -367,7 +367,7 @@ def _emit(dst_slots, acc, scale, ws, row0, s0, sl, c0, cl, first):
     nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, c0, cl), src=chunk)
 
 
-# -- forward -------------------------------------------------------------------------------------------------------------
+# -- forward -----------------------------------------------------------------------------------------------------------
 def _forward_block(grp, row0, x_pad, token_index, slot_weight, w, ws, ps, y_slots, kb, first):
     """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables)."""
     D, F = x_pad.shape[1], w[0].shape[2]
@@ -452,7 +452,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     return out
 
 
-# -- backward ------------------------------------------------------------------------------------------------------------
+# -- backward ----------------------------------------------------------------------------------------------------------
 def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
     """ws["aff_b"] [parts, kb] fp32, every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
     nisa.dma_copy(dst=ws["row"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,

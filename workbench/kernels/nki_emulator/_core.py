@@ -85,7 +85,7 @@ class _Budget:
         self.live = {"sbuf": 0, "psum": 0}
         self.peak = {"sbuf": 0, "psum": 0}  # high-water mark of live bytes/partition (Counters.sbuf_peak)
 
-    def claim(self, storage: "_Storage", per_partition: int) -> "_Claim | None":
+    def claim(self, storage: _Storage, per_partition: int) -> _Claim | None:
         """Count the allocation; it stays live while the returned claim (held by the kernel's views) is alive."""
         kind = storage.buffer.name
         if kind not in self.live:
@@ -138,7 +138,7 @@ class _Storage:
         self.mm = torch.zeros(data.shape, dtype=torch.bool) if buffer is PSUM else None
 
 
-def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "Tensor":
+def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
     """`nl.ndarray`: allocate an uninitialised tensor, checking the tile rules for on-chip memories."""
     shape = tuple(int(s) for s in shape)
     if dtype not in SUPPORTED_DTYPES:
@@ -191,7 +191,7 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> "Tensor":
     return Tensor(storage, storage.data, storage.init, storage.mm, root=True, claim=claim)
 
 
-def _from_array(value, buffer: Buffer, name: str) -> "Tensor":
+def _from_array(value, buffer: Buffer, name: str) -> Tensor:
     data = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
     if data.dtype not in SUPPORTED_DTYPES:
         hint = " (cast index tensors to int32)" if data.dtype == torch.int64 else ""
@@ -207,7 +207,7 @@ class Tensor:
         self._storage, self._data, self._init, self._mm, self._root = storage, data, init, mm, root
         self._claim = claim
 
-    def detached(self) -> "Tensor":
+    def detached(self) -> Tensor:
         """The same view without the liveness claim (what a recorded instruction keeps)."""
         return Tensor(self._storage, self._data, self._init, self._mm, self._root)
 
@@ -219,7 +219,7 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self._storage.name or '?'}, shape={self.shape}, dtype={self.dtype}, {self.buffer})"
 
-    def __getitem__(self, index) -> "Tensor":
+    def __getitem__(self, index) -> Tensor:
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > self.ndim:
             raise violation("index-bounds", f"{len(index)} indices for a {self.ndim}-d tensor {self}", URL_NKI_TENSOR)
@@ -253,7 +253,7 @@ class Tensor:
         return Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
 
     def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
-           dtype=None) -> "AccessPattern":
+           dtype=None) -> AccessPattern:
         """Access pattern view (`NkiTensor.ap`), allowed on the tensor returned by `nl.ndarray` only."""
         if not self._root:
             raise violation("ap-on-view", f"cannot specify an access pattern on an already indexed tensor {self}; "
@@ -267,7 +267,7 @@ class Tensor:
         _check_owner(self._storage)
         launch = _runtime.current()
         if launch is not None and launch.lnc > 1 and self._storage.shared:
-            pattern = list(zip(self._data.stride(), self._data.shape)) or [(1, 1)]
+            pattern = list(zip(self._data.stride(), self._data.shape, strict=True)) or [(1, 1)]
             launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
@@ -332,7 +332,7 @@ class AccessPattern:
         self.root, self.pattern, self.offset = root, pattern, int(offset)
         self.scalar_offset, self.vector_offset, self.indirect_dim = scalar_offset, vector_offset, indirect_dim
 
-    def detached(self) -> "AccessPattern":
+    def detached(self) -> AccessPattern:
         ap = object.__new__(AccessPattern)
         ap.__dict__.update(self.__dict__)
         ap.root = self.root.detached()
@@ -444,7 +444,7 @@ class Kernel:
         self.func, self.options, self.lnc = func, options, lnc
         self.__wrapped_kernel__ = func
 
-    def __getitem__(self, grid) -> "Kernel":
+    def __getitem__(self, grid) -> Kernel:
         lnc = grid[0] if isinstance(grid, tuple) and len(grid) == 1 else grid
         if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc not in (1, 2):
             raise violation("lnc-grid", f"launch grid {grid!r}: launch kernel[lnc] with lnc 1 or 2 (trn2 runs LNC=2 "
@@ -468,7 +468,7 @@ class Kernel:
             for k, other in enumerate(results[1:], start=1):
                 other = other if isinstance(other, tuple) else (other,)
                 if len(other) != len(outs) or any(a is not b and getattr(a, "_storage", 0) is not
-                                                  getattr(b, "_storage", 1) for a, b in zip(outs, other)):
+                                                  getattr(b, "_storage", 1) for a, b in zip(outs, other, strict=False)):
                     raise violation("kernel-output", f"core {k} returned different tensors than core 0: every core "
                                     "must return the same shared HBM outputs", URL_MEMORY)
             converted = tuple(_to_output(o, as_torch) for o in outs)

@@ -280,7 +280,7 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
     emit("dma", op, run)
 
 
-# -- Vector / Scalar / GpSimd engines -----------------------------------------------------------------------------------
+# -- Vector / Scalar / GpSimd engines ----------------------------------------------------------------------------------
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
     """Copy within SBUF/PSUM, bit-exact for equal dtypes, via fp32 otherwise (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.tensor_copy.html)."""
     op, url = "tensor_copy", URL_TENSOR_COPY
