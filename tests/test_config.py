@@ -50,6 +50,7 @@ def test_shape_is_resolved_once_and_carried(monkeypatch):
     ("huggingface_v5", ["--model.attn_backend", "flex"], "huggingface_v5 uses transformers' sdpa"),
     ("nki_moe", ["--model.moe_experts_impl", "loop"], "nki_moe computes its experts blockwise"),
     ("nki_moe", ["--parallelism.ep", "2"], "expert parallelism is only wired for the native backend"),
+    ("nki_moe", ["--model.moe_block_size", "200"], "model.moe_block_size=200: the NKI kernels take a block of"),
 ])
 def test_each_backend_module_checks_its_own_rules(backend, argv, message):
     import importlib

@@ -80,7 +80,9 @@ class Model:
     """torchtitan's aux-loss-free expert-bias rate (its default is 1e-3); 0 = Qwen3/HF routing. The bias has no
     Hugging Face equivalent, so with > 0 an HF export routes differently from the trained model (export warns)."""
     moe_block_size: int = 128
-    """nki_moe: tokens per expert block (each expert's tokens are padded to whole blocks)."""
+    """nki_moe: slots per expert block; at most 128 or a multiple of 128 (the NKI kernels' blocks). The NKI
+    kernels pad each expert's tokens to 32 slots, the torch reference used off Neuron to whole blocks;
+    docs/nki_kernels.md has the block-size sweep."""
     hf_moe_implementation: Literal["hf", "titan"] = "hf"
     """huggingface_v5 + MoE: transformers' own MoE block (hf); "titan" (torchtitan's MoE swapped in) is reserved."""
     moe_experts_impl: Literal["grouped_mm", "batched_mm", "loop"] = "grouped_mm"

@@ -27,6 +27,7 @@ from workbench import flavors
 from workbench.backends import native
 from workbench.config import ConfigError, JobConfig
 from workbench.kernels import blockwise_moe_auto
+from workbench.kernels.autograd import kernel_block_size
 
 
 class BlockwiseRoutedExperts(RoutedExperts):
@@ -35,7 +36,8 @@ class BlockwiseRoutedExperts(RoutedExperts):
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
         block_size: int = 128
-        """Tokens per block; each expert's tokens are padded to a whole number of blocks (static shapes)."""
+        """Slots per block. The torch reference pads each expert's tokens to whole blocks; the NKI kernels pad
+        to 32-slot granules and run full blocks plus one tail piece per expert (`kernels.autograd.KernelPlan`)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -58,7 +60,8 @@ class BlockwiseRoutedExperts(RoutedExperts):
 
 
 def check(job: JobConfig) -> None:
-    """This path's rules (run by `config.validate`): a MoE model, blockwise experts, no expert parallelism.
+    """This path's rules (run by `config.validate`): a MoE model, a block size the NKI kernels take, blockwise
+    experts, no expert parallelism.
 
     Raises:
         ConfigError: naming the setting and the fix.
@@ -70,6 +73,11 @@ def check(job: JobConfig) -> None:
             f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
             f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
         )
+    try:  # checked on every device: a config that trains here must launch on trn2
+        kernel_block_size(m.moe_block_size)
+    except ValueError:
+        raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
+                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.") from None
     if m.moe_experts_impl != "grouped_mm":
         raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
                           "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
