@@ -76,8 +76,7 @@ class NonFiniteError(RunError):
 # ---- cheap checks of a DCP checkpoint folder --------------------------------------------------------------------
 
 def newest_complete(folder: str | os.PathLike) -> int | None:
-    steps = [s for s, p in step_dirs(folder).items() if is_complete(p)]
-    return max(steps) if steps else None
+    return max(step_dirs(folder, complete=True), default=None)
 
 
 def read_metadata(path: Path):
@@ -194,7 +193,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
 
     def _choose_step(self) -> tuple[int, tuple[str, str] | None]:
         """(step or -1, None) or (-1, (message, fix)); runs on rank 0 only and prints the warnings."""
-        complete = sorted((s for s, p in step_dirs(self.folder).items() if is_complete(p)), reverse=True)
+        complete = sorted(step_dirs(self.folder, complete=True), reverse=True)
         bad: list[int] = []
         for step in complete:
             problem = check_checkpoint(self._create_checkpoint_id(step))
