@@ -368,11 +368,12 @@ def _emit(dst_slots, acc, scale, ws, row0, s0, sl, c0, cl, first):
 
 
 # -- forward -----------------------------------------------------------------------------------------------------------
-def _forward_block(grp, row0, x_pad, token_index, slot_weight, w, ws, ps, y_slots, kb, first):
-    """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables)."""
-    D, F = x_pad.shape[1], w[0].shape[2]
-    _load_block([ws["x"]], [x_pad], token_index, grp, kb)
-    affinity = _affinities(slot_weight, grp, kb)
+def _forward_block(grp, row0, hbm, w, ws, ps, kb, first):
+    """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables) against one F
+    chunk (w: W_gate^T, W_up^T and W_down^T of that chunk, resident)."""
+    D, F = hbm["x"].shape[1], w[0].shape[2]
+    _load_block([ws["x"]], [hbm["x"]], hbm["index"], grp, kb)
+    affinity = _affinities(hbm["weight"], grp, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
     for s in range(len(ws["x"])):
         sl = _width(kb, P, s)
@@ -383,32 +384,48 @@ def _forward_block(grp, row0, x_pad, token_index, slot_weight, w, ws, ps, y_slot
                 fl = _width(F, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
                                moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
-            _emit(y_slots, acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
+            _emit(hbm["slots"], acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
 
 
-def _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
-                      w_down_t, y_slots):
-    """This core's expert segments (its own function so the workspace is freed before the combine)."""
-    D, F = x_pad.shape[1], w_gate_t.shape[2]
-    widths = _piece_widths(token_index, seg_table)
-    fc = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
-    ws = _workspace(widths[0], D, fc, x_pad.dtype, False, y_slots.dtype, fc < F)
+def _expert_segments(pid, S, hbm, piece, seg_table, seg_count, mats, row_chunked, backward):
+    """This core's expert segments, forward or backward (its own function so the workspace is freed before the
+    combine). Per segment (one expert) and F chunk: load the chunk of each matrix in `mats` once (resident in
+    SBUF, reused by every piece of the segment), then run the segment's full KB blocks and its tail's KB/2, ...,
+    G pieces (0 or 1 each), each class a dynamic loop over its rows of `piece`.
+
+    Args:
+        hbm: the kernel's HBM tensors by role ("x", "index", "weight", "slots"; backward also "dout", "d_slot",
+            "grads").
+        mats: [E, D, F] or [E, F, D] expert matrices; `row_chunked[i]`: mats[i] is [E, F, D] (chunked by rows)
+            rather than [E, D, F] (by columns). F is mats[0].shape[2].
+        backward: a specialization-time flag: which block body the pieces run.
+    """
+    x_pad = hbm["x"]
+    D, F = x_pad.shape[1], mats[0].shape[2]
+    widths = _piece_widths(hbm["index"], seg_table)
+    fc = _f_chunk(D, F, x_pad.dtype.itemsize, len(mats))
+    ws = _workspace(widths[0], D, fc, x_pad.dtype, backward, hbm["slots"].dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
     for s in nl.dynamic_range(_segment_count(seg_count, pid)):
         e = _load_entry(seg_table, pid * S, 0, s)
-        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the weights do not fit SBUF
+        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices do not fit SBUF
             f0, fl = c * fc, _width(F, fc, c)
-            w = (_load_expert_matrix(w_gate_t, e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk], reused
-                 _load_expert_matrix(w_up_t, e, 0, D, f0, fl),  # by every piece of the segment; W_up^T[:, chunk]
-                 _load_expert_matrix(w_down_t, e, f0, fl, 0, D))  # [min(P, fl), nF, D] W_down^T[chunk, :]
+            w = []
+            for i in range(len(mats)):
+                if row_chunked[i]:  # [min(P, fl), nF, D]: rows [f0, f0 + fl) of the [F, D] matrix
+                    w.append(_load_expert_matrix(mats[i], e, f0, fl, 0, D))
+                else:  # [min(P, D), nD, fl]: columns [f0, f0 + fl) of the [D, F] matrix
+                    w.append(_load_expert_matrix(mats[i], e, 0, D, f0, fl))
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
                 view = _ws_view(ws, widths[k])
                 begin, end = _class_bounds(seg_table, pid * S, k, s)
                 for j in nl.dynamic_range(begin, end):
                     grp = _load_entry(piece, 0, 0, j)
                     row0 = _load_entry(piece, 0, 1, j)
-                    _forward_block(grp, row0, x_pad, token_index, slot_weight, w, view, ps, y_slots, widths[k],
-                                   c == 0)
+                    if backward:
+                        _backward_block(grp, row0, e, hbm, w, view, ps, widths[k], f0, c == 0)
+                    else:
+                        _forward_block(grp, row0, hbm, w, view, ps, widths[k], c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
@@ -443,8 +460,9 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     F = w_gate_t.shape[2]
     chunked = _f_chunk(D, F, x_pad.dtype.itemsize, 3) < F
     y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
-    _forward_segments(pid, S, x_pad, token_index, slot_weight, piece, seg_table, seg_count, w_gate_t, w_up_t,
-                      w_down_t, y_slots)
+    hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots}
+    _expert_segments(pid, S, hbm, piece, seg_table, seg_count, (w_gate_t, w_up_t, w_down_t),  # W^T[:, chunk] x 2,
+                     (False, False, True), False)  # W_down^T[chunk, :]
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
@@ -528,19 +546,19 @@ def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps, r_base, R, c_base
         nisa.dma_copy(dst=_expert_window(dw, e, r_base + r0, rl, c_base, C), src=total)
 
 
-def _backward_block(b, row0, e, x_pad, dout_pad, token_index, slot_weight, w, ws, ps, dx_slots, d_slot, grads,
-                    kb, f0, first):
+def _backward_block(b, row0, e, hbm, w, ws, ps, kb, f0, first):
     """One kb-slot piece (slot group b, slot row row0) against one F chunk [f0, f0 + F) of expert e (w: that
     chunk's five resident matrices)."""
-    D, F = x_pad.shape[1], w[0].shape[2]
-    _load_block([ws["x"], ws["dy"]], [x_pad, dout_pad], token_index, b, kb)
+    D, F = hbm["x"].shape[1], w[0].shape[2]
+    slot_weight, d_slot, grads = hbm["weight"], hbm["d_slot"], hbm["grads"]
+    _load_block([ws["x"], ws["dy"]], [hbm["x"], hbm["dout"]], hbm["index"], b, kb)
     affinity = _affinities(slot_weight, b, kb)
     _recompute(ws, w[0], w[1], kb, D, F, ps)
     _feature_major(ws["xT"], ws["dy"], kb, D, ps)  # dyT (xT is no longer needed)
     _project(ws["g"], w[2], ws["xT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T (gT is no longer needed)
     _broadcast_row(ws, slot_weight, b, ws["aff_b"].shape[0], kb, ps)
     _swiglu_backward(ws, d_slot, b, kb, F, ps, first)
-    _dx_block(dx_slots, ws, w[3], w[4], row0, kb, D, F, ps, first)
+    _dx_block(hbm["slots"], ws, w[3], w[4], row0, kb, D, F, ps, first)
     # weight grads contract over the block's tokens: token-major operands
     for s in range(len(ws["dy"])):
         nisa.tensor_scalar(dst=ws["dy"][s], data=ws["dy"][s], op0=nl.multiply, operand0=affinity[s])
@@ -550,34 +568,6 @@ def _backward_block(b, row0, e, x_pad, dout_pad, token_index, slot_weight, w, ws
     _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps, f0, F, 0, D)  # dW_up[e, chunk, :]
     _token_major(ws["tok"], ws["h"], kb, F, ps)
     _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps, 0, D, f0, F)  # dW_down[e, :, chunk]
-
-
-def _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, weights,
-                       dx_slots, d_slot, grads):
-    """This core's expert segments (its own function so the workspace is freed before the combine)."""
-    D, F = x_pad.shape[1], weights[0].shape[2]
-    widths = _piece_widths(token_index, seg_table)
-    fc = _f_chunk(D, F, x_pad.dtype.itemsize, 5)
-    ws = _workspace(widths[0], D, fc, x_pad.dtype, True, dx_slots.dtype, fc < F)
-    ps = _psum_pool(x_pad.dtype)
-    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
-        e = _load_entry(seg_table, pid * S, 0, s)
-        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the five matrices do not fit SBUF
-            f0, fl = c * fc, _width(F, fc, c)
-            w = (_load_expert_matrix(weights[0], e, 0, D, f0, fl),  # [min(P, D), nD, fl] W_gate^T[:, chunk]
-                 _load_expert_matrix(weights[1], e, 0, D, f0, fl),  # W_up^T[:, chunk]
-                 _load_expert_matrix(weights[2], e, 0, D, f0, fl),  # natural W_down[:, chunk]
-                 _load_expert_matrix(weights[3], e, f0, fl, 0, D),  # [min(P, fl), nF, D] natural W_gate[chunk, :]
-                 _load_expert_matrix(weights[4], e, f0, fl, 0, D))  # natural W_up[chunk, :]
-            for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
-                view = _ws_view(ws, widths[k])
-                begin, end = _class_bounds(seg_table, pid * S, k, s)
-                for j in nl.dynamic_range(begin, end):
-                    grp = _load_entry(piece, 0, 0, j)
-                    row0 = _load_entry(piece, 0, 1, j)
-                    _backward_block(grp, row0, e, x_pad, dout_pad, token_index, slot_weight, w, view, ps, dx_slots,
-                                    d_slot, grads, widths[k], f0, c == 0)
-            w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
 
 def _zero_fill(t, zeros, pid, lnc):
@@ -650,8 +640,11 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
         nisa.core_barrier(data=dw_gate, cores=(0, 1))
         nisa.core_barrier(data=dw_up, cores=(0, 1))
         nisa.core_barrier(data=dw_down, cores=(0, 1))
-    _backward_segments(pid, S, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count,
-                       (w_gate_t, w_up_t, w_down, w_gate, w_up), dx_slots, d_slot, (dw_gate, dw_up, dw_down))
+    hbm = {"x": x_pad, "dout": dout_pad, "index": token_index, "weight": slot_weight, "slots": dx_slots,
+          "d_slot": d_slot, "grads": (dw_gate, dw_up, dw_down)}
+    _expert_segments(pid, S, hbm, piece, seg_table, seg_count,
+                     (w_gate_t, w_up_t, w_down, w_gate, w_up),  # W_gate^T, W_up^T, natural W_down: [:, chunk];
+                     (False, False, False, True, True), True)  # natural W_gate, W_up: [chunk, :]
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
