@@ -6,8 +6,8 @@ the documented tile, buffer and dtype rules (raising `NkiRuleError` that names t
 to make a kernel pass. Coverage, rules and known differences from `nki.simulate`: docs/nki_emulator.md.
 """
 
-from . import isa, language
+from . import isa, language, version
 from ._core import NkiRuleError, jit, simulate
 from ._runtime import Counters, counters
 
-__all__ = ["Counters", "NkiRuleError", "counters", "isa", "jit", "language", "simulate"]
+__all__ = ["Counters", "NkiRuleError", "counters", "isa", "jit", "language", "simulate", "version"]
