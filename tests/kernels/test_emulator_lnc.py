@@ -233,19 +233,30 @@ def load_register(count):
     return reg
 
 
-@nki.jit
-def rows_up_to_count(x, count):
-    """out[i] = 2 * x[i] for i < count (count read at run time), zero elsewhere; one traced body."""
+def zeroed_output(x):
+    """A shared HBM tensor shaped like x, all zeros."""
     out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
     zero = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=zero, value=0.0)
     nisa.dma_copy(dst=out, src=zero)
+    return out
+
+
+def double_row(x, out, i):
+    """out[i] = 2 * x[i] (i a register or scalar)."""
+    row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=row_view(x, i))
+    nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=2.0)
+    nisa.dma_copy(dst=row_view(out, i), src=row)
+
+
+@nki.jit
+def rows_up_to_count(x, count):
+    """out[i] = 2 * x[i] for i < count (count read at run time), zero elsewhere; one traced body."""
+    out = zeroed_output(x)
 
     def body(i):
-        row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=row, src=row_view(x, i))
-        nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=2.0)
-        nisa.dma_copy(dst=row_view(out, i), src=row)
+        double_row(x, out, i)
 
     nl.fori_loop(0, load_register(count), body)
     return out
@@ -301,10 +312,7 @@ def test_fori_loop_value_is_passed_by_value():
 
     @nki.jit
     def overwrite(x):
-        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-        zero = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=zero, value=0.0)
-        nisa.dma_copy(dst=out, src=zero)
+        out = zeroed_output(x)
         one = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=one, value=1.0)
         acc = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
@@ -441,15 +449,9 @@ def test_while_loop_rules():
 @nki.jit
 def old_style_rows(x, count):
     """rows_up_to_count as written for NKI <= 0.6: `for i in nl.dynamic_range(reg)`."""
-    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-    zero = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0)
-    nisa.dma_copy(dst=out, src=zero)
+    out = zeroed_output(x)
     for i in nl.dynamic_range(load_register(count)):
-        row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=row, src=row_view(x, i))
-        nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=2.0)
-        nisa.dma_copy(dst=row_view(out, i), src=row)
+        double_row(x, out, i)
     return out
 
 

@@ -27,7 +27,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   Both cores run the same number of segment positions and, at each position, the same number of pieces of each
   class; where a core has fewer real pieces than the other it runs no-op pieces (zero rows of x, slot weight 0,
   its own scratch slot rows: they add exact zeros to its expert's dW). The host deals experts to cores sorted by
-  group count, so the two experts of a position mostly have equal piece counts (30B-A3B layer: 8 no-op pieces
+  group count, so the two experts of a position mostly have equal piece counts (30B-A3B layer: 6 no-op pieces
   beside 212 real ones at KB 256; why this and not AWS's shared-count-with-barriers pattern: docs/nki_kernels.md).
   The zero fill splits every expert's rows, the combine a tile count padded to a multiple of the LNC.
 * **F chunks.** When an expert's resident matrices exceed RESIDENT_WEIGHT_BYTES per partition (D = 4096), the
@@ -147,7 +147,7 @@ def _f_chunk(D, F, itemsize, n_mats):
 
 
 # -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ----------------
-# A dynamic loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
+# A compiled loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
 # the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
 # backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
 def _psum_pool(io_dtype):
