@@ -17,12 +17,18 @@ Printed: a table per direction, then as the LAST line a JSON object with
                            slots' row), over all rows they read; cross-checked against the host plan
   dma_small_fraction       expert-weight bytes moved in DMAs < 2 KiB per partition / all expert-weight bytes (<= 0.10)
   pe_flops_ratio           PE FLOPs / FLOPs of the unpadded expert matmuls (fwd 3 + bwd 6 per assignment; <= 1.25)
+  nki_version              the NKI whose rules the emulator applied (nki_emulator.version: 0.7.0, Neuron SDK 2.33)
+  divergent_loops          compiled loops whose trip counts differ between the cores, from the emulator's per-core
+                           trip counts (target 0; its lnc-divergent-control rule stops a launch at the first one,
+                           so a report that completes at LNC 2 has 0)
+  noop_pieces              the pieces (slots: count) the kernels run only so both cores have the same trip counts
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,9 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from workbench.device import LNC_ENV  # noqa: E402
 from workbench.kernels import blockwise_moe_nki, plan_blocks, route  # noqa: E402
 from workbench.kernels.autograd import KernelPlan  # noqa: E402
-from workbench.kernels.nki_emulator import counters  # noqa: E402
+from workbench.kernels.nki_emulator import counters, version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
@@ -66,6 +73,7 @@ def summarize(c, direction):
         "weight_bytes": weight_bytes, "weight_small_bytes": small, "pe_flops": c.pe_flops,
         "pe_transpose_flops": c.pe_transpose_flops,
         "loop_trips": dict(c.loop_trips), "sbuf_peak": c.sbuf_peak,
+        "divergent_loops": sum(1 for trips in c.loop_trips_per_core.values() if len(set(trips)) > 1),
         "gathered": c.gathered_rows.get("arg0", 0), "padding": c.padding_rows.get("arg0", 0),
     }
 
@@ -74,6 +82,7 @@ def main(argv=None):
     from workbench.config import Model
 
     args = parse_args(argv)
+    os.environ[LNC_ENV] = str(args.lnc)  # the compiler's LNC: the kernels launch on it (and the emulator checks)
     bs = args.block_size or Model().moe_block_size
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn
     dtype = getattr(torch, args.dtype)
@@ -91,14 +100,16 @@ def main(argv=None):
     kb = kplan.kb
     pieces = kplan.pieces()
     slots_run = sum(w for _, w, _ in pieces)
-    widths = {}
-    for _, w, _ in pieces:
+    widths, noop = {}, {}
+    for _, w, row in pieces:
         widths[w] = widths.get(w, 0) + 1
+        if row >= plan.max_blocks * plan.block_size:  # a no-op piece (its core's own scratch rows)
+            noop[w] = noop.get(w, 0) + 1
     old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
     t0 = time.perf_counter()
     with counters() as cf:
-        out = blockwise_moe_nki(xs, ids, ws, w_gate, w_up, w_down, block_size=bs, lnc=args.lnc)
+        out = blockwise_moe_nki(xs, ids, ws, w_gate, w_up, w_down, block_size=bs)
     t1 = time.perf_counter()
     with counters() as cb:
         out.backward(torch.randn(out.shape, generator=g).to(dtype))
@@ -117,6 +128,9 @@ def main(argv=None):
         "padding_fraction": round(padding, 4),
         "dma_small_fraction": round((fwd["weight_small_bytes"] + bwd["weight_small_bytes"]) / weight_bytes, 4),
         "pe_flops_ratio": round((fwd["pe_flops"] + bwd["pe_flops"]) / (9 * useful), 4),
+        "nki_version": version.active(),
+        "divergent_loops": fwd["divergent_loops"] + bwd["divergent_loops"],
+        "noop_pieces": dict(sorted(noop.items(), reverse=True)),
         "lnc": args.lnc,
         "block_size": bs,
         "kernel_block": kb,
@@ -143,8 +157,9 @@ def main(argv=None):
               f"{fwd['executed'].get(e, 0):>12,}{bwd['executed'].get(e, 0):>12,}")
     print(f"{'total':<10}{fwd['static_total']:>12,}{bwd['static_total']:>12,}{fwd['executed_total']:>12,}"
           f"{bwd['executed_total']:>12,}")
-    print(f"pieces run (slots: count) {result['pieces_run']}; padding {result['padding_fraction']:.1%} of computed "
-          f"slots (rounding each expert to {plan.block_size}; whole {bs}-slot blocks would pad "
+    print(f"pieces run (slots: count) {result['pieces_run']}, of which no-op (same trip counts on every core) "
+          f"{result['noop_pieces']}; padding {result['padding_fraction']:.1%} of computed "
+          f"slots (rounding each expert to {plan.block_size}, and the no-op pieces; whole {bs}-slot blocks would pad "
           f"{old_padding:.1%})")
     print(f"DMAs fwd {fwd['dma_count']:,} ({fwd['dma_bytes'] / 2**20:,.0f} MiB), bwd {bwd['dma_count']:,} "
           f"({bwd['dma_bytes'] / 2**20:,.0f} MiB); expert weights {result['weight_dma_count']:,} DMAs, "
@@ -152,7 +167,7 @@ def main(argv=None):
     print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
           f"{result['pe_flops_ratio']:.3f} (bwd recomputes gate/up: +2/9 by design)")
     targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
-               "pe_flops_ratio": 1.25}
+               "pe_flops_ratio": 1.25, "divergent_loops": 0}
     for key, limit in targets.items():
         print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
     print(json.dumps(result))

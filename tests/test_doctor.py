@@ -105,3 +105,21 @@ def test_disk_too_small_for_one_checkpoint(tmp_path):
     assert proc.returncode == 1
     status, rest = rows(proc.stdout)["disk"]
     assert status == "fail" and "one 235B-A22B checkpoint 2,8" in rest and "larger volume" in rest
+
+
+@pytest.mark.parametrize("version, status, why", [("0.7.0", "ok", ""), ("0.7.3", "ok", ""),
+                                                  ("0.6.0", "warn", "nl.fori_loop (NKI >= 0.6)"),
+                                                  ("0.8.0", "warn", "newer NKI can remove what they use")])
+def test_nki_against_the_version_the_kernels_are_written_for(tmp_path, version, status, why):
+    """The kernels are written for NKI 0.7.0 (nki_emulator/version.py): 0.7.x is ok, older or newer warns why."""
+    site = fake_dist(tmp_path, "nki", version)
+    proc = doctor(dev_dir=trn2_host(tmp_path), extra_path=site, NEURON_LOGICAL_NC_CONFIG="2")
+    got, rest = rows(proc.stdout)["nki"]
+    assert got == status and rest.startswith(f"{version}; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
+    assert why in rest if why else rest == f"{version}; kernels written for NKI 0.7.0 (Neuron SDK 2.33)"
+
+
+def test_nki_not_installed_names_the_version_the_kernels_need(tmp_path):
+    t = rows(doctor().stdout)
+    assert t["nki"][0] == "ok" and "kernels written for NKI 0.7.0 (Neuron SDK 2.33)" in t["nki"][1]
+    assert "CPU emulator, which models NKI 0.7.0" in t["nki"][1]

@@ -57,3 +57,18 @@ def test_setup_neuron_refuses_without_torch(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert "torch is not installed here" in proc.stderr and "never installs torch" in proc.stderr
+
+
+def test_setup_neuron_checks_the_nki_the_kernels_are_written_for(tmp_path):
+    """The check table setup-neuron prints before installing has the nki row: an NKI older than 0.7 warns (and
+    does not stop the install)."""
+    site = tmp_path / "site" / "nki-0.6.0.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: nki\nVersion: 0.6.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site.parent), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "workbench.setup_neuron", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line[6:].startswith("nki "))
+    assert row.startswith("warn") and "kernels written for NKI 0.7.0" in row and "nl.fori_loop" in row
+    assert "kept as installed:" in proc.stdout and "nki==0.6.0" in proc.stdout

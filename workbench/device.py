@@ -142,3 +142,26 @@ def prepare(kind: str, neuron_cfg=None) -> list[str]:
 
 def prepared_kind() -> str | None:
     return _prepared
+
+
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+TRN2_LNC = 2  # trn2's runtime and neuronx-cc default when NEURON_LOGICAL_NC_CONFIG is unset (NCC_EVRF066)
+
+
+def logical_nc_config(default: int = TRN2_LNC) -> int:
+    """The logical NeuronCore degree: `NEURON_LOGICAL_NC_CONFIG` (1 or 2), else `default` (trn2: 2).
+
+    The one reader of that variable (it lives here because this module imports no torch). The NKI kernels launch
+    on this many cores and the NKI emulator checks their launch grid against it, as neuronx-cc does since NKI
+    0.7.0 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF066.html).
+
+    Raises:
+        ValueError: a value the Neuron SDK does not support (it supports LNC 1 and 2).
+    """
+    raw = os.environ.get(LNC_ENV, "").strip()
+    if not raw:
+        return default
+    if raw not in ("1", "2"):
+        raise ValueError(f"{LNC_ENV}={raw!r}: the Neuron SDK supports 1 or 2; export {LNC_ENV}=2 (trn2's default) "
+                         "or 1, or unset it")
+    return int(raw)

@@ -10,6 +10,7 @@ under `$WORKBENCH_DEV_DIR` (default `/dev`), `NEURON_LOGICAL_NC_CONFIG`, the dis
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +25,6 @@ SUPPORT = {
     "python": ((3, 12), (3, 14)),
     "torch": "2.14.0",
     "torch-neuronx": "2.14.",  # version prefix of the package family that matches torch 2.14.0
-    "nki": (0, 3),  # the standalone `nki` package; the kernels use its >= 0.3 API
     "torchtitan": "0.3.0",
     "transformers": "5.23.0",
 }
@@ -92,16 +92,7 @@ def software_checks(on_neuron: bool) -> list[Check]:
         checks.append(Check("torch-neuronx", "fail", tnx,
                             f"the workbench needs the 2.14.3.* family (PyTorch 2.14.0) ({MATRIX_SOURCE})"))
 
-    nki_v = installed_version("nki")
-    if nki_v is None:
-        checks.append(Check("nki", "warn" if on_neuron else "ok", "not installed",
-                            "nki_moe on Trainium needs `nki` >= 0.3 from AWS's Neuron package index" if on_neuron
-                            else "only needed on Trainium (the kernels run on the CPU emulator here)"))
-    else:
-        parts = tuple(int(p) for p in _base(nki_v).split(".")[:2] if p.isdigit())
-        ok = parts >= SUPPORT["nki"]
-        checks.append(Check("nki", "ok" if ok else "fail", nki_v,
-                            "" if ok else "the kernels use the standalone nki >= 0.3 API; upgrade nki"))
+    checks.append(nki_check(installed_version("nki"), on_neuron))
 
     for dist in ("torchtitan", "transformers"):
         v = installed_version(dist)
@@ -112,6 +103,40 @@ def software_checks(on_neuron: bool) -> list[Check]:
             checks.append(Check(dist, "ok" if good else "warn", v,
                                 "" if good else f"tested with {dist}=={SUPPORT[dist]} (pyproject.toml)"))
     return checks
+
+
+def kernels_nki_version() -> tuple[str, str]:
+    """(NKI version, Neuron SDK) the NKI kernels are written for and the CPU emulator models (`NKI_VERSION`,
+    `NEURON_SDK` of workbench/kernels/nki_emulator/version.py). Read from that file: importing the kernels package
+    imports torch, and setup-neuron runs the doctor before the dependencies are installed."""
+    path = Path(__file__).parent / "kernels" / "nki_emulator" / "version.py"
+    spec = importlib.util.spec_from_file_location("_workbench_nki_version", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.NKI_VERSION, module.NEURON_SDK
+
+
+def nki_check(installed: str | None, on_neuron: bool) -> Check:
+    """The installed `nki` against the version the kernels are written for: that minor version ok, else warn."""
+    want, sdk = kernels_nki_version()
+    written = f"kernels written for NKI {want} (Neuron SDK {sdk})"
+    if installed is None:
+        return Check("nki", "warn" if on_neuron else "ok", f"not installed; {written}",
+                     f"nki_moe on Trainium needs nki {want} from AWS's Neuron package index (Neuron SDK {sdk})"
+                     if on_neuron else f"only needed on Trainium; here the kernels run on the CPU emulator, which "
+                     f"models NKI {want}")
+    have = tuple(int(p) for p in _base(installed).split(".")[:2] if p.isdigit())
+    minor = tuple(int(p) for p in want.split(".")[:2])
+    if have == minor:
+        return Check("nki", "ok", f"{installed}; {written}")
+    if have < minor:
+        why = (f"the kernels use nl.fori_loop (NKI >= 0.6) and are checked against NKI {want}'s rules; install nki "
+               f"{want[:-1]}x (Neuron SDK {sdk}, the SDK with TorchNeuron)")
+    else:
+        why = (f"the kernels are checked only against NKI {want}'s rules and a newer NKI can remove what they use "
+               f"(as 0.7.0 removed nl.dynamic_range; see the NKI migration guide): install nki {want[:-1]}x or "
+               "re-check the kernels under this version")
+    return Check("nki", "warn", f"{installed}; {written}", why)
 
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:

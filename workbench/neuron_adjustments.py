@@ -24,9 +24,10 @@ for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each it
 5. Memory statistics after a device synchronize (`neuron.sync_memory_stats`). Execution is asynchronous; the
    Neuron memory-profiling guide synchronizes (`torch.neuron.synchronize()`) before reading statistics, which
    torchtitan's `DeviceMemoryMonitor.get_peak_stats` does not.
-6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG` is read once here (trn2 default 2, per
-   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html)
-   and handed to the NKI kernels, whose launch grid must match it (compiler error NCC_EVRF066 otherwise).
+6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG` is read once here for the start-up line (trn2 default 2,
+   per https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html);
+   the NKI kernels read the same variable (`workbench.device.logical_nc_config`): their launch grid must match it
+   (compiler error NCC_EVRF066 otherwise).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def apply(cfg: Neuron, device_kind: str) -> list[str]:
         The names of the adjustments applied, for the start-up line.
     """
     global lnc
-    from workbench import cpu_adjustments, kernels
+    from workbench import cpu_adjustments
 
     done = []
     _use_process_group(cfg.process_group, device_kind)
@@ -129,7 +130,6 @@ def apply(cfg: Neuron, device_kind: str) -> list[str]:
         _synchronize_before_memory_stats()
         done.append("synchronized memory stats")
     lnc = read_lnc(device_kind)
-    kernels.set_logical_nc_config(lnc)
     done.append(f"LNC {lnc}")
     done.append(f"timeouts {cfg.init_timeout_s}/{cfg.step_timeout_s} s")
     return done

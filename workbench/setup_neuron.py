@@ -2,7 +2,8 @@
 *current* Python — the Neuron DLAMI's venv — without ever replacing the torch that torch-neuronx installed.
 
 What it does, in order, printing each step:
-1. Checks Python, torch, torch-neuronx and nki against TorchNeuron's support matrix (`workbench.doctor.SUPPORT`);
+1. Checks Python, torch and torch-neuronx against TorchNeuron's support matrix (`workbench.doctor.SUPPORT`) and nki
+   against the version the NKI kernels are written for (0.7.x; older or newer warns why: `doctor.nki_check`);
    stops (exit 2) on a failure unless `--force`. torch must already be installed: on trn2 it comes with
    torch-neuronx from AWS's Neuron package index; this command never installs torch.
 2. Writes a pip constraints file pinning every Neuron-owned package to the version installed now (torch,

@@ -1,22 +1,25 @@
-"""The emulator's LNC grid, core barrier, race detection, dynamic loops, registers, counters and new rules.
+"""The emulator's LNC grid, core barrier, race detection, compiled loops, registers, counters and new rules.
 
 Each rule is shown catching a deliberately wrong kernel; each feature is checked against numpy on a right one.
+The compiler's LNC is 1 in these tests (tests/kernels/conftest.py) unless a test sets it with `compiled_for`.
 """
+
+import warnings
 
 import numpy as np
 import pytest
 
 from workbench.kernels import nki_emulator as nki
-from workbench.kernels.nki_emulator import NkiRuleError, counters
+from workbench.kernels.nki_emulator import NkiRuleError, counters, version
 
 nl, nisa = nki.language, nki.isa
 RNG = np.random.default_rng(1)
 
 
-@pytest.fixture(autouse=True)
-def _plain_calls_at_lnc1(monkeypatch):
-    """A plain kernel(...) call takes its LNC from NEURON_LOGICAL_NC_CONFIG; these tests mean LNC 1 by it."""
-    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+@pytest.fixture
+def compiled_for(monkeypatch):
+    """compiled_for(n): NEURON_LOGICAL_NC_CONFIG=n, the compiler's LNC a launch must match (NKI >= 0.7.0)."""
+    return lambda lnc: monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))
 
 
 def rand(*shape):
@@ -53,24 +56,44 @@ def split_rows_then_swap(x):
     return out
 
 
-def test_lnc2_split_with_barrier_matches_numpy():
+def test_lnc2_split_with_barrier_matches_numpy(compiled_for):
     x = rand(8, 6)
+    np.testing.assert_array_equal(split_rows_then_swap(x), 2 * x)  # LNC 1: one core, its own half twice
+    compiled_for(2)
     got = split_rows_then_swap[2](x)
     expected = np.concatenate([x[:4] + x[4:], x[4:] + x[:4]])
     np.testing.assert_array_equal(got, expected)
-    np.testing.assert_array_equal(split_rows_then_swap(x), 2 * x)  # LNC 1: one core, its own half twice
 
 
-def test_plain_call_takes_lnc_from_environment(monkeypatch):
+def test_plain_call_takes_lnc_from_environment(compiled_for):
     x = rand(8, 6)
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    compiled_for(2)
     np.testing.assert_array_equal(split_rows_then_swap(x), np.concatenate([x[:4] + x[4:], x[4:] + x[:4]]))
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
-    with raises("lnc-grid"):
+    compiled_for(3)
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='3'.*supports 1 or 2"):
         split_rows_then_swap(x)
 
 
-def test_program_id_and_num_programs():
+def test_launch_grid_must_equal_the_compilers_lnc(monkeypatch, compiled_for):
+    """NKI 0.7.0: the compiler rejects a kernel whose LNC differs from its own (NCC_EVRF066), which is
+    NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset; a plain kernel(...) runs at that variable, 1 when unset."""
+    x = rand(8, 6)
+    with raises("lnc-degree", "runs at LNC 1 .*launched as kernel\\[1\\].* compiler at LNC 2 "
+                "\\(NEURON_LOGICAL_NC_CONFIG=2\\).*export NEURON_LOGICAL_NC_CONFIG=1"):
+        compiled_for(2)
+        split_rows_then_swap[1](x)
+    with raises("lnc-degree", "runs at LNC 2 .* compiler at LNC 1"):
+        compiled_for(1)
+        split_rows_then_swap[2](x)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    with raises("lnc-degree", "runs at LNC 1 .*without brackets.* compiler at LNC 2 .*unset: trn2's default"):
+        split_rows_then_swap(x)
+    np.testing.assert_array_equal(split_rows_then_swap[2](x), np.concatenate([x[:4] + x[4:], x[4:] + x[:4]]))
+    with version.rules_of("0.6.0"):  # before 0.7.0 the mismatch went unchecked
+        np.testing.assert_array_equal(split_rows_then_swap[1](x), 2 * x)
+
+
+def test_program_id_and_num_programs(compiled_for):
     @nki.jit
     def ids(x):
         out = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -81,11 +104,12 @@ def test_program_id_and_num_programs():
             nisa.dma_copy(dst=out[0:1, 1:2], src=tile)
         return out
 
-    np.testing.assert_array_equal(ids[2](rand(1, 1)), [[2.0, 12.0]])
     np.testing.assert_array_equal(ids(rand(1, 1)), [[1.0, 1.0]])
+    compiled_for(2)
+    np.testing.assert_array_equal(ids[2](rand(1, 1)), [[2.0, 12.0]])
 
 
-def test_race_both_cores_write_same_output_names_both_instructions():
+def test_race_both_cores_write_same_output_names_both_instructions(compiled_for):
     @nki.jit
     def naive(x):  # no work split: kernel[2] makes both cores do everything
         out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
@@ -93,12 +117,15 @@ def test_race_both_cores_write_same_output_names_both_instructions():
         return out
 
     np.testing.assert_array_equal(naive(np.ones((2, 2), np.float32)), np.ones((2, 2)))
+    compiled_for(2)
     with raises("lnc-race", "core 0: dma_copy at test_emulator_lnc.py:\\d+ writes.*core 1: dma_copy at "
                 "test_emulator_lnc.py:\\d+ writes"):
         naive[2](np.ones((2, 2), np.float32))
 
 
-def test_race_read_of_other_cores_write_without_barrier():
+def test_race_read_of_other_cores_write_without_barrier(compiled_for):
+    compiled_for(2)
+
     @nki.jit
     def unfenced(x, half):
         c = nl.program_id(0)
@@ -112,7 +139,9 @@ def test_race_read_of_other_cores_write_without_barrier():
         unfenced[2](rand(2, 2), rand(2, 2))
 
 
-def test_race_on_unwritten_scratch_names_both_instructions():
+def test_race_on_unwritten_scratch_names_both_instructions(compiled_for):
+    compiled_for(2)
+
     @nki.jit
     def unfenced_scratch(x):  # the exchange buffer is kernel scratch: core 0 reads core 1's row before it exists
         c = nl.program_id(0)
@@ -128,7 +157,7 @@ def test_race_on_unwritten_scratch_names_both_instructions():
         unfenced_scratch[2](rand(2, 2))
 
 
-def test_barrier_rules():
+def test_barrier_rules(compiled_for):
     @nki.jit
     def barrier_at_lnc1(x):
         nisa.core_barrier(data=x, cores=(0, 1))
@@ -143,11 +172,12 @@ def test_barrier_rules():
 
     with raises("lnc-barrier", "LNC 1"):
         barrier_at_lnc1(rand(1, 1))
+    compiled_for(2)
     with raises("lnc-barrier", "number of nisa.core_barrier calls"):
         only_core0_waits[2](rand(1, 1))
 
 
-def test_private_memory_shared_alloc_and_grid_rules():
+def test_private_memory_shared_alloc_and_grid_rules(compiled_for):
     stash = []
 
     @nki.jit
@@ -176,42 +206,64 @@ def test_private_memory_shared_alloc_and_grid_rules():
         nl.program_id(1)
         return x
 
+    with raises("kernel-output", "shared_hbm"):
+        private_output(rand(2, 2))
+    compiled_for(2)
     with raises("lnc-private-memory", "core 1 touches nl.sbuf"):
         peeks_at_core0_sbuf[2](rand(2, 2))
     with raises("lnc-shared-alloc"):
         mismatched_shared[2](rand(1, 1))
-    with raises("kernel-output", "shared_hbm"):
-        private_output(rand(2, 2))
     with raises("lnc-grid"):
         private_output[4](rand(2, 2))
     with raises("lnc-grid"):
         axis1(rand(1, 1))
 
 
-# -- dynamic loops and registers -------------------------------------------------------------------------------------
-@nki.jit
-def rows_up_to_count(x, count):
-    """out[i] = 2 * x[i] for i < count (count read at run time), zero elsewhere; one traced body."""
-    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-    zero = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0)
-    nisa.dma_copy(dst=out, src=zero)
+# -- compiled loops and registers ------------------------------------------------------------------------------------
+def row_view(t, reg):
+    """Row `reg` (a register or scalar) of a 2-D HBM tensor."""
+    return t.ap(pattern=[[t.shape[1], 1], [1, t.shape[1]]], offset=0, scalar_offset=reg, indirect_dim=0)
+
+
+def load_register(count):
     n = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=n, src=count)
     reg = nisa.register_alloc()
     nisa.register_load(reg, n)
-    for i in nl.dynamic_range(reg):
-        row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=row, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0, scalar_offset=i,
-                                         indirect_dim=0))
-        nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=2.0)
-        nisa.dma_copy(dst=out.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0, scalar_offset=i,
-                                 indirect_dim=0), src=row)
+    return reg
+
+
+def zeroed_output(x):
+    """A shared HBM tensor shaped like x, all zeros."""
+    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    zero = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    nisa.dma_copy(dst=out, src=zero)
+    return out
+
+
+def double_row(x, out, i):
+    """out[i] = 2 * x[i] (i a register or scalar)."""
+    row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=row_view(x, i))
+    nisa.tensor_scalar(dst=row, data=row, op0=nl.multiply, operand0=2.0)
+    nisa.dma_copy(dst=row_view(out, i), src=row)
+
+
+@nki.jit
+def rows_up_to_count(x, count):
+    """out[i] = 2 * x[i] for i < count (count read at run time), zero elsewhere; one traced body."""
+    out = zeroed_output(x)
+
+    def body(i):
+        double_row(x, out, i)
+
+    nl.fori_loop(0, load_register(count), body)
     return out
 
 
 @pytest.mark.parametrize("count", [0, 3, 7])
-def test_dynamic_range_traced_once_runs_runtime_count(count):
+def test_fori_loop_traced_once_runs_runtime_count(count):
     x = rand(7, 5)
     with counters() as c:
         got = rows_up_to_count(x, np.array([[count]], dtype=np.int32))
@@ -221,26 +273,30 @@ def test_dynamic_range_traced_once_runs_runtime_count(count):
     assert c.static == {"vector": 2, "dma": 4, "register": 1, "control": 1}
     executed = {"vector": 1 + count, "dma": 2 + 2 * count, "register": 1, "control": count}
     assert c.executed == {k: v for k, v in executed.items() if v}
-    assert list(c.loop_trips.values()) == [count]
+    assert list(c.loop_trips.values()) == [count] and list(c.loop_trips_per_core.values()) == [[count]]
 
 
-def test_nested_dynamic_loops_with_register_bound():
+def test_nested_fori_loops_with_register_bound_and_step():
     @nki.jit
     def nested(x):
         out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
         acc = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
         bound = nisa.register_alloc(3)
-        for i in nl.dynamic_range(0, x.shape[0], 2):  # rows 0, 2
+
+        def outer(i):  # rows 0, 2
             nisa.memset(dst=acc, value=0.0)
-            for _j in nl.dynamic_range(bound):
+
+            def inner(_j):
                 row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=row, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0,
-                                                 scalar_offset=i, indirect_dim=0))
+                nisa.dma_copy(dst=row, src=row_view(x, i))
                 nisa.tensor_tensor(dst=acc, data1=acc, data2=row, op=nl.add)
-            nisa.dma_copy(dst=out.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0, scalar_offset=i,
+
+            nl.fori_loop(0, bound, inner)
+            nisa.dma_copy(dst=row_view(out, i), src=acc)
+            nisa.dma_copy(dst=out.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=x.shape[1], scalar_offset=i,
                                      indirect_dim=0), src=acc)
-            nisa.dma_copy(dst=out.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=x.shape[1],
-                                     scalar_offset=i, indirect_dim=0), src=acc)
+
+        nl.fori_loop(0, x.shape[0], outer, step=2)
         return out
 
     x = rand(4, 3)
@@ -249,6 +305,215 @@ def test_nested_dynamic_loops_with_register_bound():
     np.testing.assert_allclose(got, np.repeat(3 * x[::2], 2, axis=0), rtol=1e-6)
     assert c.static_total == 1 + 1 + 1 + 1 + 2 + 2  # register_move, 2 loops, memset, body dma+add, 2 stores
     assert c.executed["dma"] == 2 * 3 + 2 * 2
+
+
+def test_fori_loop_value_is_passed_by_value():
+    """Writing to the iteration register changes that iteration's value, never the loop: all 4 trips run."""
+
+    @nki.jit
+    def overwrite(x):
+        out = zeroed_output(x)
+        one = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=one, value=1.0)
+        acc = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=acc, value=0.0)
+
+        def body(i):
+            nisa.register_move(i, 1)  # the body's copy only
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=one, op=nl.add)
+            nisa.dma_copy(dst=row_view(out, i), src=acc)
+
+        nl.fori_loop(0, nisa.register_alloc(4), body)
+        return out
+
+    with counters() as c:
+        got = overwrite(rand(5, 2))
+    np.testing.assert_array_equal(got[:, 0], [0, 4, 0, 0, 0])  # 4 trips, each storing to row 1
+    assert list(c.loop_trips.values()) == [4]
+
+
+def test_fori_loop_iteration_value_kinds():
+    """A register bound gives a VirtualRegister, int bounds an NkiScalar (NKI 0.7.0); neither has a Python
+    value, and NkiScalar arithmetic is outside the emulated subset."""
+    seen = []
+
+    @nki.jit
+    def kinds(x, use):
+        nl.fori_loop(0, nisa.register_alloc(1), lambda_free_append)
+        nl.fori_loop(0, 2, lambda_free_append)
+        if use == "if":
+            nl.fori_loop(0, 2, branches)
+        if use == "add":
+            nl.fori_loop(0, 2, adds)
+        return x
+
+    def lambda_free_append(i):
+        seen.append(type(i).__name__)
+
+    def branches(i):
+        if i:
+            pass
+
+    def adds(i):
+        return row_view(i + 1, 0)
+
+    kinds(rand(1, 1), "")
+    assert seen == ["VirtualRegister", "NkiScalar"]
+    with pytest.raises(TypeError, match="NkiScalar: its value exists only on device"):
+        kinds(rand(1, 1), "if")
+    with pytest.raises(NotImplementedError, match="NkiScalar arithmetic is outside the emulated subset"):
+        kinds(rand(1, 1), "add")
+
+
+def test_fori_loop_rules():
+    def register_step(x):
+        nl.fori_loop(0, 4, lambda_free_noop, step=nisa.register_alloc(1))
+
+    def zero_step(x):
+        nl.fori_loop(0, 4, lambda_free_noop, step=0)
+
+    def bound_past_32_bits(x):
+        nl.fori_loop(0, 2**31, lambda_free_noop)
+
+    def float_bound(x):
+        nl.fori_loop(0, 4.0, lambda_free_noop)
+
+    def body_returns_state(x):
+        nl.fori_loop(0, 4, lambda_free_carry)
+
+    for body, rule, what in ((register_step, "loop-bounds", "step must be a compile-time positive int"),
+                             (zero_step, "loop-bounds", "step must be a compile-time positive int"),
+                             (bound_past_32_bits, "loop-bounds", "does not fit 32 bits"),
+                             (float_bound, "loop-bounds", "must be a Python int, a VirtualRegister"),
+                             (body_returns_state, "loop-body", "returns None; carry loop state through SBUF/HBM")):
+        with raises(rule, what):
+            nki.jit(body)(rand(1, 1))
+
+
+def lambda_free_noop(i):
+    pass
+
+
+def lambda_free_carry(i):
+    return 0
+
+
+@nki.jit
+def countdown(x, start):
+    """out[0] = start * 1 by a while_loop that decrements a condition register held in SBUF."""
+    out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+    left = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=left, src=start)
+    cond = nisa.register_alloc()
+    nisa.register_load(cond, left)
+    step = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=step, value=1.0)
+
+    def body(r):
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=step, op=nl.add)
+        nisa.tensor_scalar(dst=left, data=left, op0=nl.subtract, operand0=1)
+        nxt = nisa.register_alloc()
+        nisa.register_load(nxt, left)
+        return nxt
+
+    nl.while_loop(cond, body)
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+@pytest.mark.parametrize("start", [0, 1, 5])
+def test_while_loop_runs_while_its_register_is_nonzero(start):
+    with counters() as c:
+        got = countdown(rand(1, 1), np.array([[start]], dtype=np.int32))
+    np.testing.assert_array_equal(got, [[float(start)]])  # checked before each iteration: 0 never runs the body
+    assert list(c.loop_trips.values()) == [start]
+    assert c.static["control"] == 1 and c.executed.get("control", 0) == start
+
+
+def test_while_loop_rules():
+    def int_init(x):
+        nl.while_loop(1, lambda_free_noop)
+
+    def body_returns_no_register(x):
+        nl.while_loop(nisa.register_alloc(0), lambda_free_carry)
+
+    for body, what in ((int_init, "init must be a condition register"),
+                       (body_returns_no_register, "must return the register holding the next condition")):
+        with raises("loop-bounds" if body is int_init else "loop-body", what):
+            nki.jit(body)(rand(1, 1))
+
+
+# The loop forms NKI 0.7.0 removed (NKI Migration Guides, "Migrating from NKI 0.6.0 to NKI 0.7.0").
+@nki.jit
+def old_style_rows(x, count):
+    """rows_up_to_count as written for NKI <= 0.6: `for i in nl.dynamic_range(reg)`."""
+    out = zeroed_output(x)
+    for i in nl.dynamic_range(load_register(count)):
+        double_row(x, out, i)
+    return out
+
+
+def test_dynamic_range_is_refused_naming_its_replacement():
+    x, count = rand(7, 5), np.array([[3]], dtype=np.int32)
+    with raises("api-removed", "test_emulator_lnc.py:\\d+ in old_style_rows: nl.dynamic_range was removed in NKI "
+                "0.7.0.*nl.fori_loop\\(lower, upper, body_fun, step=1\\).*nki/migration/index.html"):
+        old_style_rows(x, count)
+    with version.rules_of("0.6.0"), pytest.warns(DeprecationWarning, match="deprecated in NKI 0.6.0"):
+        got = old_style_rows(x, count)  # as its authors ran it: deprecated, still a compiled loop
+    np.testing.assert_array_equal(got, np.where(np.arange(7)[:, None] < 3, 2 * x, 0))
+    with version.rules_of("0.4.0"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(old_style_rows(x, count), got)
+
+
+def test_dynamic_range_refused_when_traced_past_the_source_check():
+    """A helper reached through an attribute (not checked before tracing) still meets the rule at its call."""
+
+    class Helpers:
+        loop = staticmethod(lambda_free_dynamic_range)
+
+    @nki.jit
+    def via_attribute(x):
+        Helpers.loop(2)
+        return x
+
+    with raises("api-removed", "nl.dynamic_range was removed in NKI 0.7.0.*nl.fori_loop"):
+        via_attribute(rand(1, 1))
+
+
+def lambda_free_dynamic_range(n):
+    for _i in nl.dynamic_range(n):
+        pass
+
+
+def test_bare_while_on_a_register_is_refused_naming_while_loop():
+    @nki.jit
+    def bare_while(x):
+        reg = nisa.register_alloc(1)
+        while reg:
+            nisa.register_move(reg, 0)
+        return x
+
+    with raises("api-removed", "`while <register>:` at test_emulator_lnc.py:\\d+ was removed in NKI 0.7.0.*"
+                "nl.while_loop\\(init_register, body_fun\\).*migration"):
+        bare_while(rand(1, 1))
+    with version.rules_of("0.6.0"), pytest.raises(NotImplementedError, match="outside the emulated subset"):
+        bare_while(rand(1, 1))
+
+
+def test_compiled_loops_need_nki_0_6():
+    with version.rules_of("0.5.0"), raises("api-version", "nl.fori_loop arrived in NKI 0.6.0"):
+        rows_up_to_count(rand(2, 2), np.array([[1]], dtype=np.int32))
+
+
+def test_static_range_iterators_are_python_range():
+    """NKI 0.7: affine_range, sequential_range and static_range are deprecated and default to Python range."""
+    for args in ((5,), (2, 9), (2, 9, 3), (0, 5, 2)):
+        for it in (nl.affine_range, nl.sequential_range, nl.static_range):
+            assert it(*args) == range(*args)
+    assert nl.affine_range(5, step=2) == range(0, 5, 2)
 
 
 def test_register_in_python_control_flow_is_a_type_error():
@@ -263,18 +528,85 @@ def test_register_in_python_control_flow_is_a_type_error():
         branches_on_register(rand(1, 1))
 
 
-def test_dynamic_range_step_must_be_static_int():
+# -- the same control flow on both cores ----------------------------------------------------------------------------
+@nki.jit
+def per_core_rows(x, bounds):
+    """Core c copies rows [bounds[c, 0], bounds[c, 1]) of x: a runtime trip count of its own."""
+    c = nl.program_id(0)
+    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+
+    def body(i):
+        row = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=row_view(x, i))
+        nisa.dma_copy(dst=row_view(out, i), src=row)
+
+    nl.fori_loop(load_register(bounds[c:c + 1, 0:1]), load_register(bounds[c:c + 1, 1:2]), body)
+    return out
+
+
+def test_same_trip_counts_on_both_cores_pass(compiled_for):
+    compiled_for(2)
+    x = rand(8, 3)
+    with counters() as c:
+        np.testing.assert_array_equal(per_core_rows[2](x, np.array([[0, 4], [4, 8]], dtype=np.int32)), x)
+    assert list(c.loop_trips_per_core.values()) == [[4, 4]]
+
+
+def test_divergent_trip_counts_name_the_loop_and_both_counts(compiled_for):
+    compiled_for(2)
+    with raises("lnc-divergent-control", "fori_loop at test_emulator_lnc.py:\\d+ runs 5 iterations on core 0 but 3 "
+                "on core 1.*same compiled control flow"):
+        per_core_rows[2](rand(8, 3), np.array([[0, 5], [5, 8]], dtype=np.int32))
+
+
+def test_a_compiled_loop_on_one_core_only_diverges(compiled_for):
     @nki.jit
-    def register_step(x):
-        reg = nisa.register_alloc(1)
-        for _i in nl.dynamic_range(0, 4, reg):
-            pass
-        return x
+    def core0_loops(x):
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        c = nl.program_id(0)
+        nisa.dma_copy(dst=out[c:c + 1, 0:x.shape[1]], src=load(x[c:c + 1, 0:x.shape[1]]))
+        if c == 0:  # a Python branch on the core id around a compiled loop
+            nl.fori_loop(0, 2, lambda_free_noop)
+        return out
 
-    with raises("dynamic-range-bounds"):
-        register_step(rand(1, 1))
+    compiled_for(2)
+    with raises("lnc-divergent-control", "core 0 runs fori_loop at test_emulator_lnc.py:\\d+ \\(2 iterations\\) "
+                "where core 1 runs no further compiled loop"):
+        core0_loops[2](rand(2, 3))
 
 
+@nki.jit
+def swap_rows_each_iteration(x):
+    """AWS's pattern (one shared trip count, a barrier inside the loop): per row pair i, core c stages row
+    2i + c, then after the barrier writes the other core's staged row to out row 2i + c."""
+    c = nl.program_id(0)
+    stage = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm, name="stage")
+    out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+    mine = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    theirs = nl.ndarray((1, x.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+
+    def body(i):  # i = 2 * pair: rows i and i + 1
+        nisa.dma_copy(dst=mine, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=c * x.shape[1],
+                                         scalar_offset=i, indirect_dim=0))
+        nisa.dma_copy(dst=stage.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=c * x.shape[1],
+                                   scalar_offset=i, indirect_dim=0), src=mine)
+        nisa.core_barrier(data=stage, cores=(0, 1))
+        nisa.dma_copy(dst=theirs, src=stage.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]],
+                                               offset=(1 - c) * x.shape[1], scalar_offset=i, indirect_dim=0))
+        nisa.dma_copy(dst=out.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=c * x.shape[1],
+                                 scalar_offset=i, indirect_dim=0), src=theirs)
+
+    nl.fori_loop(0, x.shape[0], body, step=2)
+    return out
+
+
+def test_core_barrier_inside_a_compiled_loop(compiled_for):
+    compiled_for(2)
+    x = rand(6, 4)
+    with counters() as c:
+        got = swap_rows_each_iteration[2](x)
+    np.testing.assert_array_equal(got, x.reshape(3, 2, 4)[:, ::-1].reshape(6, 4))
+    assert c.static["sync"] == 1 and c.executed["sync"] == 2 * 3  # one traced barrier, run per core per trip
 # -- the NKI Python subset ---------------------------------------------------------------------------------------------
 def _helper_with_comprehension(x):
     return [x for _ in range(2)]
@@ -310,17 +642,18 @@ def test_python_subset_rejects_undocumented_constructs():
         return _helper_with_comprehension(x)
 
     @nki.jit
-    def break_in_dynamic_loop(x):
+    def break_in_dynamic_loop(x):  # a rule of NKI <= 0.6 (0.7.0 removed nl.dynamic_range)
         for _i in nl.dynamic_range(2):
             break
         return x
 
     for kernel, what in ((comprehension, "list comprehension"), (enumerate_tuple_target, "not a single name"),
                          (lambda_inside, "lambda"), (try_inside, "try"),
-                         (calls_bad_helper, "_helper_with_comprehension.*list comprehension"),
-                         (break_in_dynamic_loop, "break inside an nl.dynamic_range")):
+                         (calls_bad_helper, "_helper_with_comprehension.*list comprehension")):
         with raises("nki-python-subset", what):
             kernel(rand(1, 1))
+    with version.rules_of("0.6.0"), raises("nki-python-subset", "break inside an nl.dynamic_range"):
+        break_in_dynamic_loop(rand(1, 1))
 
 
 def test_python_subset_rejects_undocumented_builtins():
@@ -432,9 +765,7 @@ def test_counters_dma_sizes_and_pe_flops():
 
 def test_register_and_dma_compute_rules():
     def unset_register_as_bound(x):
-        reg = nisa.register_alloc()
-        for _i in nl.dynamic_range(reg):
-            pass
+        nl.fori_loop(0, nisa.register_alloc(), lambda_free_noop)
 
     def register_load_from_fp32(x):
         nisa.register_load(nisa.register_alloc(), load(x))

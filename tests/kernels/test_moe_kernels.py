@@ -1,6 +1,5 @@
 """Blockwise MoE: plan invariants, reference vs dense oracle vs Hugging Face, NKI kernels (emulated) vs reference."""
 
-import functools
 import math
 
 import numpy as np
@@ -42,6 +41,12 @@ def outputs_and_grads(fn, case, **kwargs):
 
 
 NAMES = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
+
+
+def nki_at(lnc, monkeypatch):
+    """`blockwise_moe_nki` with the compiler's LNC set to `lnc` (the kernels launch on that many cores)."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))
+    return blockwise_moe_nki
 
 
 def assert_match(got, want, rtol):
@@ -89,38 +94,38 @@ def test_reference_portable_bmm_path_matches_grouped_mm(monkeypatch):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 @pytest.mark.parametrize("name", EDGE_CASES)
-def test_nki_kernels_match_reference_fp32(name, lnc):
+def test_nki_kernels_match_reference_fp32(name, lnc, monkeypatch):
     """Through the emulator here; through the real nki.simulate where `nki` imports (see nki_api)."""
     T, K, E, D, F, bs, ids = EDGE_CASES[name]
     case = make_case(T, K, E, D, F, ids=ids)
-    assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=lnc), case, block_size=bs),
+    assert_match(outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
 @pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
 @pytest.mark.parametrize("T,K,E,D,F,bs,lnc", [(12, 2, 4, 16, 24, 4, 1), (10, 2, 3, 32, 40, 8, 2),
                                               (6, 2, 4, 136, 24, 256, 2), (150, 2, 4, 32, 40, 128, 2)])
-def test_nki_kernels_match_reference_bf16(T, K, E, D, F, bs, lnc):
+def test_nki_kernels_match_reference_bf16(T, K, E, D, F, bs, lnc, monkeypatch):
     case = make_case(T, K, E, D, F, dtype=torch.bfloat16)
-    assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=lnc), case, block_size=bs),
+    assert_match(outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=2e-2)
 
 
 @pytest.mark.parametrize("bs", [128, 384])
-def test_nki_kernels_128_experts_large_blocks_lnc2(bs):
+def test_nki_kernels_128_experts_large_blocks_lnc2(bs, monkeypatch):
     """E = 128 (30B-A3B's expert count) with 128..512-slot blocks (384 = 3 x 128 kernel blocks per plan block)
     at LNC 2: ~80 expert segments split over two cores (512 runs in the 30B-A3B shape test)."""
     case = make_case(16, 8, 128, 8, 16, seed=bs)
-    assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=2), case, block_size=bs),
+    assert_match(outputs_and_grads(nki_at(2, monkeypatch), case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
 @pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
-def test_nki_kernels_fit_qwen3_30b_a3b_expert_shapes():
+def test_nki_kernels_fit_qwen3_30b_a3b_expert_shapes(monkeypatch):
     """D=2048, F=768 (Qwen3-30B-A3B experts), 512-slot blocks in bf16 at LNC 2: every tile/SBUF/PSUM rule holds
     with the five expert matrices resident in SBUF for the backward."""
     case = make_case(3, 1, 2, 2048, 768, dtype=torch.bfloat16, ids=[0, 1, 1])
-    assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=2), case, block_size=512),
+    assert_match(outputs_and_grads(nki_at(2, monkeypatch), case, block_size=512),
                  outputs_and_grads(blockwise_moe, case, block_size=512), rtol=2e-2)
 
 
@@ -130,7 +135,7 @@ SBUF_PARTITION = 224 * 1024  # trn2 SBUF bytes per partition (the emulator's sbu
 @pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
 @pytest.mark.parametrize("F,dtype,lnc,bs", [(768, torch.float32, 1, 128), (768, torch.float32, 2, 128),
                                             (768, torch.bfloat16, 2, 256), (1536, torch.bfloat16, 2, 128)])
-def test_nki_kernels_d4096_tile_f_to_fit_sbuf(F, dtype, lnc, bs):
+def test_nki_kernels_d4096_tile_f_to_fit_sbuf(F, dtype, lnc, bs, monkeypatch):
     """D = 4096 (F = 768: Qwen3-30B-A3B-style experts at twice the width; F = 1536: 235B-A22B): the backward's five
     resident matrices do not fit whole (240 KiB/partition in bf16), so the kernels keep one F chunk resident at a
     time and accumulate dx / y / d_affinity partial sums across chunks. Forward + all five grads vs the reference,
@@ -139,7 +144,7 @@ def test_nki_kernels_d4096_tile_f_to_fit_sbuf(F, dtype, lnc, bs):
 
     case = make_case(6, 2, 3, 4096, F, dtype=dtype, seed=F)
     with counters() as c:
-        got = outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=lnc), case, block_size=bs)
+        got = outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs)
     assert_match(got, outputs_and_grads(blockwise_moe, case, block_size=bs),
                  rtol=1e-5 if dtype == torch.float32 else 2e-2)
     assert 0 < c.sbuf_peak <= SBUF_PARTITION, c.sbuf_peak
@@ -154,7 +159,7 @@ def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
 
     monkeypatch.setattr(nki_moe, "RESIDENT_WEIGHT_BYTES", 2**40)
     x, ids, w, wg, wu, wd = make_case(2, 1, 1, 4096, 768, dtype=torch.bfloat16)
-    out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128, lnc=1)  # the forward fits whole (144 KiB)
+    out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128)  # LNC 1; the forward fits whole (144 KiB)
     with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\]"):
         out.sum().backward()
 
@@ -170,13 +175,13 @@ def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
     monkeypatch.setattr(nki_moe, "RESIDENT_WEIGHT_BYTES", 1)
     T, K, E, D, F, bs, ids = EDGE_CASES[name]
     case = make_case(T, K, E, D, F, ids=ids)
-    assert_match(outputs_and_grads(functools.partial(blockwise_moe_nki, lnc=lnc), case, block_size=bs),
+    assert_match(outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs),
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
 @pytest.mark.skipif(REAL_NKI, reason="the emulator's counters are what is under test")
 @pytest.mark.parametrize("lnc", [1, 2])
-def test_emulator_counts_padding_slots_computed(lnc):
+def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
     """Expert 0 gets 3 tokens, expert 1 gets 2, blocks of 4: the kernels compute 2 blocks = 8 slots of which
     1 + 2 = 3 are padding (they read x_pad's zero row). The emulator counts that itself from the row gathers
     (forward: x_pad = arg0; backward: x_pad and dout_pad each once per block)."""
@@ -184,7 +189,7 @@ def test_emulator_counts_padding_slots_computed(lnc):
 
     x, ids, w, wg, wu, wd = make_case(5, 1, 2, 8, 12, ids=[0, 0, 0, 1, 1])
     with counters() as cf:
-        out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=4, lnc=lnc)
+        out = nki_at(lnc, monkeypatch)(x, ids, w, wg, wu, wd, block_size=4)
     with counters() as cb:
         out.sum().backward()
     assert (cf.gathered_rows["arg0"], cf.padding_rows["arg0"]) == (8, 3)
@@ -193,65 +198,85 @@ def test_emulator_counts_padding_slots_computed(lnc):
 
 
 @pytest.mark.parametrize("bs,lnc", [(128, 2), (256, 2), (128, 1), (8, 2)])
-def test_kernel_plan_pieces_cover_experts_and_split_cores(bs, lnc):
+def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc):
     """Each non-empty expert is one segment on one core (one dW writer); its slots, padded only to the 32-slot
-    granule, are covered exactly once by full KB blocks plus at most one tail piece of each of KB/2 .. 32 slots;
-    at LNC 2 the cores' slot groups balance to within one segment."""
+    granule, are covered exactly once by full KB blocks plus at most one tail piece of each of KB/2 .. 32 slots.
+    Every core runs the same number of segment positions and, per position and width class, the same number of
+    pieces: the extra ones are no-op pieces inside that core's own no-op area, on an expert no other core writes.
+    Sorting experts by size keeps them few; the cores' real slot groups balance to within one segment."""
     from workbench.kernels.autograd import KernelPlan
 
     T, K, E = 400, 4, 8
     _, ids, *_ = make_case(T, K, E, 4, 4, seed=bs)
     ids[:60, 0] = 5  # uneven experts
     plan, kp = KernelPlan.build(ids, E, bs, lnc)
-    G = plan.block_size
+    G, ng = plan.block_size, plan.max_blocks
+    r = kp.kb // G
     assert G == min(32, bs) and kp.kb == kernel_block_size(bs)
+    assert kp.token_index.shape == (ng + lnc * r, G) and (kp.token_index[ng:] == T).all()
     counts_E = torch.bincount(ids.reshape(-1), minlength=E)
     L = (kp.seg_table.shape[1] - 1) // 2
-    seen = torch.zeros(plan.max_blocks * G, dtype=torch.long)
-    groups_per_core = []
-    for c in range(lnc):
-        n = int(kp.seg_count[c, 0])
-        groups_per_core.append(0)
-        for s in range(n):
-            row = kp.seg_table[c * E + s]
+    S = kp.seg_table.shape[0] // lnc
+    positions = int(kp.seg_count[0, 0])
+    assert positions == -(-int((counts_E > 0).sum()) // lnc)
+    seen = torch.zeros(ng * G, dtype=torch.long)
+    real_groups, noop_pieces, writers = [0] * lnc, 0, {}
+    for s in range(positions):
+        assert len({tuple(int(kp.seg_table[c * S + s, 1 + 2 * k + 1] - kp.seg_table[c * S + s, 1 + 2 * k])
+                          for k in range(L)) for c in range(lnc)}) == 1  # the same trip counts on every core
+        for c in range(lnc):
+            row = kp.seg_table[c * S + s]
             e = int(row[0])
+            writers.setdefault(e, set()).add(c)
             for k in range(L):
-                b0, b1 = int(row[1 + 2 * k]), int(row[2 + 2 * k])
-                assert k == 0 or b1 - b0 <= 1  # tail pieces: at most one of each width
-                for j in range(b0, b1):
+                for j in range(int(row[1 + 2 * k]), int(row[2 + 2 * k])):
                     g, r0 = int(kp.piece[j, 0]), int(kp.piece[j, 1])
                     width = kp.kb >> k
                     assert r0 == g * G
+                    if g >= ng:  # a no-op piece: this core's own area
+                        assert g == ng + c * r
+                        noop_pieces += 1
+                        continue
                     assert (plan.block_to_expert_B[g:g + width // G] == e).all()
                     seen[r0:r0 + width] += 1
-                    groups_per_core[c] += width // G
+                    real_groups[c] += width // G
+    assert all(len(cores) == 1 for cores in writers.values())  # one dW writer per expert
     real_slots = int(((counts_E + G - 1) // G * G).sum())
     assert int(seen.sum()) == real_slots and int(seen.max()) == 1  # each real slot group exactly once
     assert seen[:real_slots].all() and not seen[real_slots:].any()
-    assert sorted(int(e) for c in range(lnc) for e in kp.seg_table[c * E:c * E + int(kp.seg_count[c, 0]), 0]) == \
-        torch.nonzero(counts_E).view(-1).tolist()
-    if lnc == 2:
-        assert abs(groups_per_core[0] - groups_per_core[1]) <= int(((counts_E + G - 1) // G).max())
+    if lnc == 1:
+        assert noop_pieces == 0
+    else:
+        assert abs(real_groups[0] - real_groups[1]) <= int(((counts_E + G - 1) // G).max())
+        # experts paired by size: each pair's no-op pieces are its per-class piece-count differences
+        n = sorted((((counts_E + G - 1) // G)[counts_E > 0]).tolist(), reverse=True) + [0]
+        pieces = [[m // r] + [int(m % r & (r >> k) > 0) for k in range(1, L)] for m in n]
+        assert noop_pieces == sum(abs(a - b) for i in range(0, len(n) - 1, 2)
+                                  for a, b in zip(pieces[i], pieces[i + 1], strict=True))
     # padding is the rounding of each expert to the granule only
     assert real_slots - T * K == int(((-counts_E) % G).sum())
+    assert kp.slot_of_assignment.shape[0] % lnc == 0  # the combine's token tiles split evenly
+
+
+def test_kernel_plan_needs_an_expert_per_core():
+    from workbench.kernels.autograd import KernelPlan
+
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="1 experts on 2 logical cores.*NEURON_LOGICAL_NC_CONFIG=1"):
+        KernelPlan.build(ids, 1, 32, 2)
+    assert KernelPlan.build(ids, 1, 32, 1)[1].seg_count.item() == 1
 
 
 def test_logical_nc_config(monkeypatch):
-    import workbench.kernels as kernels
+    from workbench.device import logical_nc_config
 
-    monkeypatch.setattr(kernels, "_lnc", None)
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    assert kernels.logical_nc_config() == 2
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    assert logical_nc_config() == 2 and logical_nc_config(default=1) == 1  # unset: trn2's 2 (or the default)
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-    assert kernels.logical_nc_config() == 2  # read once
-    kernels.set_logical_nc_config(1)
-    assert kernels.logical_nc_config() == 1
-    with pytest.raises(ValueError, match="1 or 2"):
-        kernels.set_logical_nc_config(4)
-    monkeypatch.setattr(kernels, "_lnc", None)
+    assert logical_nc_config() == 1
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")
-    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG"):
-        kernels.logical_nc_config()
+    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG='3'.*supports 1 or 2"):
+        logical_nc_config()
 
 
 @pytest.mark.parametrize("bs", [2, 5, 16])
@@ -331,7 +356,7 @@ def test_kernels_under_real_nki_simulate():
     x, ids, w, wg, wu, wd = (t.detach() for t in make_case(9, 2, 4, 136, 130))
     plan = plan_blocks(ids, 4, 8)
     kp = KernelPlan.from_plan(plan, 4, lnc=1)
-    weight = slot_weights(w, plan).float().view(kp.token_index.shape)
+    weight = kp.slot_weights(slot_weights(w, plan)).float().view(kp.token_index.shape)
     x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
     args = [x_pad, kp.token_index, weight, *kp.plan_args(), kp.slot_of_assignment, wg.transpose(1, 2),
             wu.transpose(1, 2), wd.transpose(1, 2)]
@@ -355,6 +380,7 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     mod.main(["--tokens", "64", "--experts", "4", "--top-k", "2", "--hidden", "128", "--ffn", "128", "--lnc", "2",
               "--block-size", "32", "--dtype", "float32"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["nki_version"] == "0.7.0" and result["divergent_loops"] == 0 and result["lnc"] == 2
     assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
     assert result["padding_fraction"] == round(result["padding_slots_computed"] / result["slots_computed"], 4)
     assert 0 < result["sbuf_peak_kib"] <= 224
@@ -376,13 +402,14 @@ def test_neuron_custom_op_glue_over_the_emulator(monkeypatch, lnc):
     fake = types.ModuleType("torch_neuronx")
     fake.nki_op = torch.library.custom_op
     monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))
     if lnc == 1:
         autograd.neuron_moe_op.cache_clear()  # registers the two ops once per process
     op = autograd.neuron_moe_op()
 
     def via_op(x, ids, w, wg, wu, wd, block_size):
         plan, kplan = autograd.KernelPlan.build(ids, wg.shape[0], block_size, lnc)
-        slot_w = slot_weights(w, plan).float().view(kplan.token_index.shape)
+        slot_w = kplan.slot_weights(slot_weights(w, plan)).float().view(kplan.token_index.shape)
         out = op(kplan.lnc, torch.nn.functional.pad(x, (0, 0, 0, 1)), kplan.token_index, slot_w, *kplan.plan_args(),
                  kplan.slot_of_assignment, wg, wu, wd)
         return kplan.tokens(out)

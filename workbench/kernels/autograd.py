@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workbench.device import logical_nc_config
 from workbench.kernels import nki_moe
 from workbench.kernels.moe_reference import BlockPlan, blockwise_moe, check_moe_args, plan_blocks, slot_weights
 from workbench.kernels.nki_api import REAL_NKI, nki
@@ -53,15 +54,23 @@ class KernelPlan:
 
     The plan's blocks are slot groups of G (`plan.block_size`); each expert's groups run as full kernel blocks
     of KB = G * 2^(L-1) slots, then a tail of at most one piece of each of KB/2, ..., G slots (the binary digits
-    of its remaining group count), so padding is only each expert's rounding up to G. Built with static-shaped
-    tensor ops only (no host sync), so the kernels' input shapes depend on (T, K, E, block size, lnc) alone.
+    of its remaining group count), so padding is only each expert's rounding up to G.
+
+    Every core runs the same compiled control flow (the LNC page: control flow that differs between the cores is
+    undefined). The non-empty experts, sorted by group count, are dealt to the cores in rounds (round s: position s
+    of every core, the larger expert alternating between cores 0 and 1); at each position both cores run the same
+    number of pieces of each width class, the core with fewer real pieces topping up with no-op pieces: they read
+    the zero row of x (slot weight 0) and write only that core's `dummy_groups` slot rows, so the dW rows of its
+    expert get exact zeros added and nothing it returns changes. Experts of equal group count have equal piece
+    counts, so sorting makes most positions need none. Built with static-shaped tensor ops only (no host sync), so
+    the kernels' input shapes depend on (T, K, E, block size, lnc) alone.
     """
 
-    token_index: torch.Tensor  # [NG, G]
-    piece: torch.Tensor  # [M, 2]: first slot group, first slot row
-    seg_table: torch.Tensor  # [lnc * E, 1 + 2L]: expert, then [begin, end) piece rows per class
-    seg_count: torch.Tensor  # [lnc, 1]
-    slot_of_assignment: torch.Tensor  # [nT, TT, K]
+    token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
+    piece: torch.Tensor  # [M, 2]: first slot group, first slot row; per class, per core, per position
+    seg_table: torch.Tensor  # [lnc * S, 1 + 2L]: core c's position s: expert, then [begin, end) piece rows per class
+    seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
+    slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
     num_tokens: int
     lnc: int
     kb: int
@@ -80,72 +89,66 @@ class KernelPlan:
         r = kb // G
         if kb % G or r & (r - 1):
             raise ValueError(f"kernel block {kb} must be the slot granule {G} times a power of two")
-        L = r.bit_length()
         E = num_experts
+        if lnc > E:
+            raise ValueError(f"{E} experts on {lnc} logical cores: the NKI kernels give each core whole experts and "
+                             f"need at least one per core; run at NEURON_LOGICAL_NC_CONFIG=1")
+        L = r.bit_length()
         dev = plan.block_to_expert_B.device
         i32, i64 = torch.int32, torch.long
         ng = plan.max_blocks
-        bte = plan.block_to_expert_B
         real = torch.arange(ng, device=dev) < plan.num_blocks
-        n_E = torch.zeros(E, dtype=i64, device=dev).index_add_(0, bte, real.long())  # slot groups per expert
+        n_E = torch.zeros(E, dtype=i64, device=dev).index_add_(0, plan.block_to_expert_B, real.long())  # groups
         gstart_E = n_E.cumsum(0) - n_E
         full_E, rem_E = n_E // r, n_E % r
-        # class 0: full KB blocks, every expert's in order
-        mf = max(1, ng // r)
-        fend_E = full_E.cumsum(0)
-        fbeg_E = fend_E - full_E
-        j = torch.arange(mf, device=dev)
-        e_j = torch.searchsorted(fend_E, j, right=True).clamp(max=E - 1)
-        groups = [torch.where(j < fend_E[-1], gstart_E[e_j] + r * (j - fbeg_E[e_j]), 0)]
-        begins, ends = [fbeg_E], [fend_E]
-        # class k >= 1: one piece of r >> k groups where that bit of the expert's remainder is set
-        for k in range(1, L):
-            m = r >> k
-            has = (rem_E & m) > 0
-            cend = has.long().cumsum(0)
-            cbeg = cend - has.long()
-            start = gstart_E + r * full_E + (rem_E & ~(2 * m - 1))
-            tab = torch.zeros(E + 1, dtype=i64, device=dev).scatter_(0, torch.where(has, cbeg, E), start)[:E]
-            off = mf + (k - 1) * E
-            groups.append(tab)
-            begins.append(cbeg + off)
-            ends.append(cend + off)
-        group = torch.cat(groups)
-        # segments: the non-empty experts in order, split between cores at the boundary closest to half the groups
-        order = torch.argsort((n_E == 0).to(torch.int8), stable=True)
+        # per class k (KB >> k slots): pieces of each expert and the first slot group of its first one
+        count_kE = [full_E] + [((rem_E & (r >> k)) > 0).long() for k in range(1, L)]
+        first_kE = [gstart_E] + [gstart_E + r * full_E + (rem_E & ~(2 * (r >> k) - 1)) for k in range(1, L)]
+        # positions: experts by group count (descending, empty ones last), dealt in rounds of lnc
+        order = torch.argsort(n_E, descending=True, stable=True)
         nseg = (n_E > 0).sum()
-        valid = torch.arange(E, device=dev) < nseg
-        if lnc == 1:
-            cuts = torch.stack([torch.zeros_like(nseg), nseg])
-        else:
-            total = n_E.sum()
-            ends_g = torch.where(valid, (gstart_E + n_E)[order], total)
-            k = (2 * ends_g <= total).sum()
-            k_up = torch.clamp(k + 1, max=nseg)
-            end_at = lambda q: torch.where(q > 0, ends_g[torch.clamp(q - 1, min=0)], torch.zeros_like(total))  # noqa: E731
-            better_up = (2 * end_at(k_up) - total).abs() < (2 * end_at(k) - total).abs()
-            cut = torch.where(better_up, k_up, k)
-            cuts = torch.stack([torch.zeros_like(nseg), cut, nseg])
-        cols = [order]
+        S = -(-E // lnc)
+        s_cs = torch.arange(S, device=dev)[None, :].expand(lnc, S)
+        c_cs = torch.arange(lnc, device=dev)[:, None].expand(lnc, S)
+        rank = s_cs * lnc + (c_cs - s_cs) % lnc  # round s: core (j + s) % lnc takes its j-th largest expert
+        live = rank < nseg
+        own = order[rank.clamp(max=E - 1)]
+        # a core without an expert at a position runs its no-op pieces on its own first expert, else on an empty
+        # expert (one nobody else writes after the zero fill): never on another core's expert (lnc-race)
+        spare = torch.where(live[:, :1], own[:, :1], order[nseg.clamp(max=E - 1)])
+        expert_cs = torch.where(live, own, spare)
+        runs_kcs = [torch.where(live, cnt[own], 0) for cnt in count_kE]  # real pieces per class, core, position
+        m_ks = [runs.max(0).values for runs in runs_kcs]  # pieces every core runs there: real ones, then no-ops
+        # piece rows: class k's rows per core, positions in order; bounds: sum_s m_0 <= all full blocks <= NG/r
+        # and m_k <= 1 for the tail classes
+        rows_k = [max(1, ng // r)] + [S] * (L - 1)
+        noop_group = ng + r * torch.arange(lnc, device=dev)  # each core's KB-slot no-op area
+        groups, cols = [], [expert_cs]
+        base = 0
         for k in range(L):
-            cols.append(begins[k][order])
-            cols.append(ends[k][order])
-        seg_all = torch.stack(cols, 1)  # [E, 1 + 2L], segment (non-empty expert) order
-        rows, counts = [], []
-        for c in range(lnc):
-            idx = torch.clamp(torch.arange(E, device=dev) + cuts[c], max=E - 1)
-            live = torch.arange(E, device=dev) < cuts[c + 1] - cuts[c]
-            rows.append(torch.where(live[:, None], seg_all[idx], 0))
-            counts.append(cuts[c + 1] - cuts[c])
+            end_s = m_ks[k].cumsum(0)
+            beg_s = end_s - m_ks[k]
+            q = torch.arange(rows_k[k], device=dev)
+            s_q = torch.searchsorted(end_s, q, right=True).clamp(max=S - 1)
+            t_q = q - beg_s[s_q]  # index of the row's piece among those of its position
+            for c in range(lnc):
+                e_q = expert_cs[c, s_q]
+                is_real = live[c, s_q] & (t_q < runs_kcs[k][c, s_q])
+                groups.append(torch.where(is_real, first_kE[k][e_q] + r * t_q, noop_group[c]))
+            cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
+            cols += [cbase + beg_s[None, :], cbase + end_s[None, :]]
+            base += lnc * rows_k[k]
+        group = torch.cat(groups)
         T, K = plan.slot_of_assignment_TK.shape
         tt = min(T, nki_moe.P)
-        nt = -(-T // tt)
+        nt = -(-T // (tt * lnc)) * lnc  # token tiles: a multiple of lnc, the same count per core in the combine
         soa = F.pad(plan.slot_of_assignment_TK, (0, 0, 0, nt * tt - T))  # padded tokens read slot 0 (always real)
+        token_index = F.pad(plan.token_index_N.view(ng, G), (0, 0, 0, lnc * r), value=T)  # no-op areas: zero row
         return cls(
-            token_index=plan.token_index_N.to(i32).view(ng, G),
+            token_index=token_index.to(i32),
             piece=torch.stack([group, group * G], 1).to(i32),
-            seg_table=torch.cat(rows).to(i32),
-            seg_count=torch.stack(counts).to(i32)[:, None],
+            seg_table=torch.stack(cols, 2).reshape(lnc * S, 1 + 2 * L).to(i32),
+            seg_count=(-(-nseg // lnc)).view(1, 1).to(i32),
             slot_of_assignment=soa.to(i32).view(nt, tt, K),
             num_tokens=T,
             lnc=lnc,
@@ -156,14 +159,19 @@ class KernelPlan:
         """piece, seg_table, seg_count (kernel arguments after token_index and slot_weight)."""
         return (self.piece, self.seg_table, self.seg_count)
 
+    def slot_weights(self, slot_weight_N: torch.Tensor) -> torch.Tensor:
+        """The plan's [N] slot weights padded with the no-op areas' zeros (differentiable: grads slice back)."""
+        return F.pad(slot_weight_N, (0, self.token_index.numel() - slot_weight_N.numel()))
+
     def pieces(self) -> list[tuple[int, int, int]]:
-        """(core, slots, first slot row) of every piece the kernels run (host-side, for tests and the cost report)."""
+        """(core, slots, first slot row) of every piece the kernels run, no-op pieces included (their rows lie in
+        the last lnc * KB slot rows); host-side, for tests and the cost report."""
         L = (self.seg_table.shape[1] - 1) // 2
-        E = self.seg_table.shape[0] // self.lnc
+        S = self.seg_table.shape[0] // self.lnc
         out = []
         for c in range(self.lnc):
-            for s in range(int(self.seg_count[c, 0])):
-                row = self.seg_table[c * E + s]
+            for s in range(int(self.seg_count[0, 0])):
+                row = self.seg_table[c * S + s]
                 for k in range(L):
                     for j in range(int(row[1 + 2 * k]), int(row[2 + 2 * k])):
                         out.append((c, self.kb >> k, int(self.piece[j, 1])))
@@ -300,17 +308,12 @@ def _on_host(kernel) -> Callable:
 HOST_KERNELS = Kernels(_on_host(nki_moe.moe_blockwise_fwd), _on_host(nki_moe.moe_blockwise_bwd))
 
 
-def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int,
-                      lnc: int | None = None):
-    """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator).
-
-    `lnc`: logical NeuronCore degree the kernels launch with (default `logical_nc_config()`).
-    """
-    from workbench.kernels import logical_nc_config
-
+def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
+    """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator), launched on
+    the configured logical NeuronCore count (`workbench.device.logical_nc_config()`, the compiler's LNC)."""
     _, _, E, _, _ = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config() if lnc is None else lnc)
-    slot_w = slot_weights(topk_weights_TK, plan)
+    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config())
+    slot_w = kplan.slot_weights(slot_weights(topk_weights_TK, plan))
     if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
         out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
                               slot_w.float().view(kplan.token_index.shape), *kplan.plan_args(),

@@ -11,25 +11,31 @@ kernels int32 tables (design, cost numbers and the block-size sweep: docs/nki_ke
               dx_slots = dg @ W_gate[e] + du @ W_up[e]; dW[e] += (per-slot grads)^T @ (block inputs);
               then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
 
-How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/get-started/about/lnc.html,
-.../nki/deep-dives/nki-dynamic-loops.html):
+How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/get-started/about/lnc.html,
+.../nki/deep-dives/nki-loops.html), NKI 0.7.0 (Neuron SDK 2.33):
 
 * **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 only (the host plan); the
   expert's slot groups run as full blocks of KB slots, then its tail as at most one piece each of KB/2, ..., G
-  slots (the binary digits of the leftover group count). The host gives every core its own list of whole
-  segments (one per non-empty expert: an expert never spans two cores, so the fp32 dW read-modify-write of an
-  expert has one writer). Core `nl.program_id(0)` runs `for s in nl.dynamic_range(n_segments)` -> load the
-  expert's weights once (a few DMAs of >= 2 KiB per partition) -> per piece class k (KB >> k slots)
-  `for j in nl.dynamic_range(begin_k, end_k)` over the segment's pieces of that class. All are hardware loops:
-  each body is traced once (one body per piece class), so the program size does not grow with T, and pieces past
-  the real count are never visited. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF
+  slots (the binary digits of the leftover group count). One segment per non-empty expert, on one core (an
+  expert never spans two cores, so the fp32 dW read-modify-write of an expert has one writer). Core
+  `nl.program_id(0)` runs `nl.fori_loop(0, n_positions, segment)` -> load the expert's weights once (a few DMAs of
+  >= 2 KiB per partition) -> per piece class k (KB >> k slots) `nl.fori_loop(begin_k, end_k, piece)` over the
+  segment's rows of `piece`. All are compiled loops: each body is traced once (one body per piece class), so the
+  program size does not grow with T. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF
   [1, 1] tile>)`.
+* **The same trip counts on every core** (LNC page: control flow that differs between the cores is undefined).
+  Both cores run the same number of segment positions and, at each position, the same number of pieces of each
+  class; where a core has fewer real pieces than the other it runs no-op pieces (zero rows of x, slot weight 0,
+  its own scratch slot rows: they add exact zeros to its expert's dW). The host deals experts to cores sorted by
+  group count, so the two experts of a position mostly have equal piece counts (30B-A3B layer: 6 no-op pieces
+  beside 212 real ones at KB 256; why this and not AWS's shared-count-with-barriers pattern: docs/nki_kernels.md).
+  The zero fill splits every expert's rows, the combine a tile count padded to a multiple of the LNC.
 * **F chunks.** When an expert's resident matrices exceed RESIDENT_WEIGHT_BYTES per partition (D = 4096), the
   weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
   d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
   disjoint.
-* **LNC.** Launched as `kernel[lnc]`; the host splits the segments across the `lnc` cores (balanced by slot groups).
-  Shared HBM scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
+* **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`workbench.device.logical_nc_config()`); shared HBM
+  scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
   scratch but needs a DMA read-modify-write whose two writers (cores, or two k of one token in flight) race; the
@@ -141,7 +147,7 @@ def _f_chunk(D, F, itemsize, n_mats):
 
 
 # -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ----------------
-# A dynamic loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
+# A compiled loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
 # the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
 # backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
 def _psum_pool(io_dtype):
@@ -307,30 +313,31 @@ def _recompute(ws, w_gate_res, w_up_res, kb, D, F, ps):
 def _combine(out, slots, slot_of_assignment, pid, lnc):
     """out[t] = sum_k slots[slot_of_assignment[t, k]]: K row gathers per token tile, summed in fp32.
 
-    Token tiles are split across the cores; `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
+    Token tiles are split across the cores, the same number per core (the host pads the tile count to a multiple
+    of the LNC: one trip count for both cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
     """
     nT, TT, K = slot_of_assignment.shape
     D = slots.shape[1]
-    per = _ntiles(nT, lnc)
-    lo = min(nT, pid * per)
-    hi = min(nT, lo + per)
-    if hi > lo:
-        where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
-        part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
-        acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
-        result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
-        for t in nl.dynamic_range(lo, hi):
-            nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
-                                                               indirect_dim=0))
-            for k in range(K):
-                _gather_into(part, slots, where[0:TT, k:k + 1])
-                if k == 0:
-                    nisa.tensor_copy(dst=acc, src=part)
-                else:
-                    nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-            nisa.tensor_copy(dst=result, src=acc)
-            nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0),
-                          src=result)
+    assert nT % lnc == 0, f"{nT} token tiles for {lnc} cores: the host pads the tile count to a multiple of the LNC"
+    per = nT // lnc
+    where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
+    part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
+    acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
+    result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
+
+    def token_tile(t):
+        nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
+                                                           indirect_dim=0))
+        for k in range(K):
+            _gather_into(part, slots, where[0:TT, k:k + 1])
+            if k == 0:
+                nisa.tensor_copy(dst=acc, src=part)
+            else:
+                nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+        nisa.tensor_copy(dst=result, src=acc)
+        nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0), src=result)
+
+    nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
 
 
 def _class_bounds(seg_table, row0, k, s):
@@ -340,9 +347,10 @@ def _class_bounds(seg_table, row0, k, s):
     return begin, end
 
 
-def _segment_count(seg_count, pid):
+def _segment_count(seg_count):
+    """The number of segment positions, one count shared by every core (a register)."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=seg_count[pid:pid + 1, 0:1])
+    nisa.dma_copy(dst=tile, src=seg_count[0:1, 0:1])
     return _register(tile)
 
 
@@ -387,11 +395,27 @@ def _forward_block(grp, row0, hbm, w, ws, ps, kb, first):
             _emit(hbm["slots"], acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
 
 
+def _pieces(piece, begin, end, e, hbm, w, ws, ps, kb, f0, first, backward):
+    """Rows [begin, end) of `piece` (registers), all of one width class kb, against the resident F chunk `w` of
+    expert e: a compiled loop whose body (one kb-slot block, forward or backward) is traced once."""
+
+    def body(j):
+        grp = _load_entry(piece, 0, 0, j)
+        row0 = _load_entry(piece, 0, 1, j)
+        if backward:
+            _backward_block(grp, row0, e, hbm, w, ws, ps, kb, f0, first)
+        else:
+            _forward_block(grp, row0, hbm, w, ws, ps, kb, first)
+
+    nl.fori_loop(begin, end, body)
+
+
 def _expert_segments(pid, S, hbm, piece, seg_table, seg_count, mats, row_chunked, backward):
     """This core's expert segments, forward or backward (its own function so the workspace is freed before the
-    combine). Per segment (one expert) and F chunk: load the chunk of each matrix in `mats` once (resident in
-    SBUF, reused by every piece of the segment), then run the segment's full KB blocks and its tail's KB/2, ...,
-    G pieces (0 or 1 each), each class a dynamic loop over its rows of `piece`.
+    combine). Per segment position (one expert) and F chunk: load the chunk of each matrix in `mats` once
+    (resident in SBUF, reused by every piece of the segment), then run the segment's full KB blocks and its tail's
+    KB/2, ..., G pieces (0 or 1 each, plus the position's no-op pieces), each class a compiled loop over its rows
+    of `piece`.
 
     Args:
         hbm: the kernel's HBM tensors by role ("x", "index", "weight", "slots"; backward also "dout", "d_slot",
@@ -406,7 +430,8 @@ def _expert_segments(pid, S, hbm, piece, seg_table, seg_count, mats, row_chunked
     fc = _f_chunk(D, F, x_pad.dtype.itemsize, len(mats))
     ws = _workspace(widths[0], D, fc, x_pad.dtype, backward, hbm["slots"].dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
-    for s in nl.dynamic_range(_segment_count(seg_count, pid)):
+
+    def segment(s):
         e = _load_entry(seg_table, pid * S, 0, s)
         for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices do not fit SBUF
             f0, fl = c * fc, _width(F, fc, c)
@@ -419,14 +444,10 @@ def _expert_segments(pid, S, hbm, piece, seg_table, seg_count, mats, row_chunked
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
                 view = _ws_view(ws, widths[k])
                 begin, end = _class_bounds(seg_table, pid * S, k, s)
-                for j in nl.dynamic_range(begin, end):
-                    grp = _load_entry(piece, 0, 0, j)
-                    row0 = _load_entry(piece, 0, 1, j)
-                    if backward:
-                        _backward_block(grp, row0, e, hbm, w, view, ps, widths[k], f0, c == 0)
-                    else:
-                        _forward_block(grp, row0, hbm, w, view, ps, widths[k], c == 0)
+                _pieces(piece, begin, end, e, hbm, w, view, ps, widths[k], f0, c == 0, backward)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
+
+    nl.fori_loop(0, _segment_count(seg_count), segment)
 
 
 @nki.jit
@@ -439,13 +460,15 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
-        token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g.
+        token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
+            cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
         piece: [M, 2] int32, per piece its first slot group and first slot row (group * G); rows grouped by class.
-        seg_table: [lnc * S, 1 + 2L] int32; core c's segment s at row c * S + s: its expert, then per piece class
-            k (KB >> k slots) the [begin, end) rows of `piece`. seg_count: [lnc, 1] int32, segments per core.
-        slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT (padded tokens
-            point at any real slot; the host drops their rows).
+        seg_table: [lnc * S, 1 + 2L] int32; core c's segment position s at row c * S + s: its expert, then per
+            piece class k (KB >> k slots) the [begin, end) rows of `piece` (the same count on every core).
+        seg_count: [1, 1] int32, segment positions run (the same on every core).
+        slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
+            LNC (padded tokens point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
 
     Returns:
@@ -571,17 +594,20 @@ def _backward_block(b, row0, e, hbm, w, ws, ps, kb, f0, first):
 
 
 def _zero_fill(t, zeros, pid, lnc):
-    """Zero this core's share of an [E, R, C] fp32 HBM tensor (experts split across cores), one expert per step."""
+    """Zero this core's share of an [E, R, C] fp32 HBM tensor: rows [pid * R / lnc, (pid + 1) * R / lnc) of every
+    expert, one expert per iteration (a row split, so every core runs the same E iterations)."""
     E, R, C = t.shape
-    per = _ntiles(E, lnc)
-    lo = min(E, pid * per)
-    hi = min(E, lo + per)
-    if hi > lo:
-        for e in nl.dynamic_range(lo, hi):
-            for r in range(_ntiles(R, P)):
-                rl = _width(R, P, r)
-                nisa.dma_copy(dst=t.ap(pattern=[[C, rl], [1, C]], offset=r * P * C, scalar_offset=e, indirect_dim=0),
-                              src=zeros[0:rl, 0:C])
+    per = _ntiles(R, lnc)
+    lo = min(R, pid * per)
+    hi = min(R, lo + per)
+
+    def expert(e):
+        for r0 in range(lo, hi, P):
+            rl = min(P, hi - r0)
+            nisa.dma_copy(dst=t.ap(pattern=[[C, rl], [1, C]], offset=r0 * C, scalar_offset=e, indirect_dim=0),
+                          src=zeros[0:rl, 0:C])
+
+    nl.fori_loop(0, E, expert)
 
 
 def _zero_rows(t, zeros, pid, lnc):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from typing import Any
 
@@ -431,7 +430,9 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
 # -- kernel entry point --------------------------------------------------------------------------------------------
 class Kernel:
     """An emulated `@nki.jit` kernel: `kernel[lnc](*args)` launches on an LNC grid; `kernel(*args)` at the LNC of
-    NEURON_LOGICAL_NC_CONFIG (1 when unset), as the NKI LNC page describes.
+    NEURON_LOGICAL_NC_CONFIG (1 when unset), as the NKI LNC page describes. From NKI 0.7.0 that LNC must equal the
+    compiler's (`workbench.device.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
+    `lnc-degree` (NCC_EVRF066), checked before the kernel runs.
 
     Call it with torch tensors or numpy arrays (they become shared HBM tensors). Returns torch tensors when any
     argument was a torch tensor, numpy arrays otherwise (bfloat16 outputs come back as float32 numpy, numpy having
@@ -461,7 +462,8 @@ class Kernel:
                 _from_array(a, SHARED_HBM, f"arg{i}") if isinstance(a, (torch.Tensor, np.ndarray)) else a
                 for i, a in enumerate(args)
             ]
-            lnc = self.lnc if self.lnc is not None else _env_lnc()
+            lnc = self.lnc if self.lnc is not None else logical_nc_config(default=1)
+            _check_compiler_lnc(lnc, self.lnc is None)
             results = _runtime.run_launch(lnc, lambda: self.func(*hbm_args, **kwargs))
             result = results[0]
             outs = result if isinstance(result, tuple) else (result,)
@@ -477,12 +479,22 @@ class Kernel:
         return converted if isinstance(result, tuple) else converted[0]
 
 
-def _env_lnc() -> int:
-    """LNC of a launch without brackets: NEURON_LOGICAL_NC_CONFIG when set, else 1 (the LNC page and NCC_EVRF066)."""
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1")
-    if value not in ("1", "2"):
-        raise violation("lnc-grid", f"NEURON_LOGICAL_NC_CONFIG={value!r}: the LNC degree is 1 or 2", URL_LNC)
-    return int(value)
+URL_EVRF066 = f"{DOCS}/latest/compiler/error-codes/EVRF066.html"
+
+
+def _check_compiler_lnc(lnc: int, implicit: bool) -> None:
+    """NKI 0.7.0: "the compiler now validates that the kernel and compiler LNC degrees match" (migration guide)."""
+    if not version.at_least("0.7.0"):
+        return
+    compiler = logical_nc_config()
+    if lnc != compiler:
+        how = "kernel(...) without brackets runs at NEURON_LOGICAL_NC_CONFIG, 1 when unset" if implicit else \
+            f"launched as kernel[{lnc}]"
+        source = f"NEURON_LOGICAL_NC_CONFIG={compiler}" if logical_nc_config(default=0) else \
+            "NEURON_LOGICAL_NC_CONFIG unset: trn2's default"
+        raise violation("lnc-degree", f"the kernel runs at LNC {lnc} ({how}) but the compiler at LNC {compiler} "
+                        f"({source}): launch it as kernel[{compiler}], or export NEURON_LOGICAL_NC_CONFIG={lnc} so "
+                        "both agree", URL_EVRF066)
 
 
 def jit(func=None, **options):
@@ -513,4 +525,6 @@ def simulate(kernel):
     return lambda *args, **kwargs: kernel(*args, **kwargs)
 
 
-from . import _runtime, _subset  # noqa: E402 - these import names defined above
+from workbench.device import logical_nc_config  # noqa: E402 - the one reader of NEURON_LOGICAL_NC_CONFIG
+
+from . import _runtime, _subset, version  # noqa: E402 - these import names defined above

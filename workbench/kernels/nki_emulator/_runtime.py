@@ -1,24 +1,30 @@
-"""Launch state of the NKI emulator: LNC cores, the core barrier, cross-core races, dynamic loops, counters.
+"""Launch state of the NKI emulator: LNC cores, the core barrier, cross-core races, compiled loops, counters.
 
 One kernel launch (`kernel[lnc](...)`) runs the kernel's Python body once per core. Cores run one at a time in a
 fixed order (core 0 up to its next `core_barrier`, then core 1 up to its next one, ...), so a run is deterministic;
 between two barriers each core logs every access to shared HBM, and at the barrier (and at the end of the kernel)
-any element written by one core and read or written by another is a race (`lnc-race`).
+any element written by one core and read or written by another is a race (`lnc-race`), and any compiled loop that
+ran a different number of times on the two cores is divergent control flow (`lnc-divergent-control`).
 
-Instructions are recorded, not just executed: outside a dynamic loop an instruction runs as soon as it is traced;
-inside `nl.dynamic_range` the body is traced once into a list of instructions that the loop then runs once per
-runtime iteration, which is how the hardware loop of the NKI dynamic-loops deep dive behaves
-(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html).
+Instructions are recorded, not just executed: outside a compiled loop an instruction runs as soon as it is traced;
+`nl.fori_loop` / `nl.while_loop` (NKI >= 0.6; `nl.dynamic_range` under the rules of NKI <= 0.6) trace their body
+once into a list of instructions that the loop then runs once per runtime iteration, which is how the compiled
+loops of the NKI loops deep dive behave
+(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-loops.html).
 """
 
 from __future__ import annotations
 
 import contextlib
+import linecache
 import sys
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+from . import version
 
 DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en"
 URL_PROGRAM_ID = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.program_id.html"
@@ -26,6 +32,14 @@ URL_BARRIER = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.core_barrier.html"
 URL_DYNAMIC = f"{DOCS}/latest/nki/deep-dives/nki-dynamic-loops.html"
 URL_REGISTER = f"{DOCS}/v2.32.0/nki/api/generated/nki.isa.VirtualRegister.html"
 URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
+URL_FORI = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.fori_loop.html"
+URL_WHILE = f"{DOCS}/latest/nki/api/generated/nki.language.while_loop.html"
+URL_MIGRATION = f"{DOCS}/v2.33.1/nki/migration/index.html"
+INT32 = (-(2**31), 2**31)  # compiled-loop bounds are 32-bit: the compare-and-branch has no 64-bit form
+DYNAMIC_RANGE_REMOVED = ("nl.dynamic_range was removed in NKI 0.7.0 (Neuron SDK 2.33; deprecated in 0.6.0): write "
+                         "the loop as nl.fori_loop(lower, upper, body_fun, step=1), the body a function of the "
+                         "iteration register")
+WHILE_LOOP_LIMIT = 2**24  # emulator limit: a while_loop past this many iterations is taken to never end
 
 
 def _violation(rule, detail, url):
@@ -44,7 +58,9 @@ class Counters:
     dma_sizes: one (bytes, bytes_per_partition, src_name, dst_name) per executed DMA;
     pe_flops: 2*K*M*N per executed nc_matmul plus 2*P*P*F per Tensor Engine transpose (a matmul against identity
     on the PE array; that part alone is pe_transpose_flops);
-    loop_trips: "file:line" of a dynamic_range -> iterations run;
+    loop_trips: "file:line" of a compiled loop -> iterations run (all cores);
+    loop_trips_per_core: "file:line" of a compiled loop -> [iterations on core 0, core 1, ...] (entries that differ
+    are a loop whose trip counts diverged between the cores: the `lnc-divergent-control` rule stops such a launch);
     sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches);
     gathered_rows: source tensor name -> rows read by indirect row gathers (`vector_offset` DMAs);
     padding_rows: source name -> those of them that were entirely zero. "Padding slots computed" is
@@ -60,6 +76,7 @@ class Counters:
     pe_flops: int = 0
     pe_transpose_flops: int = 0
     loop_trips: dict = field(default_factory=dict)
+    loop_trips_per_core: dict = field(default_factory=dict)
     launches: int = 0
     sbuf_peak: int = 0
     psum_peak: int = 0
@@ -98,9 +115,12 @@ class VirtualRegister:
     """`nki.isa.VirtualRegister`: a 32-bit engine register whose value exists only when the program runs.
 
     Under tracing its value is unknown, so Python control flow, arithmetic, `int()` and indexing with it raise
-    TypeError (the VirtualRegister doc's tracer note); it can bound `nl.dynamic_range`, be a `scalar_offset`, and
-    go through `nisa.register_move/load/store`.
+    TypeError (the VirtualRegister doc's tracer note); it can bound `nl.fori_loop`, be the condition of
+    `nl.while_loop`, be a `scalar_offset`, and go through `nisa.register_move/load/store`. A bare `while reg:` is
+    the loop form NKI 0.7.0 removed (`api-removed`).
     """
+
+    kind = "VirtualRegister"
 
     def __init__(self, name: str = "reg"):
         self.name = name
@@ -113,11 +133,16 @@ class VirtualRegister:
         return self.value
 
     def _no_python(self, *_a, **_k):
-        raise TypeError(f"{self.name} is a VirtualRegister: its value exists only on device, so it cannot be used in "
-                        "Python control flow, arithmetic, int() or indexing; use it as a dynamic_range bound or as "
+        raise TypeError(f"{self.name} is a {self.kind}: its value exists only on device, so it cannot be used in "
+                        "Python control flow, arithmetic, int() or indexing; use it as an nl.fori_loop bound or as "
                         f"scalar_offset= (see {URL_REGISTER})")
 
-    __bool__ = __int__ = __index__ = __float__ = __add__ = __radd__ = __sub__ = __rsub__ = _no_python
+    def __bool__(self):
+        if _kernel_line().startswith("while "):
+            _refuse_bare_while(self)
+        return self._no_python()
+
+    __int__ = __index__ = __float__ = __add__ = __radd__ = __sub__ = __rsub__ = _no_python
     __mul__ = __rmul__ = __floordiv__ = __mod__ = __lt__ = __le__ = __gt__ = __ge__ = _no_python
     __hash__ = object.__hash__
 
@@ -125,7 +150,40 @@ class VirtualRegister:
         return self._no_python() if other is not self else True
 
     def __repr__(self) -> str:
-        return f"VirtualRegister({self.name})"
+        return f"{self.kind}({self.name})"
+
+
+class NkiScalar(VirtualRegister):
+    """`nki.isa.NkiScalar` (new in NKI 0.7.0): the iteration value `nl.fori_loop` passes its body when no bound is a
+    VirtualRegister (fori_loop API page, v2.33.0). Here it is what a register is (a runtime 32-bit int usable as
+    `scalar_offset` and as a loop bound); its traced arithmetic (`i * 4 + 1`, `nisa.scalar_load`) is outside the
+    emulated subset."""
+
+    kind = "NkiScalar"
+
+    def _not_emulated(self, *_a, **_k):
+        raise NotImplementedError(f"{self.name}: NkiScalar arithmetic is outside the emulated subset; use the "
+                                  "iteration value as scalar_offset= or a loop bound, or pass register bounds")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_emulated
+
+
+def _kernel_line() -> str:
+    """The stripped source line of the kernel frame that is running now (first frame outside the emulator)."""
+    frame = sys._getframe(1)
+    while frame is not None and "nki_emulator" in frame.f_code.co_filename:
+        frame = frame.f_back
+    return "" if frame is None else linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+
+
+def _refuse_bare_while(reg: VirtualRegister):
+    """`while reg:` (a register-driven loop of the NKI <= 0.6 parser frontend): removed in NKI 0.7.0."""
+    if version.at_least("0.7.0"):
+        raise _violation("api-removed", f"`while <register>:` at {call_site()} was removed in NKI 0.7.0 (Neuron SDK "
+                         "2.33; deprecated in 0.6.0): write it as nl.while_loop(init_register, body_fun), whose "
+                         "body returns the next condition register", URL_MIGRATION)
+    raise NotImplementedError(f"`while {reg.name}:` at {call_site()}: the NKI <= 0.6 parser frontend's register "
+                              "while loop is outside the emulated subset; use nl.while_loop (NKI >= 0.6)")
 
 
 # -- one launch ------------------------------------------------------------------------------------------------------
@@ -144,7 +202,8 @@ class Launch:
         self.budgets = [_Budget() for _ in range(lnc)]
         self.shared: list = []  # the n-th nl.shared_hbm allocation, shared by all cores
         self.shared_next = [0] * lnc
-        self.trace: list[list] = [[] for _ in range(lnc)]  # stack of dynamic-loop bodies being traced, per core
+        self.trace: list[list] = [[] for _ in range(lnc)]  # stack of compiled-loop bodies being traced, per core
+        self.control: list[list] = [[] for _ in range(lnc)]  # per core, (loop, site, trips) of each loop run
         self.static = [dict() for _ in range(lnc)]
         self.executed: dict = {}
         self.stats = Counters()
@@ -156,7 +215,7 @@ class Launch:
 
     # instructions ----------------------------------------------------------------------------------------------
     def emit(self, engine: str, op: str, run, site: str) -> None:
-        """Trace one instruction; run it now, or record it into the dynamic loop being traced."""
+        """Trace one instruction; run it now, or record it into the compiled loop being traced."""
         _bump(self.static[self.core], engine)
         node = (engine, op, run, site)
         stack = self.trace[self.core]
@@ -174,6 +233,39 @@ class Launch:
         _bump(self.stats.executed, engine)
         self.current = f"core {self.core}: {op} at {site}"
         run()
+
+    # control flow ----------------------------------------------------------------------------------------------
+    def check_control(self, where: str) -> None:
+        """Raise `lnc-divergent-control` if, since the last barrier, the cores' compiled loops ran differently.
+
+        The LNC page (final notes): the SDK assumes the program on each core "is executing the same basic control
+        flow as the other cores ... if you use dynamic control flow, and this control-flow is different on the
+        different cores, then the behavior is undefined, and you will likely receive an error at runtime".
+        """
+        if self.lnc == 1:
+            return
+        for k in range(1, self.lnc):
+            a, b = self.control[0], self.control[k]
+            for n in range(max(len(a), len(b))):
+                mine, theirs = a[n] if n < len(a) else None, b[n] if n < len(b) else None
+                if mine != theirs:
+                    raise self._divergence(mine, theirs, k, where)
+        for events in self.control:
+            events.clear()
+
+    def _divergence(self, mine, theirs, k: int, where: str):
+        def run(event):
+            return "no further compiled loop" if event is None else f"{event[0]} at {event[1]} ({event[2]} iterations)"
+
+        if mine is not None and theirs is not None and mine[:2] == theirs[:2]:
+            what = f"{mine[0]} at {mine[1]} runs {mine[2]} iterations on core 0 but {theirs[2]} on core {k}"
+        else:
+            what = f"core 0 runs {run(mine)} where core {k} runs {run(theirs)}"
+        return _violation(
+            "lnc-divergent-control", f"{what} ({where}): at LNC {self.lnc} both cores must run the same compiled "
+            "control flow (different trip counts are undefined behaviour); give every core the same trip count "
+            "(iterate the larger count with no-op iterations, or share one count and split the work inside each "
+            "iteration)", URL_LNC)
 
     # race detection ------------------------------------------------------------------------------------------
     def record(self, storage, kind: str, start: int, pattern, outer) -> None:
@@ -299,6 +391,7 @@ def run_launch(lnc: int, body):
             results = [body()]
         else:
             results = _run_cores(launch, body)
+        launch.check_control("after the last barrier")
         launch.check_races("after the last barrier")
         for engine in set().union(*launch.static):
             _bump(launch.stats.static, engine, max(s.get(engine, 0) for s in launch.static))
@@ -317,6 +410,11 @@ def _merge(into: Counters, add: Counters) -> None:
                           (into.gathered_rows, add.gathered_rows), (into.padding_rows, add.padding_rows)):
         for k, v in d_add.items():
             _bump(d_into, k, v)
+    for site, trips in add.loop_trips_per_core.items():
+        old = into.loop_trips_per_core.get(site, [])
+        n = max(len(old), len(trips))
+        old, trips = old + [0] * (n - len(old)), list(trips) + [0] * (n - len(trips))
+        into.loop_trips_per_core[site] = [a + b for a, b in zip(old, trips, strict=True)]
     into.dma_count += add.dma_count
     into.dma_bytes += add.dma_bytes
     into.dma_sizes.extend(add.dma_sizes)
@@ -368,11 +466,14 @@ def _run_cores(launch: Launch, body):
             if all(s == "done" for s in state):
                 return results
             if all(s == "barrier" for s in state):
+                launch.check_control(f"epoch {launch.epoch}")
                 launch.check_races(f"epoch {launch.epoch}")
                 continue
             counts = {k: s for k, s in enumerate(state)}
             raise _violation("lnc-barrier", f"cores disagree on the number of nisa.core_barrier calls (states "
-                             f"{counts}): every core must reach every barrier, or the waiting core hangs", URL_BARRIER)
+                             f"{counts}): every core must reach every barrier, or the waiting core hangs (a compiled "
+                             "loop with a barrier in its body that runs a different number of times per core does "
+                             "this too)", URL_BARRIER)
     finally:
         launch.abort = True
         for k in range(launch.lnc):
@@ -402,12 +503,8 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     if not isinstance(data, View) or data.buffer is not SHARED_HBM:
         raise _violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
                          f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
-    if launch.trace[launch.core]:
-        raise _violation("lnc-barrier", "core_barrier inside nl.dynamic_range is outside the emulated subset",
-                         URL_BARRIER)
-    _bump(launch.static[launch.core], "sync")
-    _bump(launch.stats.executed, "sync")
-    launch.wait_barrier(launch.core)
+    # an instruction like any other: inside a compiled loop body it runs (and waits) once per iteration
+    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), call_site())
 
 
 # -- program ids -----------------------------------------------------------------------------------------------------
@@ -427,47 +524,143 @@ def num_programs(axis: int = 0) -> int:
     return launch.lnc
 
 
-# -- dynamic loops ---------------------------------------------------------------------------------------------------
-def _bound(v, what: str):
+# -- compiled loops ----------------------------------------------------------------------------------------------------
+def _since(api: str, first: str, url: str) -> None:
+    if not version.at_least(first):
+        raise _violation("api-version", f"{api} arrived in NKI {first}; the rules of NKI {version.active()} are "
+                         "active (version.rules_of / WORKBENCH_NKI_VERSION)", url)
+
+
+def _bound(v, what: str, api: str, url: str):
+    """A compiled-loop bound: a Python int in int32 range, or a register/scalar (32-bit by construction)."""
     if isinstance(v, VirtualRegister):
         return v
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _violation("dynamic-range-bounds", f"dynamic_range {what} must be a Python int or a VirtualRegister, "
-                         f"got {type(v).__name__}", URL_DYNAMIC)
+        raise _violation("loop-bounds", f"{api} {what} must be a Python int, a VirtualRegister or an NkiScalar, got "
+                         f"{type(v).__name__}", url)
+    if not INT32[0] <= v < INT32[1]:
+        raise _violation("loop-bounds", f"{api} {what} = {v} does not fit 32 bits: the loop compiles into a "
+                         "compare-and-branch that has no 64-bit form", url)
     return v
 
 
+def _step(step, api: str, url: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise _violation("loop-bounds", f"{api} step must be a compile-time positive int, got {step!r}", url)
+    return step
+
+
+def _value(v) -> int:
+    return v.runtime_value() if isinstance(v, VirtualRegister) else v
+
+
+def _trace_body(launch: Launch, body, value):
+    """Call `body(value)` once, recording its instructions instead of running them; return (nodes, result)."""
+    nodes: list = []
+    launch.trace[launch.core].append(nodes)
+    try:
+        result = body(value)
+    finally:
+        launch.trace[launch.core].pop()
+    return nodes, result
+
+
+def _emit_loop(launch: Launch, loop: str, site: str, value: VirtualRegister, nodes: list, values) -> None:
+    """Record a compiled loop: per runtime iteration (each value `values()` yields) set the iteration register and
+    run the traced body; one `control` instruction (the compare-and-branch) per iteration."""
+
+    def run():
+        trips = 0
+        for v in values():
+            value.value = v  # passed by value: the body's writes to it never reach the loop's own counter
+            _bump(launch.stats.executed, "control")
+            for node in nodes:
+                launch.execute(node)
+            trips += 1
+        _bump(launch.stats.loop_trips, site, trips)
+        launch.stats.loop_trips_per_core.setdefault(site, [0] * launch.lnc)[launch.core] += trips
+        launch.control[launch.core].append((loop, site, trips))
+
+    launch.emit("control", loop, run, site)
+
+
+def fori_loop(lower, upper, body_fun, step=1) -> None:
+    """`nl.fori_loop(lower, upper, body_fun, step=1)` (NKI >= 0.6; URL_FORI): a compiled counted loop.
+
+    `body_fun(i)` is traced once; the loop runs it for i in range(lower, upper, step) at run time. Bounds are
+    Python ints (32-bit) or registers/scalars; `step` a compile-time positive int; `i` is a VirtualRegister when a
+    bound is one, else an NkiScalar, passed by value. `body_fun` returns None: other loop state goes through
+    SBUF/HBM.
+    """
+    launch = require("nl.fori_loop", URL_FORI)
+    _since("nl.fori_loop", "0.6.0", URL_FORI)
+    lower, upper = _bound(lower, "lower", "fori_loop", URL_FORI), _bound(upper, "upper", "fori_loop", URL_FORI)
+    step = _step(step, "fori_loop", URL_FORI)
+    if not callable(body_fun):
+        raise TypeError(f"nl.fori_loop body_fun must be a function of the iteration value, got {body_fun!r}")
+    site = call_site()
+    registers = type(lower) is VirtualRegister or type(upper) is VirtualRegister  # NkiScalar bounds give a scalar
+    value = (VirtualRegister if registers else NkiScalar)(f"fori_loop iteration value ({site})")
+    nodes, result = _trace_body(launch, body_fun, value)
+    if result is not None:
+        raise _violation("loop-body", f"fori_loop body at {site} returned {result!r}: body_fun returns None; carry "
+                         "loop state through SBUF/HBM (the iteration value is the loop's only state)", URL_FORI)
+    _emit_loop(launch, "fori_loop", site, value, nodes, lambda: range(_value(lower), _value(upper), step))
+
+
+def while_loop(init, body_fun) -> None:
+    """`nl.while_loop(init, body_fun)` (NKI >= 0.6; URL_WHILE): a compiled loop that runs while its condition
+    register is nonzero, checked before each iteration. `body_fun(r)` is traced once and returns the register that
+    holds the next condition; r (the current condition) is passed by value."""
+    launch = require("nl.while_loop", URL_WHILE)
+    _since("nl.while_loop", "0.6.0", URL_WHILE)
+    if not isinstance(init, VirtualRegister):
+        raise _violation("loop-bounds", f"while_loop init must be a condition register (VirtualRegister), got "
+                         f"{type(init).__name__}", URL_WHILE)
+    site = call_site()
+    value = VirtualRegister(f"while_loop condition ({site})")
+    nodes, nxt = _trace_body(launch, body_fun, value)
+    if not isinstance(nxt, VirtualRegister):
+        raise _violation("loop-body", f"while_loop body at {site} returned {nxt!r}: it must return the register "
+                         "holding the next condition (the loop stops when it is 0)", URL_WHILE)
+
+    def conditions():
+        cond, n = init.runtime_value(), 0
+        while cond != 0:
+            yield cond
+            cond, n = nxt.runtime_value(), n + 1
+            if n >= WHILE_LOOP_LIMIT:
+                raise RuntimeError(f"while_loop at {site} ran {n} iterations without its condition reaching 0 "
+                                   "(emulator limit): it likely never terminates")
+
+    _emit_loop(launch, "while_loop", site, value, nodes, conditions)
+
+
 def dynamic_range(start, stop=None, step=1):
-    """`nl.dynamic_range`: a hardware loop whose body is traced once and run once per runtime iteration."""
+    """`nl.dynamic_range` (NKI <= 0.6; URL_DYNAMIC): removed in NKI 0.7.0, deprecated in 0.6.0 (URL_MIGRATION).
+
+    Under the rules of an older NKI (`version.rules_of`) it is a compiled loop like `fori_loop` whose Python body
+    runs once between the generator's yield and its end.
+    """
     launch = require("nl.dynamic_range", URL_DYNAMIC)
+    site = call_site()
+    if version.at_least("0.7.0"):
+        raise _violation("api-removed", f"{site}: {DYNAMIC_RANGE_REMOVED}", URL_MIGRATION)
+    if version.at_least("0.6.0"):
+        warnings.warn(f"nl.dynamic_range at {site} is deprecated in NKI 0.6.0 (use nl.fori_loop)",
+                      DeprecationWarning, stacklevel=2)
     if stop is None:
         start, stop = 0, start
-    start, stop = _bound(start, "start"), _bound(stop, "stop")
-    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
-        raise _violation("dynamic-range-bounds", f"dynamic_range step must be a compile-time positive int, got "
-                         f"{step!r}", URL_DYNAMIC)
-    site = call_site()
+    start = _bound(start, "start", "dynamic_range", URL_DYNAMIC)
+    stop = _bound(stop, "stop", "dynamic_range", URL_DYNAMIC)
+    step = _step(step, "dynamic_range", URL_DYNAMIC)
     return _dynamic_loop(launch, start, stop, step, site)
 
 
 def _dynamic_loop(launch: Launch, start, stop, step, site):
-    core = launch.core
     reg = VirtualRegister(f"dynamic_range loop variable ({site})")
-    body: list = []
-    launch.trace[core].append(body)
-    yield reg  # the Python body runs once here, recording its instructions into `body`
-    launch.trace[core].pop()
-
-    def run():
-        lo = start.runtime_value() if isinstance(start, VirtualRegister) else start
-        hi = stop.runtime_value() if isinstance(stop, VirtualRegister) else stop
-        trips = 0
-        for i in range(lo, hi, step):
-            reg.value = i
-            _bump(launch.stats.executed, "control")  # the loop's compare-and-branch
-            for node in body:
-                launch.execute(node)
-            trips += 1
-        _bump(launch.stats.loop_trips, site, trips)
-
-    launch.emit("control", "dynamic_range", run, site)
+    nodes: list = []
+    launch.trace[launch.core].append(nodes)
+    yield reg  # the Python body runs once here, recording its instructions into `nodes`
+    launch.trace[launch.core].pop()
+    _emit_loop(launch, "dynamic_range", site, reg, nodes, lambda: range(_value(start), _value(stop), step))

@@ -6,8 +6,13 @@ documents the Python a kernel may use: functions, assignments (incl. tuple unpac
 `assert` and `print`. Anything else is rejected with `[nki-python-subset]` rather than trusted to the tracer:
 comprehensions and generator expressions, lambda, try/with/yield/await, global/nonlocal, walrus, match, `for`
 targets other than one name (AWS kernels never use `for a, b in ...`) and builtins outside a small documented set
-(so no enumerate/zip/sorted/reversed/map/sum). Inside `nl.dynamic_range` bodies `break`/`continue`/`return` are
-rejected: the body is one hardware-loop body traced once (nki-dynamic-loops deep dive).
+(so no enumerate/zip/sorted/reversed/map/sum).
+
+Loop rules, by NKI version (`version.py`): from NKI 0.7.0 any `nl.dynamic_range` in a kernel or its helpers is
+refused here, before tracing, as `api-removed` (removed in 0.7.0, replaced by `nl.fori_loop`; NKI migration guide);
+under the rules of an older NKI, `break`/`continue`/`return` inside an `nl.dynamic_range` body are rejected: the
+body is one hardware-loop body traced once (nki-dynamic-loops deep dive). `nl.fori_loop` / `nl.while_loop` bodies
+are functions, so a `return` there ends the trace of the one body like in any function.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import builtins
 import inspect
 import textwrap
 import types
+
+from . import version
+from ._runtime import DYNAMIC_RANGE_REMOVED, URL_MIGRATION
 
 URL_GUIDE = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html")
 URL_DYNAMIC = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html"
@@ -37,21 +45,23 @@ _checked: set = set()
 
 
 def check_kernel(func) -> None:
-    """Check `func` and every plain-Python helper it calls by name (transitively), once per code object."""
+    """Check `func` and every plain-Python helper it calls by name (transitively), once per code object and
+    active NKI version (the loop rules depend on it)."""
     todo = [func]
     while todo:
         fn = todo.pop()
-        if fn.__code__ in _checked:
+        key = (fn.__code__, version.active())
+        if key in _checked:
             continue
         helpers = _check_function(fn)
-        _checked.add(fn.__code__)
+        _checked.add(key)
         todo.extend(helpers)
 
 
-def _violation(detail: str, url: str = URL_GUIDE):
+def _violation(detail: str, url: str = URL_GUIDE, rule: str = "nki-python-subset"):
     from ._core import violation
 
-    return violation("nki-python-subset", detail, url)
+    return violation(rule, detail, url)
 
 
 def _source(fn):
@@ -84,6 +94,8 @@ def _check_function(fn) -> list:
         if isinstance(node, ast.For) and not isinstance(node.target, ast.Name):
             raise _violation(f"{where.format(line)}: for-loop target {ast.unparse(node.target)!r} is not a single "
                              "name; loop over range(len(...)) and index instead")
+        if _is_dynamic_range(node) and version.at_least("0.7.0"):
+            raise _violation(f"{where.format(line)}: {DYNAMIC_RANGE_REMOVED}", URL_MIGRATION, "api-removed")
         if isinstance(node, ast.For) and _is_dynamic_range(node.iter):
             for inner in _walk_body(node.body):
                 if isinstance(inner, (ast.Break, ast.Continue, ast.Return)):

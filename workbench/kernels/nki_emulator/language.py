@@ -19,7 +19,7 @@ from ._core import (
     SHARED_HBM,
     allocate,
 )
-from ._runtime import dynamic_range, num_programs, program_id  # noqa: F401 - re-exported as nl.*
+from ._runtime import dynamic_range, fori_loop, num_programs, program_id, while_loop  # noqa: F401 - nl.*
 
 sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
 float32, bfloat16, float16, int32 = torch.float32, torch.bfloat16, torch.float16, torch.int32
@@ -30,17 +30,19 @@ def ndarray(shape, dtype, buffer=SBUF, name: str = ""):
     return allocate(shape, dtype, buffer, name)
 
 
-# Loop iterators (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.language.affine_range.html,
-# .../nki.language.sequential_range.html): the emulator runs every loop sequentially in order, so it cannot catch
-# a loop-carried dependency wrongly declared affine; kernels must pick sequential_range for those themselves.
+# Static range iterators (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-loops.html):
+# "In NKI 0.7 and later, the static range iterators nki.language.affine_range(), nki.language.sequential_range(),
+# and nki.language.static_range() are deprecated and default to Python range": each returns the `range` object
+# Python would, unrolled at trace time. (Before 0.7 affine_range promised no loop-carried dependency; the emulator
+# ran it in order then too, so it never caught a wrongly declared one.)
 def affine_range(start, stop=None, step=1):
-    return range(start, stop, step) if stop is not None else range(start)
+    return range(0, start, step) if stop is None else range(start, stop, step)
 
 
 sequential_range = static_range = affine_range
 
-# nl.dynamic_range (a hardware loop: body traced once, run per runtime iteration), nl.program_id(0) and
-# nl.num_programs(0) (the LNC launch grid) live in _runtime.py.
+# Compiled loops (nl.fori_loop, nl.while_loop; nl.dynamic_range under the rules of NKI <= 0.6) and nl.program_id(0)
+# / nl.num_programs(0) (the LNC launch grid) live in _runtime.py.
 
 
 class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
