@@ -383,16 +383,19 @@ def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata) -> N
     every = {k: v for part in all_gather(sums) for k, v in part.items()}
     written = {info.relative_path for info in (metadata.storage_data or {}).values()} | {".metadata"}
     problems += [f"{path / name} was written without a checksum" for name in sorted(written - set(every))]
+    if rank() == 0 and not problems:
+        try:
+            tmp = path / (CHECKSUMS + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump({"hash": HASH, "files": dict(sorted(every.items()))}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path / CHECKSUMS)
+        except OSError as e:  # a full disk can strike here too: every rank must hear of it
+            problems.append(f"writing {path / CHECKSUMS} failed: {e.strerror}")
+    problems = broadcast(problems)
     if problems:
         raise CheckpointError(problems[0])
-    if rank() == 0:
-        tmp = path / (CHECKSUMS + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"hash": HASH, "files": dict(sorted(every.items()))}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / CHECKSUMS)
-    barrier()
 
 
 class _HashingStream:

@@ -245,8 +245,8 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """dtype of the exported safetensors."""
     on_corrupt: Literal["fallback", "error"] = "fallback"
-    """Newest checkpoint unreadable on resume (truncated/missing file): warn and resume from the newest readable
-    one (fallback), or stop with exit code 4 (error)."""
+    """Newest checkpoint unusable on resume (a file missing, truncated or not matching its checksum): warn and resume
+    from the newest verified one (fallback), or stop with exit code 4 (error)."""
     refuse_low_disk: bool = False
     """Stop (exit 4) instead of warning when the checkpoint folder lacks room for keep_latest_k checkpoints."""
 

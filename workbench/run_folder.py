@@ -151,7 +151,7 @@ class RunLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise RunFolderError(f"cannot create the run folder {self.path.parent}: {e.strerror} ({e.filename}).",
+            raise RunFolderError(f"cannot create the run folder {self.path.parent}: {e.strerror}.",
                                  "point --job.dump_folder at a writable folder.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
