@@ -121,7 +121,10 @@ class StopRequest:
         error = WorkbenchError(f"{why}: stopped at once; nothing was saved after the newest checkpoint.",
                                "relaunch the same command to resume from the newest checkpoint.")
         error.kind, error.exit_code = "stopped", 128 + signum
-        os._exit(announce(error, rank(), also_print=True))
+        try:
+            announce(error, rank(), also_print=True)
+        finally:  # the launcher gone, stderr may be a closed pipe: exit whatever printing did
+            os._exit(error.exit_code)
 
 
 __all__ = ["rank", "broadcast", "all_gather", "barrier", "StopRequest"]

@@ -106,8 +106,10 @@ def recognised(e: BaseException) -> WorkbenchError | None:
     if isinstance(e, (HFCheckpointError, FileNotFoundError)):
         return ConfigError(str(e).strip('"'))
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.ENOTDIR):
-        return RunFolderError(f"writing {e.filename} failed: {e.strerror}.",
-                              "point --job.dump_folder at a writable folder with free space.")
+        error = RunFolderError(f"writing {e.filename or 'a file'} failed: {e.strerror}.",
+                               "point --job.dump_folder at a writable folder with free space.")
+        error.same_on_every_rank = False  # maybe this rank's alone: its line must be able to be the root cause
+        return error
     return None
 
 
