@@ -49,20 +49,26 @@ def test_check_checkpoint_reads_the_dcp_metadata(reference, tmp_path):
     ckpt = copy_checkpoints(reference[0], tmp_path / "run", [4])
     step = ckpt / "step-4"
     assert verify_checkpoint(step) is None
-    md = pickle.loads((step / ".metadata").read_bytes())  # metadata that names a file the checkpoint lacks
+    metadata = step / ".metadata"
+    size = metadata.stat().st_size
+    with open(metadata, "ab") as f:
+        f.write(b"x")
+    assert check_checkpoint(step) == f"{metadata} has {size + 1:,} bytes, {size:,} were written"
+
+    def rewrite(data: bytes) -> None:  # a .metadata whose checksums.json entry agrees in size
+        metadata.write_bytes(data)
+        sums = json.loads((step / "checksums.json").read_text())
+        sums["files"][".metadata"]["bytes"] = len(data)
+        (step / "checksums.json").write_text(json.dumps(sums))
+
+    md = pickle.loads(metadata.read_bytes()[:-1])  # metadata that names a file the checkpoint lacks
     first = next(iter(md.storage_data))
     info = md.storage_data[first]
     md.storage_data[first] = type(info)("__7_0.distcp", info.offset, info.length)
-    data = pickle.dumps(md)
-    (step / ".metadata").write_bytes(data)
-    assert f"{step / '.metadata'} has {len(data):,} bytes" in check_checkpoint(step) or \
-        f"{step / '.metadata'} is truncated" in check_checkpoint(step)
-    sums = json.loads((step / "checksums.json").read_text())
-    sums["files"][".metadata"]["bytes"] = len(data)
-    (step / "checksums.json").write_text(json.dumps(sums))
+    rewrite(pickle.dumps(md))
     assert check_checkpoint(step) == f"{step / '__7_0.distcp'} is missing"
-    (step / ".metadata").write_bytes(b"not a pickle" + b"x" * (len(data) - 12))
-    assert "unreadable" in check_checkpoint(step)
+    rewrite(b"not a pickle")
+    assert check_checkpoint(step) == f"{metadata} is unreadable (UnpicklingError)"
 
 
 def test_purge_keeps_complete_checkpoints_only(tmp_path):
