@@ -1,8 +1,10 @@
-"""Crashes and corrupt files (issue 13): resume from the last good checkpoint, saves that cannot hurt older ones,
-a non-finite stop, and one readable error per failure, with real torchrun over gloo and a real full filesystem."""
+"""Crashes and corrupt files (issues 13, 24): resume from the newest verified checkpoint (flipped bytes, truncated or
+missing files), a folder of unusable checkpoints refused, saves that cannot hurt older ones, a non-finite stop, and
+one readable error per failure, with real torchrun over gloo and a real full filesystem."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -13,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import kill_run_when, losses_by_step, run_train
-from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints
+from run_helpers import cached_run, kill_run_when, losses_by_step, run_train
+from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints, verify_checkpoint
 
 DENSE = "configs/cpu_dense.toml"
 # The lr schedule is fixed to 12 steps, so that runs of any length (and any checkpoint interval) follow one curve.
@@ -24,10 +26,9 @@ COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_sche
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     """12 uninterrupted steps on 2 ranks, checkpoints at 4, 8, 12: the reference curve and checkpoints to damage."""
-    out = tmp_path_factory.mktemp("ref")
-    run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12", "--job.dump_folder", str(out),
-              nproc=2)
-    return out / "cpu_dense", losses_by_step(out / "cpu_dense")
+    run_dir, _ = cached_run(tmp_path_factory, DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
+                            nproc=2)  # the same launch as tests/test_run_safety.py's reference
+    return run_dir, losses_by_step(run_dir)
 
 
 def copy_checkpoints(src_run: Path, dst_run: Path, steps: list[int]) -> Path:
@@ -44,60 +45,78 @@ def last_lines(proc: subprocess.CompletedProcess, n: int) -> str:
 # ---- cheap checks (no training) -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_check_checkpoint_names_the_broken_file(reference, tmp_path):
+def test_check_checkpoint_reads_the_dcp_metadata(reference, tmp_path):
     ckpt = copy_checkpoints(reference[0], tmp_path / "run", [4])
     step = ckpt / "step-4"
-    assert check_checkpoint(step) is None
-    shard = step / "__0_0.distcp"
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 3])
-    assert f"{shard} is truncated ({len(data) // 3:,} of" in check_checkpoint(step)
-    shard.unlink()
-    assert check_checkpoint(step) == f"{shard} is missing"
-    shard.write_bytes(data)
-    md = pickle.loads((step / ".metadata").read_bytes())  # metadata that names a file the checkpoint lacks
+    assert verify_checkpoint(step) is None
+    metadata = step / ".metadata"
+    size = metadata.stat().st_size
+    with open(metadata, "ab") as f:
+        f.write(b"x")
+    assert check_checkpoint(step) == f"{metadata} has {size + 1:,} bytes, {size:,} were written"
+
+    def rewrite(data: bytes) -> None:  # a .metadata whose checksums.json entry agrees in size
+        metadata.write_bytes(data)
+        sums = json.loads((step / "checksums.json").read_text())
+        sums["files"][".metadata"]["bytes"] = len(data)
+        (step / "checksums.json").write_text(json.dumps(sums))
+
+    md = pickle.loads(metadata.read_bytes()[:-1])  # metadata that names a file the checkpoint lacks
     first = next(iter(md.storage_data))
     info = md.storage_data[first]
     md.storage_data[first] = type(info)("__7_0.distcp", info.offset, info.length)
-    (step / ".metadata").write_bytes(pickle.dumps(md))
+    rewrite(pickle.dumps(md))
     assert check_checkpoint(step) == f"{step / '__7_0.distcp'} is missing"
-    (step / ".metadata").write_bytes(b"not a pickle")
-    assert "unreadable" in check_checkpoint(step)
-    (step / ".metadata").unlink()
-    assert "the save did not finish" in check_checkpoint(step)
+    rewrite(b"not a pickle")
+    assert check_checkpoint(step) == f"{metadata} is unreadable (UnpicklingError)"
 
 
 def test_purge_keeps_complete_checkpoints_only(tmp_path):
     for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, False)):
         (tmp_path / f"step-{step}").mkdir()
         if complete:
-            (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"x")
+            (tmp_path / f"step-{step}" / "checksums.json").write_text("{}")
     # keep 2 complete (6, 8); the partial 4 goes, the partial 10 may be a save in flight and stays
     assert [p.name for p in stale_checkpoints(tmp_path, 2)] == ["step-2", "step-4"]
     assert [p.name for p in stale_checkpoints(tmp_path, 3)] == ["step-4"]
     assert newest_complete(tmp_path) == 8
 
 
-# ---- acceptance: truncated shard -> warning, resume from step 4, the same losses ---------------------------------
+# ---- acceptance: flipped bytes in the newest shard -> named, resume from step 4, the same losses -------------------
 
 @pytest.mark.slow
-def test_truncated_shard_resumes_from_last_good(reference, tmp_path):
+def test_flipped_bytes_resume_from_the_previous_step(reference, tmp_path):
     ref_dir, ref = reference
     ckpt = copy_checkpoints(ref_dir, tmp_path / "cpu_dense", [4, 8])  # a run stopped after its step-8 save ...
     shard = ckpt / "step-8" / "__1_0.distcp"
-    with open(shard, "r+b") as f:  # ... whose step-8 shard was then cut short (interrupted copy, full disk)
-        f.truncate(shard.stat().st_size // 2)
+    data = bytearray(shard.read_bytes())  # ... whose step-8 shard then got 100 random bytes in the middle
+    middle = len(data) // 2
+    data[middle:middle + 100] = os.urandom(100)
+    shard.write_bytes(bytes(data))
     proc = run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
                      "--job.dump_folder", str(tmp_path), nproc=2)
-    assert f"checkpoint step 8 is unreadable: {shard} is truncated" in proc.stdout
+    assert f"checkpoint step 8 is unusable: {shard} does not match its checksum" in proc.stdout
     assert "resuming from step 4" in proc.stdout and "steps 5-12" in proc.stdout
     resumed = losses_by_step(tmp_path / "cpu_dense")
     assert sorted(resumed) == list(range(5, 13))
-    for step in range(5, 13):
-        assert abs(resumed[step] - ref[step]) <= 1e-6, (step, resumed[step], ref[step])
-    print(f"truncated-shard resume: max |loss - reference| over steps 5-12 = "
-          f"{max(abs(resumed[s] - ref[s]) for s in range(5, 13)):.3g}")
-    assert check_checkpoint(ckpt / "step-8") is None  # re-saved whole, not mixed with the truncated file
+    diff = max(abs(resumed[s] - ref[s]) for s in range(5, 13))
+    print(f"flipped-bytes resume: max |loss - reference| over steps 5-12 = {diff:.3g}")
+    assert diff <= 1e-6
+    assert verify_checkpoint(ckpt / "step-8") is None  # re-saved whole, not mixed with the damaged file
+
+
+@pytest.mark.slow
+def test_a_folder_of_unusable_checkpoints_is_refused(reference, tmp_path):
+    ckpt = copy_checkpoints(reference[0], tmp_path / "cpu_dense", [4, 8])
+    for step in (4, 8):  # every step's commit point gone (the issue removed every .metadata)
+        (ckpt / f"step-{step}" / "checksums.json").unlink()
+    proc = run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
+                     "--job.dump_folder", str(tmp_path), nproc=2, check=False)
+    tail = last_lines(proc, 4)
+    assert "exitcode  : 4" in proc.stderr and f"workbench: checkpoint error: no usable checkpoint in {ckpt} (step 8:" \
+        in tail and "nothing was deleted" in tail, proc.stderr[-3000:]
+    assert "step 1/12" not in proc.stdout and sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-8"]
+    assert not (tmp_path / "cpu_dense" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from run_helpers import ROOT, cached_run, free_port, kill_run_when, losses_by_step, read_metrics, run_train, train_cmd
+from workbench.run_folder import step_dirs
 
 pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"
@@ -72,8 +73,7 @@ def test_sigkill_loses_at_most_one_interval(uninterrupted, outdir):
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in victims)
     killed_at = max(losses_by_step(run_dir))
     assert 8 <= killed_at < 20, killed_at
-    saved = [int(p.name.split("-")[1]) for p in (run_dir / "checkpoint").glob("step-*") if (p / ".metadata").exists()]
-    resume_from = max(saved)
+    resume_from = max(step_dirs(run_dir / "checkpoint", complete=True))  # committed: checksums.json written
     assert killed_at - resume_from < 5  # at most one interval lost
 
     proc = run_train(DENSE, *args, nproc=2)

@@ -4,6 +4,7 @@ starts one task per "node", as Slurm does), and the losses equal the single-agen
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,16 @@ def test_sbatch_script_as_two_local_agents(tmp_path, tmp_path_factory):
     two_agents, single = losses_by_step(shared / "cpu_dense"), losses_by_step(one_agent)
     for step in range(1, 7):
         assert abs(two_agents[step] - single[step]) <= 1e-6, (step, two_agents[step], single[step])
+
+
+def test_sbatch_asks_for_a_warning_signal_early_enough_to_save():
+    """Slurm's --signal=TERM@T reaches every process of the step T s before the time limit; torchrun must wait for
+    the ranks' save (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and still finish inside those T s."""
+    text = (ROOT / "scripts" / "trn2.sbatch").read_text()
+    m = re.search(r"^#SBATCH --signal=TERM@(\d+)$", text, re.M)
+    wait = re.search(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=\$\{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)\}$", text, re.M)
+    assert m and wait, "trn2.sbatch must request a warning signal and set torchrun's shutdown timeout"
+    assert 60 <= int(wait[1]) < int(m[1]), (wait[1], m[1])  # Slurm may signal up to 60 s early: still > 60 s
 
 
 def test_sbatch_usage_error():

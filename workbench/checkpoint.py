@@ -1,76 +1,47 @@
-"""Checkpoints that survive crashes, truncated files and full disks, and the run's known failures.
+"""Checkpoints that survive crashes, flipped bytes, truncated files and full disks.
 
 `WorkbenchCheckpointManager` is torchtitan's DCP `CheckpointManager` (subclassed through its Config, methods
 overridden, nothing copied) with:
-  * resume from the newest *readable* checkpoint: rank 0 checks each `step-N/` cheaply (the DCP `.metadata`
-    unpickles, every file it names exists and is at least as long as the last byte it points at), warns naming
-    the step and the file, and broadcasts the chosen step before the collective load
-    (`checkpoint.on_corrupt = "error"` stops instead);
+  * checksums: every save hashes each file as DCP writes it (xxh3-64, per rank for its own files), reads the files
+    back and compares, then rank 0 writes `checksums.json` last: a step folder without it is incomplete, and only
+    a verified checkpoint counts for `keep_latest_k` (the older ones are purged only after that);
+  * resume from the newest *verified* checkpoint: rank 0 checks each `step-N/` cheaply (the files listed, their
+    sizes, the DCP `.metadata`), then every rank hashes a share of its files, all before DCP reads anything; a
+    mismatch names the step and the file, and the next older one is tried (`checkpoint.on_corrupt = "error"`
+    stops instead); a folder whose checkpoints are all unusable is refused (never a silent restart from step 1);
   * a checkpoint that reads but does not fit the model (other flavor/shapes) -> exit 2 naming the keys;
   * saves that cannot hurt older checkpoints: a stale folder of the step being saved is removed first (a relaunch
     after a fallback re-saves a step), a failed save (full disk) removes its partial folder and stops with one
-    line, and `keep_latest_k` counts only complete checkpoints (a partial or in-flight save never pushes the last
-    complete one out);
+    line, and `keep_latest_k` means what it says (also after the last step's save);
   * a free-space check before the first save (warn, or refuse with `checkpoint.refuse_low_disk`).
 
-`RunError` and its subclasses are the failures the workbench knows during a run: `workbench.train.main` prints
-them once (rank 0) as one line plus the fix and exits with their code instead of a traceback per rank.
+The failures are `workbench.errors` classes: `workbench.train.main` prints them as one line and exits with their
+code instead of a traceback per rank.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from workbench.dist_utils import rank
-from workbench.run_folder import is_complete, step_dirs
+from workbench.dist_utils import all_gather, barrier, broadcast, rank
+from workbench.errors import CheckpointError, CheckpointMismatchError, RunError
+from workbench.run_folder import CHECKSUMS, is_complete, step_dirs
 
-EXIT_NON_FINITE = 3
-EXIT_CHECKPOINT = 4
-
-
-class RunError(RuntimeError):
-    """A failure the workbench understands: `message` says what happened, `fix` what to do."""
-
-    exit_code = 1
-    kind = "error"
-
-    def __init__(self, message: str, fix: str = ""):
-        super().__init__(message)
-        self.message, self.fix = message, fix
-
-    def one_line(self) -> str:
-        return f"workbench: {self.kind}: {self.message}" + (f" Fix: {self.fix}" if self.fix else "")
-
-
-class CheckpointError(RunError):
-    """No readable checkpoint to resume from, or a save that failed (exit 4)."""
-
-    exit_code = EXIT_CHECKPOINT
-    kind = "checkpoint error"
-
-
-class CheckpointMismatchError(RunError):
-    """The checkpoint reads but was written for another model shape: a config error (exit 2)."""
-
-    exit_code = 2
-    kind = "config error"
-
-
-class NonFiniteError(RunError):
-    """The loss or gradient norm stopped being finite (exit 3); nothing of that state is saved."""
-
-    exit_code = EXIT_NON_FINITE
-    kind = "non-finite loss"
+HASH = "xxh3_64"
+_CHUNK = 8 << 20
 
 
 # ---- cheap checks of a DCP checkpoint folder --------------------------------------------------------------------
@@ -84,31 +55,76 @@ def read_metadata(path: Path):
         return pickle.load(f)
 
 
-def check_checkpoint(path: str | os.PathLike) -> str | None:
-    """None if the files of a DCP checkpoint match its metadata, else why not (naming the file).
+def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
+    """file name -> {"bytes": n, "xxh3_64": hex} of a step folder's `checksums.json`."""
+    return json.loads((path / CHECKSUMS).read_text())["files"]
 
-    Sizes only (no data is read): catches unfinished saves, truncated or missing shard files (an interrupted copy,
-    a full disk) and unreadable metadata. Flipped bytes inside a file of the right size are not detected.
+
+def file_checksum(path: Path) -> str:
+    """xxh3-64 of a file's bytes (hex), read in 8 MiB chunks."""
+    h = xxhash.xxh3_64()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def check_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if a step folder's files match its `checksums.json` and DCP metadata in name and size, else why not.
+
+    Cheap (sizes, no data read): catches unfinished saves, truncated or missing files (an interrupted copy, a full
+    disk) and unreadable metadata. Flipped bytes in a file of the right size need `verify_files`.
     """
     path = Path(path)
     if not is_complete(path):
-        return f"{path / '.metadata'} is missing (the save did not finish)"
+        return f"{path / CHECKSUMS} is missing (the save did not finish)"
     try:
-        md = read_metadata(path)
-        storage = dict(md.storage_data or {})
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
-        return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for rel, size in sorted(needed.items()):
-        f = path / rel
+        sums = read_checksums(path)
+    except (OSError, ValueError, KeyError) as e:
+        return f"{path / CHECKSUMS} is unreadable ({type(e).__name__})"
+    for name, entry in sorted(sums.items()):
+        f = path / name
         if not f.is_file():
             return f"{f} is missing"
         have = f.stat().st_size
-        if have < size:
-            return f"{f} is truncated ({have:,} of {size:,} bytes)"
+        if have != entry["bytes"]:
+            return f"{f} is truncated ({have:,} of {entry['bytes']:,} bytes)" if have < entry["bytes"] else \
+                f"{f} has {have:,} bytes, {entry['bytes']:,} were written"
+    try:
+        storage = dict(read_metadata(path).storage_data or {})
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
+        return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+    unlisted = sorted({info.relative_path for info in storage.values()} - set(sums))
+    if unlisted:
+        f = path / unlisted[0]
+        return f"{f} is missing" if not f.is_file() else f"{f} has no checksum"
     return None
+
+
+def verify_files(path: Path, sums: dict[str, dict[str, Any]], names: list[str]) -> str | None:
+    """None if each of `names` hashes to its recorded checksum, else which file does not (the first)."""
+    for name in names:
+        f = path / name
+        try:
+            ok = file_checksum(f) == sums[name][HASH]
+        except OSError as e:
+            return f"{f} is unreadable ({e.strerror})"
+        if not ok:
+            return f"{f} does not match its checksum (bytes changed after the save)"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """`check_checkpoint`, then every file's checksum, in this process (tools, tests; training splits the hashing
+    over its ranks)."""
+    path = Path(path)
+    problem = check_checkpoint(path)
+    if problem is None:
+        sums = read_checksums(path)
+        problem = verify_files(path, sums, sorted(sums))
+    return problem
 
 
 def stale_checkpoints(folder: str | os.PathLike, keep_latest_k: int) -> list[Path]:
@@ -149,18 +165,8 @@ def _say(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _broadcast(obj: Any) -> Any:
-    """rank 0's `obj` on every rank (a no-op without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 class WorkbenchCheckpointManager(CheckpointManager):
@@ -182,43 +188,53 @@ class WorkbenchCheckpointManager(CheckpointManager):
     # ---- resume -----------------------------------------------------------------------------------------------
 
     def _find_load_step(self, folder: str = "") -> int:
-        """The newest readable complete checkpoint, decided on rank 0 and broadcast (all ranks load the same)."""
+        """The newest verified checkpoint, decided together (every rank loads the same step).
+
+        Newest first: rank 0's cheap check, then every rank hashes its share of the files; a failure is named in a
+        warning and the next older step is tried. A folder with step folders but none usable is refused.
+        """
         if folder and folder != self.folder:
             return super()._find_load_step(folder)
-        decision = self._choose_step() if dist.get_rank() == 0 else None
-        step, error = _broadcast(decision)
-        if error:
-            raise CheckpointError(*error)
-        return step
-
-    def _choose_step(self) -> tuple[int, tuple[str, str] | None]:
-        """(step or -1, None) or (-1, (message, fix)); runs on rank 0 only and prints the warnings."""
-        complete = sorted(step_dirs(self.folder, complete=True), reverse=True)
-        bad: list[int] = []
-        for step in complete:
-            problem = check_checkpoint(self._create_checkpoint_id(step))
+        steps = broadcast(sorted(step_dirs(self.folder), reverse=True) if rank() == 0 else None)
+        bad: list[str] = []
+        for step in steps:
+            problem = self._verify(step)
             if problem is None:
                 if bad:
-                    _say(f"workbench: resuming from step {step} (the newest readable checkpoint).")
-                return step, None
-            bad.append(step)
-            if self.wb_config.on_corrupt == "error":
-                return -1, (f"checkpoint step {step} is unreadable: {problem}.",
-                            f"move {self._create_checkpoint_id(step)} away to resume from an older checkpoint, or "
-                            "set --checkpoint.on_corrupt fallback.")
-            _say(f"workbench: warning: checkpoint step {step} is unreadable: {problem}; trying an older one.")
+                    _say(f"workbench: resuming from step {step} (the newest verified checkpoint).")
+                return step
+            bad.append(f"step {step}: {problem}")
+            if self.wb_config.on_corrupt == "error" and "did not finish" not in problem:
+                raise CheckpointError(f"checkpoint step {step} is unusable: {problem}.",
+                                      f"move {self._create_checkpoint_id(step)} away to resume from an older "
+                                      "checkpoint, or set --checkpoint.on_corrupt fallback.")
+            _say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
         if bad:
-            return -1, (f"no readable checkpoint in {self.folder} (unreadable: steps {', '.join(map(str, bad))}).",
-                        f"move {self.folder} away to start from scratch.")
-        return -1, None
+            raise CheckpointError(
+                f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
+                f"restore a checkpoint there, or move {Path(self.folder).parent} away to start from scratch.")
+        return -1
+
+    def _verify(self, step: int) -> str | None:
+        """None if checkpoint `step` is whole (sizes on rank 0, checksums split over the ranks), else why not."""
+        path = Path(self._create_checkpoint_id(step))
+        problem, sums = None, None
+        if rank() == 0:
+            problem = check_checkpoint(path)
+            sums = read_checksums(path) if problem is None else None
+        problem, sums = broadcast((problem, sums))
+        if problem is not None:
+            return problem
+        r, world = _world()
+        found = [p for p in all_gather(verify_files(path, sums, sorted(sums)[r::world])) if p]
+        return found[0] if found else None
 
     def load(self, step: int = -1) -> bool:
         if self.enable and step != -1:  # an explicit --checkpoint.load_step: no fallback, just a clear error
-            problem = check_checkpoint(self._create_checkpoint_id(step)) if dist.get_rank() == 0 else None
-            problem = _broadcast(problem)
+            problem = self._verify(step)
             if problem:
-                raise CheckpointError(f"checkpoint.load_step={step} is unreadable: {problem}.",
-                                      "pick another step (--checkpoint.load_step -1 = newest readable).")
+                raise CheckpointError(f"checkpoint.load_step={step} is unusable: {problem}.",
+                                      "pick another step (--checkpoint.load_step -1 = newest verified).")
         loaded = super().load(step)
         if self.enable and not self.load_only:
             self._check_disk_space()
@@ -249,45 +265,53 @@ class WorkbenchCheckpointManager(CheckpointManager):
             return False
         path = Path(self._create_checkpoint_id(curr_step))
         # A folder of this step can only be left over from an abandoned timeline (a relaunch that fell back past
-        # it, or a killed save): its stale .metadata must not survive next to new shard files.
-        if dist.get_rank() == 0 and path.exists():
+        # it, or a killed save): its stale files must not survive next to new ones.
+        if rank() == 0 and path.exists():
             shutil.rmtree(path)
-        _barrier()
+        barrier()
         try:
-            return super()._save(curr_step, last_step)
+            saved = super()._save(curr_step, last_step)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException (a BaseException), raised on every rank
-            # ENOSPC often surfaces as a zip-writer "unexpected pos" error: look at the disk too.
-            usage = shutil.disk_usage(self.folder)
-            full = any(s in str(e) for s in ("No space left", "Errno 28")) or usage.free < max(64 << 20,
-                                                                                               usage.total // 100)
-            if dist.get_rank() == 0 and path.exists():
-                shutil.rmtree(path, ignore_errors=True)  # the partial save: free its space, never resume from it
-            kept = newest_complete(self.folder)
-            kept_s = f"checkpoint step {kept} is intact" if kept is not None else "no earlier checkpoint exists"
-            reason = "the disk is full" if full else (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise CheckpointError(
-                f"saving step {curr_step} to {path} failed: {reason}; the partial save was removed, {kept_s}.",
-                f"free space in {self.folder} (or lower checkpoint.keep_latest_k / move checkpoint.folder), then "
-                "relaunch the same command to resume." if full else "check the checkpoint folder, then relaunch.",
-            ) from e
+            raise self._save_failed(curr_step, path, e) from e
+        if last_step:
+            self._purge_stale_checkpoints()  # torchtitan purges after interval saves only: keep_latest_k + 1 left
+        return saved
+
+    def _save_failed(self, curr_step: int, path: Path, e: BaseException) -> CheckpointError:
+        """Removes the partial save (its space freed, never resumed from) and says what is kept."""
+        # ENOSPC often surfaces as a zip-writer "unexpected pos" error: look at the disk too.
+        usage = shutil.disk_usage(self.folder)
+        full = any(s in str(e) for s in ("No space left", "Errno 28")) or usage.free < max(64 << 20, usage.total // 100)
+        if rank() == 0 and path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        kept = newest_complete(self.folder)
+        kept_s = f"checkpoint step {kept} is intact" if kept is not None else "no earlier checkpoint exists"
+        reason = "the disk is full" if full else (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        return CheckpointError(
+            f"saving step {curr_step} to {path} failed: {reason}; the partial save was removed, {kept_s}.",
+            f"free space in {self.folder} (or lower checkpoint.keep_latest_k / move checkpoint.folder), then "
+            "relaunch the same command to resume." if full else "check the checkpoint folder, then relaunch.")
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False):
-        delay = float(os.environ.get("WORKBENCH_TEST_SAVE_DELAY_S", "0") or 0)
-        if delay <= 0 or to_hf:
+        """DCP's save through a writer that hashes every file it writes, then the read-back check and
+        `checksums.json` (the commit point; synchronous saves only: the workbench never saves asynchronously)."""
+        if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        # Tests only: hold every save between its shard files and its .metadata (the commit point), so that a
-        # kill -9 lands *inside* a save.
         import torch.distributed.checkpoint as dcp
 
-        return dcp.save(state_dict, storage_writer=_SlowCommitWriter(checkpoint_id, delay=delay))
+        sums: dict[str, dict[str, Any]] = {}
+        # Tests only: hold every save between its shard files and its .metadata, so a kill -9 lands inside a save.
+        delay = float(os.environ.get("WORKBENCH_TEST_SAVE_DELAY_S", "0") or 0)
+        metadata = dcp.save(state_dict, storage_writer=_checksumming_writer(checkpoint_id, sums, delay))
+        commit_checksums(Path(checkpoint_id), sums, metadata)
+        return None
 
     def _purge_stale_checkpoints(self):
-        """keep_latest_k over *complete* checkpoints; partial folders older than the newest complete one go too.
+        """keep_latest_k over *verified* checkpoints; partial folders older than the newest verified one go too.
 
-        torchtitan's version counts every step folder, so a partial save (or an async one still in flight) could
-        push the last complete checkpoint out.
+        torchtitan's version counts every step folder, so a partial save could push the last good checkpoint out.
         """
         if self._should_purge():
             for path in stale_checkpoints(self.folder, self.keep_latest_k):
@@ -299,7 +323,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
         """Before the first save: room for the checkpoints this run will hold at its peak? Warn or refuse."""
         estimate = self._checkpoint_estimate()
         message = self._disk_space_message(estimate) if dist.get_rank() == 0 else None
-        message = _broadcast(message)
+        message = broadcast(message)
         if not message:
             return
         if self.wb_config.refuse_low_disk:
@@ -347,20 +371,88 @@ class WorkbenchCheckpointManager(CheckpointManager):
         return int(getattr(train_state, "step", 0) or 0)
 
 
-class _SlowCommitWriter:
-    """A FileSystemWriter that waits before writing `.metadata` (see WORKBENCH_TEST_SAVE_DELAY_S)."""
+def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata) -> None:
+    """After DCP's save (on every rank): each rank reads its own files back against the checksums taken while they
+    were written; if all match, rank 0 writes `checksums.json` (temp file + fsync + rename), the commit point.
 
-    def __new__(cls, path: str, delay: float):
-        from torch.distributed.checkpoint import FileSystemWriter
+    Raises:
+        CheckpointError: on every rank, naming the first file that read back differently or was not hashed
+            (`_save` turns it into the one-line save failure).
+    """
+    problems = [p for p in all_gather(verify_files(path, sums, sorted(sums))) if p]
+    every = {k: v for part in all_gather(sums) for k, v in part.items()}
+    written = {info.relative_path for info in (metadata.storage_data or {}).values()} | {".metadata"}
+    problems += [f"{path / name} was written without a checksum" for name in sorted(written - set(every))]
+    if rank() == 0 and not problems:
+        try:
+            tmp = path / (CHECKSUMS + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump({"hash": HASH, "files": dict(sorted(every.items()))}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path / CHECKSUMS)
+        except OSError as e:  # a full disk can strike here too: every rank must hear of it
+            problems.append(f"writing {path / CHECKSUMS} failed: {e.strerror}")
+    problems = broadcast(problems)
+    if problems:
+        raise CheckpointError(problems[0])
 
-        class Slow(FileSystemWriter):
-            def finish(self, metadata, results):
+
+class _HashingStream:
+    """A binary output stream that hashes what passes through it (DCP writes with write/tell/flush/fileno)."""
+
+    def __init__(self, raw):
+        self.raw, self.h, self.n = raw, xxhash.xxh3_64(), 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        n = self.raw.write(b)
+        self.n += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float = 0.0):
+    """DCP's FileSystemWriter whose streams record `{file: {bytes, xxh3_64}}` into `sums` as they are written.
+
+    `delay` (tests): wait that many seconds before `.metadata` is written.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, file, mode):
+            with super().create_stream(file, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashing = _HashingStream(stream)
+                yield hashing
+            name = Path(file).name.removesuffix(".tmp")  # DCP writes .metadata.tmp, then renames it
+            sums[name] = {"bytes": hashing.n, HASH: hashing.h.hexdigest()}
+
+    class Writer(FileSystemWriter):
+        def finish(self, metadata, results):
+            if delay > 0:
                 time.sleep(delay)
-                return super().finish(metadata, results)
+            return super().finish(metadata, results)
 
-        return Slow(path)
+    writer = Writer(path)
+    writer.fs = HashingFileSystem()
+    return writer
 
 
-__all__ = ["RunError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError", "WorkbenchCheckpointManager",
-           "check_checkpoint", "newest_complete", "stale_checkpoints", "EXIT_NON_FINITE",
-           "EXIT_CHECKPOINT"]
+__all__ = ["WorkbenchCheckpointManager", "check_checkpoint", "verify_checkpoint", "verify_files", "file_checksum",
+           "read_checksums", "commit_checksums", "newest_complete", "stale_checkpoints", "HASH"]

@@ -26,15 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from workbench.errors import ConfigError
+
 if TYPE_CHECKING:
     from workbench.flavors import Qwen3Shape
 
 Backend = Literal["huggingface_v5", "native", "nki_moe"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
-
-
-class ConfigError(ValueError):
-    """Bad job configuration. The message says what is wrong and how to fix it."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,6 +124,10 @@ class Optimizer:
     """Adam beta2."""
     eps: float = 1e-8
     """Adam epsilon."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        if not self.lr > 0:  # also NaN; a negative lr trains uphill without any other sign
+            raise ConfigError(f"optimizer.lr must be positive; got {self.lr}. Set e.g. --optimizer.lr 3e-4.")
 
 
 @dataclass
@@ -243,8 +245,8 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """dtype of the exported safetensors."""
     on_corrupt: Literal["fallback", "error"] = "fallback"
-    """Newest checkpoint unreadable on resume (truncated/missing file): warn and resume from the newest readable
-    one (fallback), or stop with exit code 4 (error)."""
+    """Newest checkpoint unusable on resume (a file missing, truncated or not matching its checksum): warn and resume
+    from the newest verified one (fallback), or stop with exit code 4 (error)."""
     refuse_low_disk: bool = False
     """Stop (exit 4) instead of warning when the checkpoint folder lacks room for keep_latest_k checkpoints."""
 

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
+from workbench.errors import DatasetError
+
 DOC_SEPARATOR = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -113,14 +115,39 @@ def document_sources(dataset: str, text_field: str = "text") -> list[tuple[str, 
     return sources
 
 
+def check_has_text(sources: list[tuple[str, Any]], dataset: str, text_field: str = "text") -> None:
+    """Refuses training documents without any text: empty, whitespace or document separators only (training on
+    them would learn <|endoftext|> and nothing else). Reads documents only until the first with text.
+
+    Raises:
+        DatasetError: naming the dataset (or the first undecodable file).
+    """
+    for source in sources:
+        if read_document(source, text_field).replace(DOC_SEPARATOR, "").strip():
+            return
+    raise DatasetError(f"training.dataset={dataset!r}: its {len(sources)} training document(s) hold no text (empty, "
+                       f"whitespace or {DOC_SEPARATOR} only).", "point --training.dataset at files with text.")
+
+
 _TEXT_CACHE: dict[tuple[Path, str], list[str]] = {}
+
+
+def _read_utf8(path: Path) -> str:
+    """A text file's contents, or a DatasetError naming the file and the first byte that is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(
+            f"training.dataset: {path} is not UTF-8 text (byte {e.start:,}: {e.object[e.start:e.start + 4]!r}).",
+            f"convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE), or remove it from {path.parent}.",
+        ) from None
 
 
 def _jsonl_texts(path: Path, field: str) -> list[str]:
     key = (path, field)
     if key not in _TEXT_CACHE:
         texts = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(_read_utf8(path).splitlines(), 1):
             if not line.strip():
                 continue
             row = json.loads(line)
@@ -145,9 +172,14 @@ def _parquet_texts(path: Path, field: str) -> list[str]:
 
 
 def read_document(source: tuple[str, Any], text_field: str) -> str:
+    """The text of one document.
+
+    Raises:
+        DatasetError: a text file that is not UTF-8 (naming the file and the byte offset).
+    """
     kind, ref = source
     if kind == "file":
-        return Path(ref).read_text(encoding="utf-8")
+        return _read_utf8(Path(ref))
     path, i = ref
     texts = _jsonl_texts(path, text_field) if path.suffix == ".jsonl" else _parquet_texts(path, text_field)
     return texts[i]

@@ -1,18 +1,44 @@
-"""Reading a run folder: `config.toml`, `metrics.jsonl` and the DCP checkpoints under `<checkpoint.folder>/step-N/`.
+"""A run folder: `config.toml`, `metrics.jsonl`, the DCP checkpoints under `<checkpoint.folder>/step-N/`, and the
+lock that keeps it to one launch at a time.
 
 The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, export_hf and the
 tests read it).
+
+**One run per folder.** A launch holds an exclusive `flock(2)` on `<run>/.lock` for its whole life (rank 0 takes
+it; `RunLock`). Why flock: the kernel (or the file server) releases it when the holder dies, whatever killed it,
+so a stale lock can never block a relaunch, and it works on the shared file systems a trn2 cluster uses:
+  * local disk: flock(2) locks the open file description; released on close or process exit;
+  * NFS: Linux clients (since 2.6.12) emulate flock() with fcntl(2) byte-range locks on the whole file, which the
+    NFS lock protocol makes coherent across clients (flock(2), "NFS details",
+    https://man7.org/linux/man-pages/man2/flock.2.html); a dead client's locks go when its lease expires;
+  * Lustre / FSx for Lustre: coherent across client nodes with the `flock` client mount option
+    (mount.lustre(8): "flock: Enable full flock support, coherent across all client nodes"; `localflock` is
+    node-local only, `noflock` makes flock fail); AWS's FSx mount command uses `-o relatime,flock`
+    (https://docs.aws.amazon.com/fsx/latest/LustreGuide/mounting-ec2-instance.html).
+The file also records the holder (host, pid, start time, command) for the refusal message; it is cleared on a
+clean exit, so a record found under a lock we could take is a stale lock (its holder was killed): taken over,
+saying so. An O_EXCL lock file would need a heartbeat to tell a dead holder on another host from a live one.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from workbench.errors import RunFolderError, RunLockedError
+
 _STEP_DIR = re.compile(r"step-(\d+)")
+LOCK_FILE = ".lock"
+CHECKSUMS = "checksums.json"
+"""Per-file checksums of a DCP step folder, written last: a step folder without it is incomplete."""
 
 
 def read_config(run_dir: str | os.PathLike):
@@ -53,9 +79,28 @@ def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[d
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def trim_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
+    """Drops the records after `last_step` from `<run>/metrics.jsonl` (atomically: temp file + rename).
+
+    A resumed run continues after its checkpoint's step; the steps an interrupted launch logged past it are redone,
+    and must not appear twice. Returns the number of records dropped.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
 def is_complete(path: Path) -> bool:
-    """DCP writes `.metadata` last (tmp file + rename): without it the save did not finish."""
-    return (path / ".metadata").is_file()
+    """The workbench writes `checksums.json` after DCP's `.metadata` and the shards: without it the save did not
+    finish (or predates checksums)."""
+    return (path / CHECKSUMS).is_file()
 
 
 def step_dirs(folder: str | os.PathLike, complete: bool = False) -> dict[int, Path]:
@@ -85,4 +130,82 @@ def step_dir(run: Path, folder: str, step: int | None) -> Path:
     return steps[step]
 
 
-__all__ = ["read_config", "read_metrics", "is_complete", "step_dirs", "step_dir"]
+class RunLock:
+    """The exclusive lock of a run folder (see the module docstring): `acquire` once, `release` at the end."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> dict[str, Any] | None:
+        """Takes the lock and records this launch in it.
+
+        Returns:
+            The record of the previous holder when the lock was stale (that launch is gone), else None.
+
+        Raises:
+            RunLockedError: another launch holds it (the message names it).
+            RunFolderError: the file system cannot lock (Lustre without `flock`) or the folder is not writable.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunFolderError(f"cannot create the run folder {self.path.parent}: {e.strerror}.",
+                                 "point --job.dump_folder at a writable folder.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_record(fd)
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunLockedError(
+                    f"{self.path.parent} is in use by another launch ({describe_holder(holder)}); a second run "
+                    "in one folder would overwrite its checkpoints and metrics.",
+                    "wait for it to finish, stop it (SIGTERM saves and exits), or launch into another folder "
+                    "(--job.experiment_name).") from None
+            raise RunFolderError(
+                f"cannot lock {self.path} ({e.strerror}): the file system does not support flock.",
+                "on Lustre / FSx for Lustre mount with -o flock (not localflock/noflock); on NFS run the lock "
+                "service (lockd/NFSv4); or use a local folder.") from None
+        previous = _read_record(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_own_record()).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return previous
+
+    def release(self) -> None:
+        """Clears the record (a clean exit leaves no stale lock) and unlocks."""
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass  # a vanished or read-only folder: the next launch reports a stale lock, harmless
+        os.close(self.fd)  # closing the only descriptor releases the flock
+        self.fd = None
+
+
+def _own_record() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
+
+
+def _read_record(fd: int) -> dict[str, Any] | None:
+    data = os.pread(fd, 4096, 0)
+    try:
+        return json.loads(data) if data.strip() else None
+    except ValueError:
+        return None
+
+
+def describe_holder(record: dict[str, Any] | None) -> str:
+    """'host H, pid P, started T' of a lock record."""
+    if not record:
+        return "holder not recorded yet"
+    return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
+
+
+__all__ = ["read_config", "read_metrics", "trim_metrics", "is_complete", "step_dirs", "step_dir", "RunLock",
+           "describe_holder", "LOCK_FILE", "CHECKSUMS"]

@@ -7,6 +7,10 @@ with exit code 2, before any process group or model exists) -> pick and pin the 
 config into the run folder -> build torchtitan's Trainer -> train (resuming from the newest DCP checkpoint in
 the run folder if there is one) -> summary.
 
+Every failure the workbench raises or recognises ends the launch with one line and its exit code
+(`workbench.errors`: 2 config or locked run folder, 3 non-finite loss, 4 checkpoint/disk, 5 stopped by
+SIGTERM/SIGINT after saving).
+
 `workbench.train.train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a
 subprocess, streams its output, and returns the run folder. One spelling on purpose: `workbench.train` is this
 module (so `python -m workbench.train` works), and the function in it is `train`.
@@ -14,18 +18,16 @@ module (so `python -m workbench.train` works), and the function in it is `train`
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from workbench.config import ConfigError, JobConfig, help_text, load_config
-from workbench.dist_utils import rank
-
-EXIT_CONFIG_ERROR = 2  # also a checkpoint written for another model; 3 = non-finite loss, 4 = checkpoint/disk
+from workbench.config import JobConfig, help_text, load_config
+from workbench.dist_utils import StopRequest, rank
+from workbench.errors import ConfigError, RunFolderError, StoppedError, WorkbenchError, announce
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -47,15 +49,10 @@ def run(job: JobConfig, info=None) -> Path:
 
     import torch
 
-    from workbench import flavors
     from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
 
     run_dir = job.run_dir
-    if rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(job.to_toml())
-        # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
-        (run_dir / "shape.json").write_text(json.dumps(flavors.describe(job.shape), indent=2))
+    stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
     quiet_titan_logs(job.job.verbose)
     say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
         f"rank(s), run folder {run_dir}")
@@ -64,7 +61,7 @@ def run(job: JobConfig, info=None) -> Path:
     cfg = build_titan_config(job, info.kind, world_size)
     if info.kind == "cpu":
         cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
-    trainer = WorkbenchTrainer(cfg)
+    trainer = WorkbenchTrainer(cfg, stop)
     try:
         trainer.train()
     finally:
@@ -78,7 +75,7 @@ def preflight(job: JobConfig) -> None:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts.
 
     Raises:
-        ConfigError: naming the bad path or setting.
+        ConfigError: naming the bad path or setting (a DatasetError for a dataset without text).
     """
     from workbench import data
 
@@ -90,38 +87,36 @@ def preflight(job: JobConfig) -> None:
     if len(sources) <= job.training.holdout_docs:
         raise ConfigError(
             f"training.holdout_docs={job.training.holdout_docs} leaves no training documents ({len(sources)} in "
-            f"{job.training.dataset!r}); set --training.holdout_docs 0."
+            f"{job.training.dataset!r}); lower --training.holdout_docs."
         )
+    data.check_has_text(sources[:len(sources) - job.training.holdout_docs], job.training.dataset,
+                        job.training.dataset_text_field)
 
 
-def _report(e) -> int:
-    """One readable line for a failure the workbench knows (ConfigError, RunError), then exit with its code."""
-    code = getattr(e, "exit_code", EXIT_CONFIG_ERROR)
-    _announce(e.one_line() if hasattr(e, "one_line") else f"workbench: config error: {e}", code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # same reason as after a successful run: skip the distributed stack's teardown
+def recognised(e: BaseException) -> WorkbenchError | None:
+    """The workbench error a failure means, or None for one the workbench does not know (its traceback shows).
 
-
-def _announce(line: str, code: int) -> None:
-    """Shows `line` once, at the end of the output, instead of a traceback per rank.
-
-    Every rank got the same error (the decisions behind them are collective or deterministic). Under torchrun the
-    line goes into each rank's torchelastic error file, whose `py_callstack` torchrun prints in its failure summary
-    (the last lines of its output): rank 0's, dated a second earlier so that torchrun names it the root cause,
-    holds the line and the fix; the other ranks' point at it. The ranks' exit code (2 config, 3 non-finite loss,
-    4 checkpoint/disk) shows as `exitcode` there; torchrun itself exits 1. Alone (no torchrun), rank 0 prints
-    the line on stderr.
+    HF weights that cannot be loaded are config errors (exit 2); a run folder that cannot be written (read-only,
+    full, a file in the way) is a run folder error (exit 4).
     """
-    first = rank() == 0
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        text = line if first else f"stopped with rank 0's error (the root cause below), exit code {code}"
-        when = str(int(time.time()) - (1 if first else 0))
-        Path(error_file).write_text(json.dumps(
-            {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": when}}}))
-    elif first:
-        print(line, file=sys.stderr, flush=True)
+    from workbench.hf import HFCheckpointError
+
+    if isinstance(e, WorkbenchError):
+        return e
+    if isinstance(e, (HFCheckpointError, FileNotFoundError)):
+        return ConfigError(str(e).strip('"'))
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.ENOTDIR):
+        error = RunFolderError(f"writing {e.filename or 'a file'} failed: {e.strerror}.",
+                               "point --job.dump_folder at a writable folder with free space.")
+        error.same_on_every_rank = False  # maybe this rank's alone: its line must be able to be the root cause
+        return error
+    return None
+
+
+def _exit(e: WorkbenchError) -> None:
+    """One line for `e` (`errors.announce`), then exit with its code, skipping the interpreter's teardown."""
+    # A stop on a signal prints too: torchrun, signalled itself, shows no failure summary then.
+    os._exit(announce(e, rank(), also_print=isinstance(e, StoppedError)))
 
 
 def _free_port() -> int:
@@ -142,28 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_config(argv=argv, world_size=world_size)
         preflight(job)
-    except (ConfigError, FileNotFoundError) as e:
-        _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
-        return EXIT_CONFIG_ERROR
-    try:  # before any process group exists: a missing device is one line, not a traceback per rank
-        info = device.detect(job.job.device)
-    except device.DeviceError as e:
-        _announce(f"workbench: device error: {e}", EXIT_CONFIG_ERROR)
-        return EXIT_CONFIG_ERROR
-    if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
-        from workbench import plan
+        try:  # before any process group exists: a missing device is one line, not a traceback per rank
+            info = device.detect(job.job.device)
+        except device.DeviceError as e:
+            error = ConfigError(str(e))
+            error.kind = "device error"
+            raise error from None
+        if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
+            from workbench import plan
 
-        try:
             plan.preflight(job, world_size, info.kind)
-        except ConfigError as e:
-            _announce(f"workbench: config error: {e}", EXIT_CONFIG_ERROR)
-            return EXIT_CONFIG_ERROR
-    from workbench.checkpoint import RunError  # torch-heavy: after the config is known to be good
-
+    except (ConfigError, FileNotFoundError) as e:
+        return announce(recognised(e), rank())
     try:
         run(job, info)
-    except (ConfigError, RunError) as e:
-        return _report(e)
+    except BaseException as e:  # noqa: BLE001 - a known failure is one line; anything else keeps its traceback
+        known = recognised(e)
+        if known is None:
+            raise
+        _exit(known)
     # Everything is written, closed and the process group destroyed. Skip the interpreter's teardown: a C++ thread
     # destructor in the distributed stack occasionally aborts there ("terminate called without an active
     # exception", SIGABRT) after a run that succeeded, which torchrun would report as a failed rank.

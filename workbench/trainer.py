@@ -2,8 +2,11 @@
 
 `build_titan_config(job, device)` translates our `JobConfig` into torchtitan's `Trainer.Config` (with the
 backend's `ModelSpec`); `WorkbenchTrainer` adds, without touching torchtitan's loop:
-  * the run folder contract: `config.toml` (resolved config), `metrics.jsonl` (one object per logged step),
+  * the run folder contract: one launch at a time (`run_folder.RunLock`, taken right after the process group
+    starts), `config.toml` (resolved config), `metrics.jsonl` (one object per logged step, never a step twice),
     `checkpoint/` (DCP, torchtitan's checkpointer), `hf/` (export at the end when asked);
+  * a clean stop on SIGTERM / SIGINT (`dist_utils.StopRequest`): every rank finishes the step, they save it
+    together and exit 5 with one line;
   * a readable progress line per logged step on rank 0 and a summary at the end; other ranks stay quiet;
   * an MFU against a peak that means something on the device (`workbench.profiling.peak_flops`) and model FLOPs
     from the shape (`workbench.profiling.flops_per_token`), the same for every backend;
@@ -33,9 +36,12 @@ from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
 from workbench import data, neuron_adjustments, profiling
-from workbench.checkpoint import NonFiniteError, WorkbenchCheckpointManager, newest_complete
+from workbench.checkpoint import WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
+from workbench.dist_utils import StopRequest, broadcast
 from workbench.dist_utils import rank as _rank
+from workbench.errors import NonFiniteError, RunError, RunFolderError, StoppedError
+from workbench.run_folder import RunLock, describe_holder, trim_metrics
 
 
 def say(msg: str) -> None:
@@ -131,14 +137,87 @@ class WorkbenchTrainer(Trainer):
         job: JobConfig = field(default_factory=JobConfig)
         """The validated workbench config (its shape resolved: `job.shape`)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, stop: StopRequest | None = None):
         self.job = config.job
+        self.stop = stop
+        self.run_lock: RunLock | None = None
         self._t0 = time.perf_counter()
-        super().__init__(config)
+        try:
+            super().__init__(config)
+        except BaseException:
+            if self.run_lock:
+                self.run_lock.release()
+            raise
         self.init_seconds = time.perf_counter() - self._t0
         self._start_step: int | None = None  # last step before this launch (0 = fresh), set by _on_first_step
         self._first_step_at: float | None = None
         self._setup_performance_accounting()
+
+    # ---- The run folder: one launch at a time -------------------------------------------------------------------
+
+    def init_distributed(self):
+        """torchtitan's process group, then the run folder's lock (before anything is built or written)."""
+        parallel_dims = super().init_distributed()
+        # The stop flag travels over gloo (a CPU int): no device sync added to the step on cuda/neuron.
+        self._cpu_group = None if "gloo" in str(torch.distributed.get_backend()) else \
+            torch.distributed.new_group(backend="gloo")
+        self._take_run_folder()
+        return parallel_dims
+
+    def _take_run_folder(self) -> None:
+        """Rank 0 locks the run folder and writes config.toml / shape.json; every rank gets the same outcome."""
+        from workbench import flavors
+
+        run_dir = Path(self.config.dump_folder)
+        outcome: Any = None
+        if _rank() == 0:
+            try:
+                self.run_lock = RunLock(run_dir)
+                outcome = self.run_lock.acquire()
+                (run_dir / "config.toml").write_text(self.job.to_toml())
+                # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
+                (run_dir / "shape.json").write_text(json.dumps(flavors.describe(self.job.shape), indent=2))
+            except RunError as e:
+                outcome = e
+            except OSError as e:
+                outcome = RunFolderError(f"cannot write the run folder {run_dir}: {e.strerror} ({e.filename}).",
+                                         "point --job.dump_folder at a writable folder.")
+        outcome = broadcast(outcome)
+        if isinstance(outcome, RunError):
+            raise outcome
+        if outcome:
+            say(f"workbench: warning: took over the lock of {run_dir} from a launch that is gone "
+                f"({describe_holder(outcome)}): killed or crashed; resuming as usual.")
+
+    def should_continue_training(self) -> bool:
+        """torchtitan's loop condition, plus the stop request of any rank (checked together after every step)."""
+        if not super().should_continue_training():
+            return False
+        if self.stop is not None and self._any_rank_stopping():
+            raise self._stop_and_save()
+        return True
+
+    def _any_rank_stopping(self) -> bool:
+        flag = torch.tensor([int(self.stop.requested)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._cpu_group)
+        return bool(flag.item())
+
+    def _stop_and_save(self) -> StoppedError:
+        """Saves the step just finished (unless it is saved already) and says how to resume."""
+        ckpt = self.checkpointer
+        fresh = self._start_step is None or self.step == self._start_step  # nothing trained by this launch
+        if not ckpt.enable:
+            what = "checkpointing is off (checkpoint.enable false): nothing was saved"
+            fix = "relaunch the same command to train again from step 1 (enable checkpoints to resume)."
+        elif self.step == 0:
+            what = "no step had run: nothing to save"
+            fix = "relaunch the same command."
+        else:
+            if not fresh and self.step % ckpt.interval:
+                ckpt.save(self.step, last_step=True)  # last_step: saves whatever the interval
+            what = f"checkpoint step {self.step} is saved in {ckpt._create_checkpoint_id(self.step)}"
+            fix = f"relaunch the same command: it continues after step {self.step}."
+        return StoppedError(f"{self.stop.name} after step {self.step}: {what}.", fix)
 
     # ---- Performance accounting (issue 7): MFU from the model shape, profiler step window, phase labels ----------
     # torchtitan's own seams: `train_step` (wrapped, not copied) and `_forward_backward_body` (torchtitan 0.3.0's body
@@ -189,8 +268,10 @@ class WorkbenchTrainer(Trainer):
         # measures the step (with warm-up/compile), not init and checkpoint loading.
         self.metrics_processor.time_last_log = time.perf_counter()
         jsonl = Path(self.metrics_processor.config.jsonl_path)
-        if self._start_step == 0 and _rank() == 0 and jsonl.is_file():
+        if _rank() == 0 and self._start_step == 0 and jsonl.is_file():
             jsonl.unlink()  # a fresh (not resumed) run in a reused folder starts a new curve
+        elif _rank() == 0:
+            trim_metrics(jsonl.parent, self._start_step)  # steps logged after the checkpoint are redone now
 
     def _forward_backward_body(self, inputs: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor,
                                extra_kwargs: dict[str, Any]) -> torch.Tensor:
@@ -207,6 +288,11 @@ class WorkbenchTrainer(Trainer):
         return loss  # local SUM loss / global_valid_tokens, as torchtitan returns it
 
     # ---- end of performance accounting ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        super().close()
+        if self.run_lock:
+            self.run_lock.release()
 
     def train(self):
         run_dir = Path(self.config.dump_folder)
