@@ -419,8 +419,10 @@ def program_id(axis: int) -> int:
     return launch.core
 
 
-def num_programs(axis: int = 0) -> int:
+def num_programs(axes: int = 0) -> int:
+    """`nl.num_programs(axes=0)` (the API page's parameter name; nki-library passes it by keyword)."""
     launch = require("nl.num_programs", URL_PROGRAM_ID)
+    axis = axes
     if axis != 0:
         raise _violation("lnc-grid", f"num_programs({axis}): the LNC launch grid kernel[lnc] is 1-D; use axis 0",
                          URL_PROGRAM_ID)

@@ -12,6 +12,11 @@ import math
 
 import torch
 
+from . import (
+    _runtime,
+    constants,  # noqa: F401 - nki.isa.constants
+    dtypes,
+)
 from . import language as nl
 from ._core import (
     DOCS,
@@ -21,11 +26,15 @@ from ._core import (
     PMAX,
     PSUM,
     SBUF,
+    AccessPattern,
     Tensor,
     View,
+    note_uses,
     violation,
 )
-from ._runtime import VirtualRegister, core_barrier, current, emit  # noqa: F401 - core_barrier is nisa.*
+from ._runtime import VirtualRegister, core_barrier, current  # noqa: F401 - core_barrier is nisa.*
+from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
+from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
 URL_MATMUL = f"{API}/nki.isa.nc_matmul.html"
@@ -41,8 +50,21 @@ URL_ACTIVATION_LATEST = f"{DOCS}/latest/nki/api/generated/nki.isa.activation.htm
 URL_REGISTER_ALLOC = f"{DOCS}/latest/nki/api/generated/nki.isa.register_alloc.html"
 
 
-class engine:  # noqa: N801 - mirrors nki.isa.engine
-    unknown, tensor, vector, scalar, gpsimd = "unknown", "tensor", "vector", "scalar", "gpsimd"
+# Engine selectors (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.engine.html):
+# nisa.vector_engine etc. are the members of nisa.engine.
+unknown_engine, tensor_engine, vector_engine = engine.unknown, engine.tensor, engine.vector
+scalar_engine, gpsimd_engine, sync_engine = engine.scalar, engine.gpsimd, engine.sync
+
+
+def get_nc_version() -> nc_version:
+    """The NeuronCore generation the kernel is compiled for: the emulator models trn2's NeuronCore-v3 (gen3)."""
+    return nc_version.gen3
+
+
+def emit(engine_name: str, op: str, run) -> None:
+    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (_runtime.emit)."""
+    note_uses(run)
+    _runtime.emit(engine_name, op, run)
 
 
 # -- shared checks ---------------------------------------------------------------------------------------------------
@@ -80,7 +102,7 @@ def _check_operand(value, data, what: str, op: str, url: str) -> None:
     if isinstance(value, (int, float)):
         return
     _on_chip(value, what, op, url)
-    if tuple(value.shape) != (data.shape[0], 1):
+    if _per_partition(value) != (data.shape[0], 1):  # a (P, 1) tile or a (P,) view of one column
         raise violation("operand-shape", f"{op}: {what} must be a float or a ({data.shape[0]}, 1) tile, got shape "
                         f"{value.shape}", url)
 
@@ -92,8 +114,13 @@ def _operand(value, data) -> torch.Tensor:
     return _float(value).reshape([data.shape[0]] + [1] * (len(data.shape) - 1))
 
 
-def _engine(engine, default: str) -> str:
-    return default if engine in (None, "unknown") else engine
+def _engine(engine_, default: str) -> str:
+    """The counter name of the engine an instruction runs on ("vector", ...); `unknown` picks `default`."""
+    if engine_ is None or engine_ is engine.unknown:
+        return default
+    if not isinstance(engine_, engine):
+        raise TypeError(f"engine must be a nisa.engine member (e.g. nisa.vector_engine), got {engine_!r}")
+    return engine_.value
 
 
 def _arith(op, name: str, url: str):
@@ -109,9 +136,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     op, url = "nc_matmul", URL_MATMUL
     if is_stationary_onezero or is_moving_onezero or is_transpose or tile_position or tile_size or perf_mode:
         raise NotImplementedError("nc_matmul: onezero/transpose/tiling/perf modes are outside the emulated subset")
-    if accumulate is None:
-        raise NotImplementedError("nc_matmul: pass accumulate=False (first matmul of a group) or True explicitly; "
-                                  "the emulator does not model the compiler's default")
     for what, t, want in (("stationary", stationary, SBUF), ("moving", moving, SBUF), ("dst", dst, PSUM)):
         _view(t, what, op)
         if t.buffer is not want:
@@ -147,7 +171,10 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
 
     def run():
         result = _float(stationary).T @ _float(moving)
-        if accumulate:
+        # accumulate=None (NKI 0.3 has no such parameter; 0.4+ default): continue the accumulation group when
+        # every dst element was last written by nc_matmul, else open one (overwrite). Interpretation: nki-library's
+        # kernels accumulate over H tiles into freshly allocated PSUM with no accumulate argument.
+        if accumulate or (accumulate is None and isinstance(dst, Tensor) and dst.written_by_matmul()):
             if not (isinstance(dst, Tensor) and dst.written_by_matmul()):
                 raise violation("matmul-accumulate-init", "accumulate=True onto PSUM elements not written by a "
                                 "previous nc_matmul (uninitialised or written by another engine is undefined on "
@@ -169,8 +196,9 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         raise violation("transpose-dtype", f"dst dtype {dst.dtype} must equal data dtype {data.dtype}", url)
     if tuple(dst.shape) != (f, p):
         raise violation("transpose-shape", f"dst shape {dst.shape} must be {(f, p)} for data {data.shape}", url)
-    tensor_engine = engine == "tensor" or (engine == "unknown" and data.buffer is SBUF and dst.buffer is PSUM)
-    if tensor_engine:
+    on_pe = engine is engine_enum.tensor or (engine is engine_enum.unknown and data.buffer is SBUF
+                                                     and dst.buffer is PSUM)
+    if on_pe:
         if data.buffer is not SBUF or dst.buffer is not PSUM:
             raise violation("transpose-buffer", "Tensor Engine nc_transpose reads SBUF and writes PSUM; got "
                             f"data in {data.buffer}, dst in {dst.buffer}", url)
@@ -183,16 +211,16 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
     def run():
         dst.write(data.read().reshape(p, f).T.contiguous())
-        if tensor_engine:  # the PE array transposes by a matmul against identity: 2 * p * p * f FLOPs
+        if on_pe:  # the PE array transposes by a matmul against identity: 2 * p * p * f FLOPs
             stats = current().stats
             stats.pe_flops += 2 * p * p * f
             stats.pe_transpose_flops += 2 * p * p * f
 
-    emit("tensor" if tensor_engine else "vector", op, run)
+    emit("tensor" if on_pe else "vector", op, run)
 
 
 # -- DMA ---------------------------------------------------------------------------------------------------------------
-def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=None, name=None):
+def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=None, name=None):  # noqa: F811
     """dst = src via the DMA engines, HBM <-> SBUF, casting dtype on the way (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.dma_copy.html)."""
     op, url = "dma_copy", URL_DMA
     if dst_rmw_op is not None:
@@ -203,26 +231,62 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
         if t.buffer is PSUM:
             raise violation("dma-buffer", f"dma_copy moves data between HBM and SBUF; {what} is in PSUM "
                             "(evict PSUM to SBUF with tensor_copy first)", url)
-    if tuple(dst.shape) != tuple(src.shape):
-        raise violation("dma-shape", f"dst shape {dst.shape} != src shape {src.shape}", url)
+    _dma_elements(op, url, dst=dst, src=src)
+    skip = _oob_skip(oob_mode, op)
+
     def run():
-        value = src.read()
-        dst.write(value)
+        value, keep = _read_skipping(src, skip)
+        if isinstance(dst, Tensor):
+            dst.write(value, keep=keep)
+        else:
+            dst.write(value, keep=keep, skip=skip)
         _count_dma(dst, src)
         if getattr(src, "vector_offset", None) is not None:
-            _count_gather(src, value)
+            _count_gather(src, value, keep)
 
     emit("dma", op, run)
 
 
-def _count_gather(src, value) -> None:
+def _dma_elements(op: str, url: str, **sides) -> None:
+    """A DMA moves the same number of elements out of src as into dst, each side in its row-major order.
+
+    The dma_copy page states no equal-shape requirement, and nki-library copies e.g. a (1, n) SBUF row into a
+    (n,) HBM vector; the element counts must agree (nothing else defines which element goes where)."""
+    counts = {name: math.prod(t.shape) for name, t in sides.items()}
+    if len(set(counts.values())) > 1:
+        shapes = {name: tuple(t.shape) for name, t in sides.items()}
+        raise violation("dma-shape", f"{op}: the sides move different numbers of elements {counts} (shapes "
+                        f"{shapes}); slice both to the same element count", url)
+
+
+def _oob_skip(mode, op: str) -> bool:
+    """True for oob_mode.skip; None/oob_mode.error mean out-of-range indirect offsets raise."""
+    if mode is None or mode is oob_mode.error:
+        return False
+    if mode is oob_mode.skip:
+        return True
+    raise TypeError(f"{op}: oob_mode must be nisa.oob_mode.error or .skip, got {mode!r}")
+
+
+def _read_skipping(src, skip: bool):
+    """src's values and (oob_mode.skip on an access pattern) the mask of elements actually read."""
+    if skip and isinstance(src, AccessPattern):
+        return src.read(skip=True)
+    return src.read(), None
+
+
+def _count_gather(src, value, keep=None) -> None:
     """Row gather (indirect DMA, `vector_offset`): rows read, and how many of them were entirely zero.
 
     A zero row is what a padding slot computes on: blockwise kernels point padding slots at a zero row (the MoE
     kernels' row T of x_pad), so for the gather of a kernel's input rows this is "padding slots computed"."""
     stats = current().stats
     rows = src.pattern[0][1]
-    zero = int((value.reshape(rows, -1) == 0).all(dim=1).sum())
+    zero_rows = (value.reshape(rows, -1) == 0).all(dim=1)
+    if keep is not None:  # rows skipped under oob_mode.skip are not read
+        read = keep.reshape(rows, -1)[:, 0]
+        rows, zero_rows = int(read.sum()), zero_rows & read
+    zero = int(zero_rows.sum())
     name = _name(src)
     stats.gathered_rows[name] = stats.gathered_rows.get(name, 0) + rows
     stats.padding_rows[name] = stats.padding_rows.get(name, 0) + zero
@@ -290,7 +354,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
 
     def run():
         value = src.read()
-        dst.write(value if value.dtype == dst.dtype else value.float())
+        dst.write(value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else value.float())
 
     emit(_engine(engine, "vector"), op, run)
 
@@ -336,7 +400,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     emit(_engine(engine, "vector"), name_, run)
 
 
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,  # noqa: F811
                engine=None, name=None):
     """dst = op(data * scale + bias) on the Scalar Engine in fp32 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.activation.html)."""
     name_, url = "activation", URL_ACTIVATION
@@ -419,6 +483,141 @@ def register_store(dst, src) -> None:
          lambda: dst.write(torch.tensor([src.runtime_value()], dtype=torch.int32)))
 
 
-__all__ = ["VirtualRegister", "activation", "core_barrier", "dma_compute", "dma_copy", "engine", "memset",
-           "nc_matmul", "nc_transpose", "register_alloc", "register_load", "register_move", "register_store",
-           "tensor_copy", "tensor_scalar", "tensor_tensor"]
+# -- the rest of nki.isa that nki-library's kernels use ----------------------------------------------------------------
+URL_STT = f"{DOCS}/latest/nki/api/generated/nki.isa.scalar_tensor_tensor.html"
+URL_PREDICATED = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_copy_predicated.html"
+URL_SHUFFLE = f"{DOCS}/latest/nki/api/generated/nki.isa.nc_stream_shuffle.html"
+URL_REDUCE = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_reduce.html"
+URL_RECIPROCAL = f"{DOCS}/latest/nki/api/generated/nki.isa.reciprocal.html"
+URL_IOTA = f"{DOCS}/latest/nki/api/generated/nki.isa.iota.html"
+dma_engine = engine.sync  # the DMA queue selector nki-library passes as engine= (queues are not modelled)
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False,
+                         engine=engine.unknown, name=None):
+    """dst = (data <op0> operand0) <op1> operand1: operand0 a scalar or (P, 1) vector, operand1 a tile of data's
+    layout; fp32 math (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.scalar_tensor_tensor.html)."""
+    op, url = "scalar_tensor_tensor", URL_STT
+    for what, t in (("data", data), ("operand1", operand1), ("dst", dst)):
+        _on_chip(t, what, op, url)
+    _same_layout(op, url, dst=dst, data=data, operand1=operand1)
+    _check_operand(operand0, data, "operand0", op, url)
+    fn0, fn1 = _arith(op0, op, url), _arith(op1, op, url)
+
+    def run():
+        x = _float(data).reshape(dst.shape)
+        a = _operand(operand0, dst)
+        x = fn0(a, x) if reverse0 else fn0(x, a)
+        b = _float(operand1).reshape(dst.shape)
+        dst.write(fn1(b, x) if reverse1 else fn1(x, b))
+
+    emit(_engine(engine, "vector"), op, run)
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engine.unknown, name=None):
+    """dst = src where predicate is nonzero (zero with reverse_pred=True); elsewhere dst keeps its value
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.tensor_copy_predicated.html)."""
+    op, url = "tensor_copy_predicated", URL_PREDICATED
+    for what, t in (("src", src), ("predicate", predicate), ("dst", dst)):
+        _on_chip(t, what, op, url)
+    _same_layout(op, url, dst=dst, src=src, predicate=predicate)
+
+    def run():
+        take = (predicate.read().reshape(dst.shape) != 0) ^ bool(reverse_pred)
+        value = src.read().reshape(dst.shape)
+        dst.write(torch.where(take, value.to(dst.dtype), dst.read() if bool(take.logical_not().any()) else value))
+
+    emit(_engine(engine, "vector"), op, run)
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Cross-partition move within 32-partition quadrants on the Vector Engine: dst partition p takes src partition
+    32 * (p // 32) + shuffle_mask[p % 32]; mask value 255 leaves dst partition p unmodified
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.nc_stream_shuffle.html)."""
+    op, url = "nc_stream_shuffle", URL_SHUFFLE
+    _on_chip(src, "src", op, url)
+    _on_chip(dst, "dst", op, url)
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise violation("shuffle-mask", f"{op}: shuffle_mask must be 32 ints in [0, 32) or 255, got {mask}", url)
+    if dst.dtype != src.dtype:
+        raise violation("shuffle-operands", f"{op}: dst dtype {dst.dtype} must equal src dtype {src.dtype}", url)
+    if _per_partition(dst)[1] != _per_partition(src)[1]:
+        raise violation("shuffle-operands", f"{op}: dst and src must have the same elements per partition: "
+                        f"{dst.shape} vs {src.shape}", url)
+    rows = [32 * (p // 32) + mask[p % 32] for p in range(dst.shape[0]) if mask[p % 32] != 255]
+    if rows and max(rows) >= src.shape[0]:
+        raise violation("index-bounds", f"{op}: dst partitions read src partition {max(rows)} of a "
+                        f"{src.shape[0]}-partition src", url)
+
+    def run():
+        value = src.read().reshape(src.shape[0], -1)
+        out = dst.read().reshape(dst.shape[0], -1) if 255 in mask else torch.empty(dst.shape[0], value.shape[1],
+                                                                                     dtype=value.dtype)
+        for p in range(dst.shape[0]):
+            if mask[p % 32] != 255:
+                out[p] = value[32 * (p // 32) + mask[p % 32]]
+        dst.write(out)
+
+    emit("vector", op, run)
+
+
+_REDUCE = {"add": lambda x, dims: x.sum(dims), "maximum": lambda x, dims: x.amax(dims),
+           "minimum": lambda x, dims: x.amin(dims), "multiply": lambda x, dims: _prod(x, dims)}
+
+
+def _prod(x, dims):
+    for d in sorted(dims, reverse=True):
+        x = x.prod(d)
+    return x
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, engine=engine.unknown, name=None):
+    """dst = reduce(op) of data over the free axes `axis` (fp32; `negate` negates the result)
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.tensor_reduce.html)."""
+    name_, url = "tensor_reduce", URL_REDUCE
+    _on_chip(data, "data", name_, url)
+    _on_chip(dst, "dst", name_, url)
+    if getattr(op, "name", None) not in _REDUCE:
+        raise NotImplementedError(f"{name_}: op {op!r} outside the emulated subset {sorted(_REDUCE)} ({url})")
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if not axes or any(a <= 0 or a >= len(data.shape) for a in axes):
+        raise violation("reduce-axis", f"{name_}: axis {axis} must name free dims (1..{len(data.shape) - 1}) of "
+                        f"{data.shape}; the partition dim is reduced with nc_matmul or partition_all_reduce", url)
+    kept = math.prod(n for d, n in enumerate(data.shape) if d not in axes)
+    if _per_partition(dst) != (data.shape[0], kept // data.shape[0]):
+        raise violation("elementwise-shape", f"{name_}: dst {dst.shape} must hold the {kept // data.shape[0]} "
+                        f"values per partition left after reducing {data.shape} over {axes}", url)
+
+    def run():
+        result = _REDUCE[op.name](_float(data), axes)
+        dst.write(-result if negate else result)
+
+    emit(_engine(engine, "vector"), name_, run)
+
+
+def reciprocal(dst, data, engine=engine.unknown, name=None):
+    """dst = 1 / data elementwise in fp32 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.reciprocal.html)."""
+    op, url = "reciprocal", URL_RECIPROCAL
+    _on_chip(data, "data", op, url)
+    _on_chip(dst, "dst", op, url)
+    _same_layout(op, url, dst=dst, data=data)
+    emit(_engine(engine, "vector"), op, lambda: dst.write(torch.reciprocal(_float(data)).reshape(dst.shape)))
+
+
+def _unemulated(name: str):
+    """An nki.isa instruction nki-library uses that the emulator does not model: calling it raises."""
+
+    def instruction(*args, **kwargs):
+        raise NotImplementedError(f"nisa.{name} is outside the emulated subset "
+                                  f"({DOCS}/latest/nki/api/generated/nki.isa.{name}.html)")
+
+    instruction.__name__ = instruction.__qualname__ = name
+    return instruction
+
+
+for _missing in ("sendrecv", "dma_transpose", "iota", "quantize_mx", "nc_matmul_mx", "nc_find_index8", "affine_select",
+              "activation_reduce", "tensor_scalar_reduce", "max8", "bn_stats", "bn_aggr", "nonzero_with_count",
+              "nc_match_replace8", "range_select", "nc_n_gather", "tensor_tensor_scan", "tensor_partition_reduce",
+              "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
+    globals().setdefault(_missing, _unemulated(_missing))

@@ -19,10 +19,28 @@ from ._core import (
     SHARED_HBM,
     allocate,
 )
-from ._runtime import dynamic_range, num_programs, program_id  # noqa: F401 - re-exported as nl.*
+from ._runtime import VirtualRegister, dynamic_range, num_programs, program_id, require  # noqa: F401 - re-exported as nl.*
+from .dtypes import (  # noqa: F401 - the NKI data types are nl.*
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
 
 sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
-float32, bfloat16, float16, int32 = torch.float32, torch.bfloat16, torch.float16, torch.int32
 
 
 def ndarray(shape, dtype, buffer=SBUF, name: str = ""):
@@ -76,3 +94,117 @@ ARITHMETIC = (add, subtract, multiply, maximum)
 # Activation functions for nisa.activation.
 sigmoid = _Op("sigmoid", torch.sigmoid)
 ACTIVATIONS = (sigmoid,)
+
+
+# -- the rest of nki.language that nki-library's kernels use ----------------------------------------------------------
+URL_NL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated"
+
+bool = bool_  # noqa: A001 - nl.bool is the documented spelling
+# `nl.private_hbm`: HBM private to one logical core, as `nl.hbm` (NkiTensor page lists sbuf, psum, hbm,
+# private_hbm, shared_hbm)
+private_hbm = HBM
+
+
+class NKIObject:
+    """`nl.NKIObject`: base class of user classes a kernel creates and passes around.
+
+    The language guide allows classes in kernels; nki-library derives its configuration records from NKIObject and
+    constructs them from their annotated fields, with or without `@dataclass` (`Configs(compute_dtype=..., ...)`
+    in moe_cte_utils.py has no decorator). So a subclass without its own `__init__` takes its annotated fields,
+    positionally in declaration order or by keyword; unannotated names and missing fields without a class-level
+    default raise TypeError, as a dataclass would.
+    """
+
+    def __init__(self, *args, **kwargs):
+        fields = [n for klass in reversed(type(self).__mro__) for n in getattr(klass, "__annotations__", {})]
+        fields = list(dict.fromkeys(fields))
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__} takes {len(fields)} fields, got {len(args)} positional values")
+        values = dict(zip(fields, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in fields or key in values:
+                raise TypeError(f"{type(self).__name__}: unexpected or repeated field {key!r}")
+            values[key] = value
+        for name in fields:
+            if name not in values and not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__}: missing field {name!r}")
+            if name in values:
+                setattr(self, name, values[name])
+
+
+def ds(start, size):
+    """`nl.ds(start, size)`: the index range `start:start+size` (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.ds.html)."""
+    if isinstance(start, VirtualRegister) or isinstance(size, VirtualRegister):
+        raise NotImplementedError("nl.ds with a runtime (register) start/size is outside the emulated subset; use "
+                                  "an access pattern with scalar_offset")
+    return slice(int(start), int(start) + int(size))
+
+
+def program_ndim() -> int:
+    """`nl.program_ndim()`: dimensions of the launch grid. Every emulated launch is a 1-D LNC grid: `kernel[lnc]`,
+    or a plain call at the LNC of NEURON_LOGICAL_NC_CONFIG (see URL_NL/nki.language.program_ndim.html)."""
+    require("nl.program_ndim", f"{URL_NL}/nki.language.program_ndim.html")
+    return 1
+
+
+def _compare(fn):
+    return lambda a, b: fn(a, b).float()  # comparisons give 1.0 / 0.0 (NKI: "returns 1 ... 0 otherwise")
+
+
+def _logical(fn):
+    return lambda a, b: fn(a != 0, b != 0).float()
+
+
+# More arithmetic/compare/logical operators for tensor_tensor / tensor_scalar / scalar_tensor_tensor
+# (nki.language.<op> pages: numpy semantics on fp32 values).
+minimum = _Op("minimum", torch.minimum)
+divide = _Op("divide", torch.div)
+power = _Op("power", torch.pow)
+equal = _Op("equal", _compare(torch.eq))
+not_equal = _Op("not_equal", _compare(torch.ne))
+greater = _Op("greater", _compare(torch.gt))
+greater_equal = _Op("greater_equal", _compare(torch.ge))
+less = _Op("less", _compare(torch.lt))
+less_equal = _Op("less_equal", _compare(torch.le))
+logical_and = _Op("logical_and", _logical(torch.logical_and))
+logical_or = _Op("logical_or", _logical(torch.logical_or))
+logical_xor = _Op("logical_xor", _logical(torch.logical_xor))
+ARITHMETIC = ARITHMETIC + (minimum, divide, power, equal, not_equal, greater, greater_equal, less, less_equal,
+                           logical_and, logical_or, logical_xor)
+
+
+def _gelu_apprx_sigmoid(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_apprx_sigmoid_dx(x):
+    s = torch.sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1 - s)
+
+
+def _silu_dx(x):
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+# More activation functions for nisa.activation (nki.language.<fn> pages; exact math, see docs/nki_emulator.md:
+# the Scalar Engine's hardware approximations are not modelled).
+copy = _Op("copy", lambda x: x)
+exp = _Op("exp", torch.exp)
+log = _Op("log", torch.log)
+tanh = _Op("tanh", torch.tanh)
+sin = _Op("sin", torch.sin)
+abs = _Op("abs", torch.abs)  # noqa: A001 - nl.abs
+square = _Op("square", torch.square)
+sqrt = _Op("sqrt", torch.sqrt)
+rsqrt = _Op("rsqrt", torch.rsqrt)
+reciprocal = _Op("reciprocal", torch.reciprocal)
+relu = _Op("relu", torch.relu)
+silu = _Op("silu", torch.nn.functional.silu)
+silu_dx = _Op("silu_dx", _silu_dx)
+gelu = _Op("gelu", lambda x: torch.nn.functional.gelu(x, approximate="none"))
+gelu_apprx_tanh = _Op("gelu_apprx_tanh", lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+gelu_apprx_sigmoid = _Op("gelu_apprx_sigmoid", _gelu_apprx_sigmoid)
+gelu_apprx_sigmoid_dx = _Op("gelu_apprx_sigmoid_dx", _gelu_apprx_sigmoid_dx)
+ACTIVATIONS = ACTIVATIONS + (copy, exp, log, tanh, sin, abs, square, sqrt, rsqrt, reciprocal, relu, silu, silu_dx,
+                             gelu, gelu_apprx_tanh, gelu_apprx_sigmoid, gelu_apprx_sigmoid_dx)

@@ -1,0 +1,263 @@
+"""Run AWS's nki-library kernels, unmodified, on the emulator and compare them with their torch references.
+
+    python -m workbench.kernels.nki_emulator.conformance --nki-library DIR [--nki-version 0.3.0] [--only NAME]
+
+DIR is a checkout of https://github.com/aws-neuron/nki-library that the user supplies (nothing of it is shipped
+here). `nki`, `nki.language`, `nki.isa` and `nki.isa.constants` are redirected to the emulator while the kernels
+import and run; AWS's files are read from DIR as they are. Inputs are built by nki-library's own test helpers
+(their functions are loaded from DIR/test at run time with numpy as the only dependency) or, where a test helper
+needs AWS-internal packages, by the same recipe written here; outputs are compared the way nki-library's tests
+compare (`maxAllClose`, mode "max": |out - ref| <= atol + rtol * max|ref|) at the tolerances those tests use.
+
+Each kernel runs under the NKI version it was written for: nki-library of April 2026 (tag 2.29) targets NKI 0.3.0
+(Neuron SDK 2.29; "NKI Migration Guides", version table), so the default is `--nki-version 0.3.0`.
+
+Prints one row per kernel: name, ran?, max abs error / max |ref| (rel), tolerance, match?, first gap (the first
+missing name or rule the emulator raised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import enum
+import math
+import sys
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workbench.kernels import nki_emulator
+from workbench.kernels.nki_emulator import collectives, constants, version
+
+LIBRARY_NKI_VERSION = "0.3.0"  # nki-library tag 2.29 = Neuron SDK 2.29 = NKI 0.3.0
+SRC = "src/nkilib_src/nkilib"
+
+
+# -- redirecting `nki` to the emulator -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def redirected(library: Path):
+    """Import `nki.*` as the emulator and `nkilib_src.*` from `library` inside the block; restore afterwards."""
+    aliases = {
+        "nki": nki_emulator,
+        "nki.language": nki_emulator.language,
+        "nki.isa": nki_emulator.isa,
+        "nki.isa.constants": constants,
+        "nki.collectives": collectives,
+    }
+    saved = {name: sys.modules.get(name) for name in aliases}
+    sys.modules.update(aliases)
+    sys.path.insert(0, str(library / "src"))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(library / "src"))
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        for name in [n for n in sys.modules if n == "nkilib_src" or n.startswith(("nkilib_src.", "test."))]:
+            del sys.modules[name]
+
+
+def aws_functions(path: Path, names: list[str], namespace: dict) -> dict:
+    """Define the named top-level functions/classes of `path` (an nki-library test file) in `namespace`.
+
+    Only those definitions run: the file's imports (AWS-internal packages such as neuron_dtypes) are skipped, so
+    `namespace` supplies what the definitions use."""
+    tree = ast.parse(path.read_text())
+    wanted = [node for node in tree.body
+              if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names]
+    missing = set(names) - {node.name for node in wanted}
+    if missing:
+        raise LookupError(f"{path} no longer defines {sorted(missing)}: the conformance case needs updating")
+    code = compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec")
+    exec(code, namespace)  # noqa: S102 - AWS's test helper definitions, from the checkout the user supplied
+    return namespace
+
+
+def expit(x):
+    """Logistic sigmoid for AWS's numpy goldens (they import scipy.special.expit)."""
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+# -- comparing ----------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    name: str
+    ran: bool = False
+    max_abs: float = math.nan
+    rel: float = math.nan
+    tol: str = ""
+    match: bool = False
+    gap: str = ""
+
+
+def compare(outputs: dict, reference: dict, rtol: float, atol: float, result: Result) -> None:
+    """nki-library's maxAllClose (mode "max"): every |out - ref| <= atol + rtol * max|ref|, per output."""
+    worst_abs, worst_rel, ok = 0.0, 0.0, True
+    for key, ref in reference.items():
+        out = outputs[key]
+        out = out.float().numpy() if isinstance(out, torch.Tensor) else np.asarray(out, dtype=np.float64)
+        ref = ref.float().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, dtype=np.float64)
+        if out.shape != ref.shape:
+            out = out.reshape(ref.shape) if out.size == ref.size else out
+        if out.shape != ref.shape:
+            result.gap = f"output {key}: shape {out.shape} != reference {ref.shape}"
+            ok = False
+            continue
+        diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+        worst_abs = max(worst_abs, float(diff.max()))
+        worst_rel = max(worst_rel, float(diff.max()) / scale if scale else float(diff.max()))
+        ok &= bool(np.all(diff <= atol + rtol * scale)) and bool(np.isfinite(out).all() == np.isfinite(ref).all())
+    result.max_abs, result.rel, result.match = worst_abs, worst_rel, ok
+    result.tol = f"rtol {rtol:g}, atol {atol:g}"
+
+
+def bf16(a) -> torch.Tensor:
+    """A float array as a bfloat16 torch tensor (numpy has no bfloat16; AWS's tests use ml_dtypes' bf16)."""
+    return torch.as_tensor(np.asarray(a, dtype=np.float32)).to(torch.bfloat16)
+
+
+def as_reference_input(v):
+    """What nki-library's torch_ref_wrapper hands the reference: bf16/fp16 -> fp32 torch tensors."""
+    if isinstance(v, torch.Tensor):
+        return v.float() if v.dtype in (torch.bfloat16, torch.float16) else v
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(v)
+    return v
+
+
+def launch(kernel, lnc: int, kwargs: dict):
+    """Call an emulated kernel with keyword arguments (AWS's tests do), as positional HBM tensors."""
+    import inspect
+
+    bound = inspect.signature(kernel.func).bind(**kwargs)
+    return kernel[lnc](*bound.args, **bound.kwargs)
+
+
+# -- the cases ------------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    run: Callable  # (library: Path) -> (outputs: dict, reference: dict, rtol, atol)
+
+
+CASES: list[Case] = []
+
+
+def case(name: str):
+    def register(fn):
+        CASES.append(Case(name, fn))
+        return fn
+
+    return register
+
+
+@case("moe_cte/bwmm_shard_on_block")
+def _bwmm_shard_on_block(lib: Path):
+    """nki-library test_moe_cte.py SHARD_ON_BLOCK row (H 3072, T 1024, E 8, B 256, K 4, I 384, bf16, skip 1,
+    bias, Swish, POST_SCALE, clamps 7/None/8/-9), scaled down to H 1024, T 256, E 4; LNC 2, rtol 2e-2 atol 1e-5."""
+    from nkilib_src.nkilib.core.moe.moe_cte.bwmm_shard_on_block import bwmm_shard_on_block
+    from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_torch import moe_cte_torch_ref
+    from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
+    from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
+
+    test_file = lib / "test/integration/nkilib/core/moe/moe_cte/test_moe_cte_common.py"
+    ns = aws_functions(test_file, ["BWMMFunc", "get_n_blocks", "get_router_with_controlled_distribution",
+                                   "generate_token_position_to_id_and_experts", "build_bwmm_inputs",
+                                   "map_skip_mode"],
+                       {"np": np, "math": math, "Enum": enum.Enum, "SkipMode": SkipMode, "nl": nki_emulator.language,
+                        "Tuple": tuple, "Callable": Callable, "ExpertAffinityScaleMode": ExpertAffinityScaleMode,
+                        "ActFnType": ActFnType, "bwmm_shard_on_block": bwmm_shard_on_block})
+    aws_functions(lib / "test/utils/mx_utils.py", ["is_mx_quantize"], ns)
+    stub = types.ModuleType("test_moe_cte_common")
+    stub.BWMMFunc = ns["BWMMFunc"]  # moe_cte_torch imports BWMMFunc from the test module at call time
+    for name in ("test", "test.integration", "test.integration.nkilib", "test.integration.nkilib.core",
+                 "test.integration.nkilib.core.moe", "test.integration.nkilib.core.moe.moe_cte"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common"] = stub
+
+    hidden, tokens, expert, block, top_k, inter, lnc = 1024, 256, 4, 256, 4, 384, 2
+    raw = ns["build_bwmm_inputs"](
+        bwmm_func_enum=ns["BWMMFunc"].SHARD_ON_BLOCK, tokens=tokens, hidden=hidden, intermediate=inter,
+        expert=expert, block_size=block, top_k=top_k, dtype=np.float32, dma_skip=ns["map_skip_mode"](1), bias=True,
+        quantize=None, quantize_strategy=0, vnc_degree=lnc, n_block_per_iter=1, is_block_parallel=True,
+        is_dynamic=False, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
+        activation_function=ActFnType.Swish, checkpoint_activation=False, gate_clamp_lower_limit=None,
+        gate_clamp_upper_limit=7, up_clamp_lower_limit=-9, up_clamp_upper_limit=8)
+    inputs = {k: (bf16(v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else
+                  torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in raw.items()}
+    inputs["compute_dtype"] = nki_emulator.language.bfloat16
+    kernel_args = {k: v for k, v in inputs.items() if k not in ("checkpoint_activation",
+                                                                "expert_affinity_multiply_on_I")}
+    out = launch(bwmm_shard_on_block, lnc, kernel_args)
+    ref = moe_cte_torch_ref(**{k: as_reference_input(v) for k, v in kernel_args.items()},
+                            bwmm_func=ns["BWMMFunc"].SHARD_ON_BLOCK, lnc_degree=lnc, top_k=top_k)
+    return {"output": out}, ref, 2e-2, 1e-5
+
+
+# -- running -------------------------------------------------------------------------------------------------------
+def first_gap(exc: BaseException) -> str:
+    """One line: the exception and where in AWS's or the emulator's code it was raised."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "nkilib" in f.filename), "?")
+    msg = str(exc).split(" (see ")[0].splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {msg[:160]} [{where}]"
+
+
+def run_case(c: Case, library: Path, nki_version: str, show_traceback: bool = False) -> Result:
+    result = Result(c.name)
+    with redirected(library), version.rules_of(nki_version):
+        try:
+            outputs, reference, rtol, atol = c.run(library)
+            result.ran = True
+            compare(outputs, reference, rtol, atol, result)
+        except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
+            result.gap = first_gap(exc)
+            if show_traceback:
+                traceback.print_exc()
+    return result
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| kernel | ran? | max abs err | max err / max abs ref | tolerance | match? | first gap |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | {'yes' if r.ran else 'no'} | {r.max_abs:.3g} | {r.rel:.3g} | {r.tol} | "
+                     f"{'yes' if r.match else 'no'} | {r.gap} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nki-library", type=Path, required=True, help="a checkout of aws-neuron/nki-library")
+    parser.add_argument("--nki-version", default=LIBRARY_NKI_VERSION, help="NKI version whose rules apply")
+    parser.add_argument("--only", action="append", help="run only cases whose name contains this (repeatable)")
+    parser.add_argument("--traceback", action="store_true", help="print the full traceback of each failure")
+    args = parser.parse_args(argv)
+    if not (args.nki_library / SRC).is_dir():
+        print(f"--nki-library {args.nki_library}: no {SRC} there; pass a checkout of aws-neuron/nki-library",
+              file=sys.stderr)
+        return 2
+    version.parse(args.nki_version)
+    cases = [c for c in CASES if not args.only or any(o in c.name for o in args.only)]
+    results = []
+    for c in cases:
+        results.append(run_case(c, args.nki_library, args.nki_version, args.traceback))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    print(f"\nnki-library {args.nki_library}, NKI {args.nki_version} rules\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
