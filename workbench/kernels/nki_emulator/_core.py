@@ -80,10 +80,9 @@ class _Budget:
 
     A tile occupies its bytes per partition from its allocation to the last instruction that uses it, in program
     (trace) order; a tile that an instruction inside a dynamic loop body uses but that was allocated outside that
-    body stays live to the end of the kernel (the body reruns, so its last use is not known in trace order; this
-    over-counts rather than under-counts). Which Python names still refer to a tile does not matter: nki-library
-    keeps lists of dead tiles and relies on the compiler reusing their space. Capacity is therefore checked when
-    the kernel has been traced (`peak`), not at the allocation.
+    loop stays live to the loop's last instruction (the body reruns). Which Python names still refer to a tile
+    does not matter: nki-library keeps lists of dead tiles and relies on the compiler reusing their space.
+    Capacity is therefore checked when the kernel has been traced (`peak`), not at the allocation.
 
     PSUM is 8 banks of 2 KiB per partition and a PSUM tile is bank-aligned (psum_bank_fmax: one tile per bank),
     so every live PSUM tile takes a whole bank however small it is: at most 8 live PSUM tiles per core.
@@ -91,38 +90,57 @@ class _Budget:
 
     def __init__(self):
         self.event = 0  # instructions traced on this core so far: the program-order clock of liveness
-        self.tiles: dict[int, list] = {}  # id(storage) -> [kind, bytes/partition, alloc event, last use, name, site]
+        self.tiles: dict[int, list] = {}  # id(storage) -> [kind, bytes/partition, alloc event, last use, name, site,
+        #                                    loop depth at allocation, storage, placement]
+        self.carried: dict[int, list] = {}  # loop depth -> tiles used inside that loop but allocated outside it
 
-    def claim(self, storage: _Storage, per_partition: int) -> None:
-        """Record an allocation at the current point of the program (`nl.ndarray` in SBUF/PSUM)."""
+    def claim(self, storage: _Storage, per_partition: int, address=None) -> None:
+        """Record an allocation at the current point of the program (`nl.ndarray` in SBUF/PSUM); `address` is
+        the (partitions, bytes) range of an explicitly placed tile."""
         kind = storage.buffer.name
         if kind == "psum":
             per_partition = PSUM_BANK_BYTES * math.ceil(per_partition / PSUM_BANK_BYTES)  # whole banks
         depth = len(_runtime.current().trace[_runtime.current().core])
         self.tiles[id(storage)] = [kind, per_partition, self.event, self.event, storage.name, _runtime.call_site(),
-                                   depth, storage]
+                                   depth, storage, address]
+
+    def advance(self, depth: int) -> None:
+        """Start the next instruction, traced inside `depth` nested dynamic loops: loops deeper than that have
+        ended, so the tiles they carried live to the last instruction traced before this one."""
+        for d in [d for d in self.carried if d > depth]:
+            for tile in self.carried.pop(d):
+                tile[3] = max(tile[3], self.event)
+        self.event += 1
 
     def use(self, storage: _Storage, depth: int) -> None:
-        """An instruction traced now (inside `depth` nested dynamic loops) reads or writes `storage`."""
+        """The instruction traced now (inside `depth` nested dynamic loops) reads or writes `storage`."""
         tile = self.tiles.get(id(storage))
         if tile is not None and tile[7] is storage:
-            tile[3] = math.inf if depth > tile[6] else max(tile[3], self.event)
+            tile[3] = max(tile[3], self.event)
+            if depth > tile[6]:  # live through the outermost loop entered since its allocation
+                self.carried.setdefault(tile[6] + 1, []).append(tile)
 
     @property
     def peak(self) -> dict:
         """Most live bytes per partition of each memory over the program; raises `<kind>-capacity` past it."""
+        self.advance(0)  # the kernel has ended: so have its loops
         peaks = {}
         for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TRN2), ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
             # a tile allocated after instruction c exists from c + 0.5 to its last use (an unused one just at
             # c + 0.5, where it meets every other allocation made before the next instruction)
             tiles = sorted((t for t in self.tiles.values() if t[0] == kind), key=lambda t: t[2])
             live, ends, peak = 0, [], 0  # ends: heap of (last use, bytes) of the live tiles
+            placed = []  # explicitly placed tiles still live: (last use, partitions and bytes, name, site)
             for t in tiles:
                 start = t[2] + 0.5
                 while ends and ends[0][0] < start:
                     live -= heapq.heappop(ends)[1]
                 live += t[1]
                 heapq.heappush(ends, (max(t[3], start), t[1]))
+                if t[8] is not None:
+                    placed = [p for p in placed if p[0] >= start]
+                    _check_overlap(t, placed, kind)
+                    placed.append((max(t[3], start), t[8], t[4], t[5]))
                 if live > cap:
                     banks = f" ({(live - t[1]) // PSUM_BANK_BYTES} of {PSUM_BANKS} banks in use; each PSUM tile " \
                         "takes a whole 2 KiB bank)" if kind == "psum" else ""
@@ -153,9 +171,11 @@ class _Storage:
         self.mm = torch.zeros(data.shape, dtype=torch.bool) if buffer is PSUM else None
 
 
-def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
+def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tensor:
     """`nl.ndarray`: allocate an uninitialised tensor, checking the tile rules for on-chip memories."""
     shape = tuple(int(s) for s in shape)
+    if address is not None:
+        address = _placement(shape, dtype, buffer, address)
     dtypes.check_stored(dtype, f"nl.ndarray {name or ''}")
     if not isinstance(buffer, Buffer):
         raise TypeError(f"buffer must be nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm, got {buffer!r}")
@@ -200,8 +220,23 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
     if buffer.on_chip:
-        launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize)
+        launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize, address)
     return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
+
+
+def _placement(shape, dtype, buffer: Buffer, address) -> tuple[int, int, int, int]:
+    """Check `address=(start_partition, byte_offset)` of an explicitly placed tile; return its partition and byte
+    ranges (p0, p1, b0, b1)."""
+    if not buffer.on_chip:
+        raise violation("tile-address", f"address= places SBUF/PSUM tiles; {buffer} tensors have no on-chip "
+                        "address", URL_NKI_TENSOR)
+    p0, b0 = (int(a) for a in address)
+    p1, b1 = p0 + shape[0], b0 + math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    cap = SBUF_PARTITION_BYTES if buffer is SBUF else PSUM_PARTITION_BYTES
+    if p0 < 0 or p1 > PMAX or b0 < 0 or b1 > cap:
+        raise violation("tile-address", f"tile {shape} at address {tuple(address)} spans partitions [{p0}, {p1}) "
+                        f"and bytes [{b0}, {b1}); {buffer} has {PMAX} partitions of {cap} B", URL_NKI_TENSOR)
+    return p0, p1, b0, b1
 
 
 def _from_array(value, buffer: Buffer, name: str) -> Tensor:
@@ -502,6 +537,16 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
             "the write from this read", URL_TILING)
 
 
+def _check_overlap(tile, placed, kind: str) -> None:
+    """Two explicitly placed tiles live at the same time must not share a partition and a byte."""
+    p0, p1, b0, b1 = tile[8]
+    for _, (q0, q1, c0, c1), name, site in placed:
+        if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
+            raise violation("tile-address", f"{kind.upper()} tile {tile[4] or '?'} ({tile[5]}) at partitions "
+                            f"[{p0}, {p1}) bytes [{b0}, {b1}) overlaps {name or '?'} ({site}) at [{q0}, {q1}) "
+                            f"[{c0}, {c1}), which is still used later", URL_NKI_TENSOR)
+
+
 def note_uses(run) -> None:
     """Advance the core's program clock by one instruction and mark the on-chip tiles it touches as used now.
 
@@ -509,7 +554,7 @@ def note_uses(run) -> None:
     offset tiles of access patterns)."""
     launch = _runtime.require("an NKI instruction", URL_NKI_TENSOR)
     budget, depth = launch.budgets[launch.core], len(launch.trace[launch.core])
-    budget.event += 1
+    budget.advance(depth)
     todo = []
     for cell in run.__closure__ or ():
         try:

@@ -605,6 +605,42 @@ def reciprocal(dst, data, engine=engine.unknown, name=None):
     emit(_engine(engine, "vector"), op, lambda: dst.write(torch.reciprocal(_float(data)).reshape(dst.shape)))
 
 
+URL_DMA_TRANSPOSE = f"{DOCS}/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html"
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):  # noqa: F811
+    """dst = src permuted by `axes` through the DMA engines: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0), the only
+    supported permutations; hwdge also needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte dtype
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html)."""
+    op, url = "dma_transpose", URL_DMA_TRANSPOSE
+    for what, t in (("src", src), ("dst", dst)):
+        _view(t, what, op)
+        if t.buffer is PSUM:
+            raise violation("dma-buffer", f"{op}: {what} is in PSUM; DMA endpoints are HBM or SBUF", url)
+    rank = len(src.shape)
+    supported = _DMA_TRANSPOSE_AXES.get(rank)
+    axes = supported if axes is None else tuple(axes)
+    if supported is None or axes != supported:
+        raise violation("dma-transpose-axes", f"{op}: a {rank}-d src supports axes {supported}, got {axes}", url)
+    want = tuple(src.shape[a] for a in axes)
+    if tuple(dst.shape) != want:
+        raise violation("dma-shape", f"{op}: dst shape {tuple(dst.shape)} must be the transposed src shape {want}",
+                        url)
+    if dge_mode is constants.dge_mode.hwdge and (src.shape[0] != 16 or src.shape[-1] % 128 or
+                                                 src.dtype.itemsize != 2):
+        raise violation("dma-transpose-hwdge", f"{op}: hwdge needs src.shape[0] == 16, src.shape[-1] % 128 == 0 "
+                        f"and a 2-byte dtype; src is {tuple(src.shape)} {src.dtype}", url)
+    if _oob_skip(oob_mode, op):
+        raise NotImplementedError(f"{op}(oob_mode=skip) is outside the emulated subset")
+
+    def run():
+        dst.write(src.read().reshape(src.shape).permute(axes).contiguous())
+        _count_dma(dst, src)
+
+    emit("dma", op, run)
+
+
 def _unemulated(name: str):
     """An nki.isa instruction nki-library uses that the emulator does not model: calling it raises."""
 
@@ -616,7 +652,7 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("sendrecv", "dma_transpose", "iota", "quantize_mx", "nc_matmul_mx", "nc_find_index8", "affine_select",
+for _missing in ("sendrecv", "iota", "quantize_mx", "nc_matmul_mx", "nc_find_index8", "affine_select",
               "activation_reduce", "tensor_scalar_reduce", "max8", "bn_stats", "bn_aggr", "nonzero_with_count",
               "nc_match_replace8", "range_select", "nc_n_gather", "tensor_tensor_scan", "tensor_partition_reduce",
               "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):

@@ -43,9 +43,12 @@ from .dtypes import (  # noqa: F401 - the NKI data types are nl.*
 sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
 
 
-def ndarray(shape, dtype, buffer=SBUF, name: str = ""):
-    """Allocate an uninitialised tensor in `buffer` (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.NkiTensor.html)."""
-    return allocate(shape, dtype, buffer, name)
+def ndarray(shape, dtype, buffer=SBUF, name: str = "", address=None):
+    """Allocate an uninitialised tensor in `buffer` (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.language.NkiTensor.html).
+
+    `address=(start_partition, byte_offset)` places an SBUF/PSUM tile explicitly (NKI 0.3 "explicit memory
+    address placement"); the emulator checks the placement fits and that live placed tiles do not overlap."""
+    return allocate(shape, dtype, buffer, name, address)
 
 
 # Loop iterators (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.language.affine_range.html,
