@@ -360,8 +360,8 @@ def test_access_pattern_rules():
 
 
 def test_uninitialized_read_and_kernel_outputs():
-    def read_garbage(_):
-        store(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf))
+    def read_garbage(_):  # copying unwritten elements moves them along unwritten; returning them is the error
+        return store(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf))
 
     def half_written_output(x):
         out = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.shared_hbm)

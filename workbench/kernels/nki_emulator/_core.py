@@ -327,8 +327,9 @@ class Tensor:
         if not self._root:
             raise violation("ap-on-view", f"cannot specify an access pattern on an already indexed tensor {self}; "
                             "call .ap on the nl.ndarray itself", URL_AP)
-        if dtype is not None:
-            raise NotImplementedError("ap(dtype=...) reinterpret casts are outside the emulated subset")
+        if dtype is not None and dtype != self.dtype:  # ap(dtype=own dtype) is the plain access pattern
+            raise NotImplementedError(f"ap(dtype={dtype}) on a {self.dtype} tensor: reinterpret casts are outside the "
+                                      "emulated subset")
         return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim)
 
     # -- element access used by the instructions -------------------------------------------------------------
@@ -346,18 +347,30 @@ class Tensor:
                            "not initialised)")
         return self._data.clone()
 
-    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None) -> None:
+    def read_moved(self):
+        """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
+        arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
+        self._access("r")
+        return self._data.clone(), self._init.clone()
+
+    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, init=None) -> None:
+        """Store `value` (cast to the dtype); `keep` (oob_mode.skip) limits which elements are written, `init`
+        (a data movement) says which of them carry initialised data."""
         self._access("w")
+        init = None if init is None else init.reshape(self.shape)
+        if init is not None:  # unwritten source elements carry no value: store 0 so the cast cannot object
+            value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
         value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
+        written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
         if keep is None:
             self._data.copy_(value)
-            self._init.fill_(True)
+            self._init.copy_(written)
             if self._mm is not None:
                 self._mm.fill_(by_matmul)
             return
         keep = keep.reshape(self.shape)  # oob_mode.skip: elements whose transfer was skipped keep their value
         self._data.copy_(torch.where(keep, value, self._data))
-        self._init.logical_or_(keep)
+        self._init.copy_(torch.where(keep, written, self._init))
         if self._mm is not None:
             self._mm.copy_(torch.where(keep, by_matmul, self._mm))
 
@@ -493,15 +506,25 @@ class AccessPattern:
         value = self.root._storage.data.reshape(-1)[flat].clone()
         return (value, keep) if skip else value
 
-    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False) -> None:
+    def read_moved(self, skip: bool = False):
+        """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
+        flat, keep = self._flat_index("r", skip)
+        init = self.root._storage.init.reshape(-1)[flat]
+        return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
+
+    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
         flat, own = self._flat_index("w", skip)
         keep = own if keep is None else keep.reshape(flat.shape) if own is None else keep.reshape(flat.shape) & own
         storage = self.root._storage
-        value = dtypes.cast(value.reshape(flat.shape), storage.data.dtype)
+        value = value.reshape(flat.shape)
+        written = torch.ones(flat.shape, dtype=torch.bool) if init is None else init.reshape(flat.shape)
+        if init is not None:
+            value = torch.where(written, value, torch.zeros((), dtype=value.dtype))
+        value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
-            flat, value = flat[keep], value[keep]
+            flat, value, written = flat[keep], value[keep], written[keep]
         storage.data.view(-1)[flat] = value
-        storage.init.view(-1)[flat] = True
+        storage.init.view(-1)[flat] = written
         if storage.mm is not None:
             storage.mm.view(-1)[flat] = by_matmul
 

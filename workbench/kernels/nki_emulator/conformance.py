@@ -246,6 +246,120 @@ def _blockwise_mm_bwd(lib: Path, lnc: int):
 case("moe_bwd/blockwise_mm_bwd")(lambda lib: _blockwise_mm_bwd(lib, 2))
 
 
+def run_pair(kernel, reference, inputs: dict, lnc: int, bf16_keys=(), preserve_lower_precision=False):
+    """Run AWS's kernel and torch reference on one set of numpy inputs built by the test recipe.
+
+    `bf16_keys` are float inputs the test builds in bfloat16 (numpy here has none: they are rounded to bf16 torch
+    tensors); other arrays become torch tensors of their dtype. Each side gets the arguments its signature names
+    (tests pass outputs-as-inputs as `name.must_alias_input`). Kernel outputs are matched to the reference's keys
+    in order. `preserve_lower_precision` hands the reference bf16 tensors as they are (AWS's
+    torch_ref_wrapper(..., preserve_lower_precision=True)), else as fp32."""
+    import inspect
+
+    def tensor(key, v):
+        if not isinstance(v, np.ndarray):
+            return v
+        return bf16(v) if key in bf16_keys else torch.from_numpy(np.ascontiguousarray(v))
+
+    args = {k.split(".")[0]: tensor(k.split(".")[0], v) for k, v in inputs.items()}
+    if not isinstance(kernel, nki_emulator._core.Kernel):  # a subkernel the test launches as a kernel
+        kernel = nki_emulator.jit(kernel)
+    own = inspect.signature(kernel.func).parameters
+    out = launch(kernel, lnc, {k: v for k, v in args.items() if k in own})
+    ref_params = inspect.signature(reference).parameters
+    convert = (lambda v: v) if preserve_lower_precision else as_reference_input
+    ref = reference(**{k: convert(v) for k, v in args.items() if k in ref_params})
+    ref = ref if isinstance(ref, dict) else {"out": ref}
+    outs = out if isinstance(out, tuple) else (out,)
+    return dict(zip(ref, outs, strict=False)), ref
+
+
+@case("cumsum")
+def _cumsum(lib: Path):
+    """test_cumsum.py fast row (128, 2048, 2-d, fp32) at batch 64; atol 1e-3, rtol 1e-3 (fp32), LNC 1."""
+    from nkilib_src.nkilib.core.cumsum import cumsum
+    from nkilib_src.nkilib.core.cumsum.cumsum_torch import cumsum_torch_ref
+
+    ns = aws_functions(lib / "test/integration/nkilib/core/cumsum/test_cumsum.py", ["_generate_inputs"], {"np": np})
+    inputs = ns["_generate_inputs"](batch=64, hidden=2048, ndim=2, seq_len=1, dtype=np.float32)
+    return (*run_pair(cumsum, cumsum_torch_ref, inputs, 1), 1e-3, 1e-3)
+
+
+@case("rope_hf")
+def _rope_hf(lib: Path):
+    """test_rope_hf.py row (1, 32 q heads, 8 kv heads, 256, 128, bf16) at 8/2 heads; LNC 2, rtol = atol = 1e-6
+    against the reference rounded to bf16 (preserve_lower_precision)."""
+    from nkilib_src.nkilib.core.embeddings.rope_hf import rope_hf
+    from nkilib_src.nkilib.core.embeddings.rope_hf_torch import rope_hf_torch_ref
+
+    ns = aws_functions(lib / "test/integration/nkilib/core/embeddings/test_rope_hf.py", ["_generate_inputs"],
+                       {"np": np})
+    inputs = ns["_generate_inputs"](batch_size=1, num_q_heads=8, num_kv_heads=2, seq_len=256, head_dim=128,
+                                    dtype=np.float32, backward=False, use_packed_format=False)
+    keys = ("q", "k", "q_out", "k_out", "cos", "sin")
+    return (*run_pair(rope_hf, rope_hf_torch_ref, inputs, 2, bf16_keys=keys, preserve_lower_precision=True), 1e-6,
+            1e-6)
+
+
+@case("cascaded_max")
+def _cascaded_max(lib: Path):
+    """test_cascaded_max.py row (LNC 2, batch 8, seqlen 5, vocab 4058, fp32): randn with seed 42; rtol = atol =
+    1e-5."""
+    from nkilib_src.nkilib.core.max.cascaded_max import cascaded_max
+    from nkilib_src.nkilib.core.max.cascaded_max_torch import cascaded_max_torch_ref
+
+    np.random.seed(42)
+    inputs = {"input_tensor": np.random.randn(8, 5, 4058).astype(np.float32)}
+    return (*run_pair(cascaded_max, cascaded_max_torch_ref, inputs, 2), 1e-5, 1e-5)
+
+
+@case("find_nonzero_indices")
+def _find_nonzero_indices(lib: Path):
+    """test_find_nonzero_indices.py row (T 4096, E 128, top_k 8, chunk 4096, int32) at E 16; LNC 2, exact."""
+    from nkilib_src.nkilib.core.subkernels.find_nonzero_indices import find_nonzero_indices
+    from nkilib_src.nkilib.core.subkernels.find_nonzero_indices_torch import find_nonzero_indices_torch_ref
+
+    ns = aws_functions(lib / "test/integration/nkilib/core/subkernels/test_find_nonzero_indices.py",
+                       ["generate_sparse_input"], {"np": np})
+    inputs = {"input_tensor": ns["generate_sparse_input"](4096, 16, top_k=8, dtype=np.int32), "chunk_size": 4096}
+    return (*run_pair(find_nonzero_indices, find_nonzero_indices_torch_ref, inputs, 2), 0.0, 0.0)
+
+
+@case("indexed_flatten")
+def _indexed_flatten(lib: Path):
+    """test_indexed_flatten.py fast row (T 4096, E 3, f_len 128); LNC 2, exact."""
+    from nkilib_src.nkilib.core.subkernels.indexed_flatten import indexed_flatten
+    from nkilib_src.nkilib.core.subkernels.indexed_flatten_torch import indexed_flatten_torch_ref
+
+    ns = aws_functions(lib / "test/integration/nkilib/core/subkernels/test_indexed_flatten.py",
+                       ["_generate_input_tensor"], {"np": np})
+    t, e, f_len = 4096, 3, 128
+    output_len = ((e * t + 1024 + 127) // 128) * 128
+    inputs = {"input_tensor": ns["_generate_input_tensor"](t, e), "f_len": f_len, "output_len": output_len,
+              "row_offsets": np.array([t // f_len * i for i in range(e)], dtype=np.int32),
+              "row_offsets_start": None, "padding_val": -1}
+    return (*run_pair(indexed_flatten, indexed_flatten_torch_ref, inputs, 2), 0.0, 0.0)
+
+
+def _norm_tkg(lib: Path, which: str):
+    """test_{rmsnorm,layernorm}_tkg.py row (LNC 2, batch 2, seqlen 8, hidden 8192, fp16): rtol 2e-2, atol 1e-5."""
+    import importlib
+
+    kernel = getattr(importlib.import_module(f"nkilib_src.nkilib.core.subkernels.{which}_tkg"), f"{which}_tkg")
+    ref = getattr(importlib.import_module(f"nkilib_src.nkilib.core.subkernels.{which}_torch"), f"{which}_tkg_torch_ref")
+    ns = aws_functions(lib / f"test/integration/nkilib/core/subkernels/test_{which}_tkg.py", ["generate_inputs"],
+                       {"np": np})
+    if which == "rmsnorm":
+        inputs = ns["generate_inputs"](2, 8, 8192, None, False, False, np.float16)
+    else:
+        inputs = ns["generate_inputs"](2, 8, 8192, False, np.float16)
+    return (*run_pair(kernel, ref, inputs, 2), 2e-2, 1e-5)
+
+
+case("rmsnorm_tkg")(lambda lib: _norm_tkg(lib, "rmsnorm"))
+case("layernorm_tkg")(lambda lib: _norm_tkg(lib, "layernorm"))
+
+
 # -- running -------------------------------------------------------------------------------------------------------
 def first_gap(exc: BaseException) -> str:
     """One line: the exception and where in AWS's or the emulator's code it was raised."""

@@ -134,8 +134,11 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
               accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None):
     """dst (PSUM, fp32) = stationary.T @ moving, or += when accumulate=True (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html)."""
     op, url = "nc_matmul", URL_MATMUL
-    if is_stationary_onezero or is_moving_onezero or is_transpose or tile_position or tile_size or perf_mode:
-        raise NotImplementedError("nc_matmul: onezero/transpose/tiling/perf modes are outside the emulated subset")
+    if is_stationary_onezero or is_moving_onezero or tile_position or tile_size or perf_mode not in (
+            None, matmul_perf_mode.none):
+        raise NotImplementedError("nc_matmul: onezero/tiling/perf modes are outside the emulated subset")
+    if is_transpose:  # the PE transpose: stationary.T @ identity, bit-accurate, in dst's dtype (nc_transpose page)
+        accumulate = False
     for what, t, want in (("stationary", stationary, SBUF), ("moving", moving, SBUF), ("dst", dst, PSUM)):
         _view(t, what, op)
         if t.buffer is not want:
@@ -162,7 +165,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if (stationary.dtype == torch.float32) != (moving.dtype == torch.float32):
         raise violation("matmul-dtype-mix", f"stationary is {stationary.dtype} and moving is {moving.dtype}: fp32 "
                         "matmul operands cannot be mixed with bf16/fp16 ones; cast both to the same kind", url)
-    if dst.dtype != torch.float32:
+    if dst.dtype != torch.float32 and not is_transpose:
         raise violation("matmul-psum-dtype", f"matmul results accumulate in fp32 PSUM; dst dtype is {dst.dtype}, "
                         "allocate it with dtype=nl.float32", url)
     if tuple(dst.shape) != (m, n):
@@ -170,6 +173,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                         f"{(m, n)}", url)
 
     def run():
+        if is_transpose:  # a data movement: unwritten stationary elements arrive unwritten
+            value, init, _ = _read_moved(stationary)
+            _float(moving)
+            dst.write(value.reshape(k_s, m).T.contiguous(), by_matmul=True, init=init.reshape(k_s, m).T.contiguous())
+            current().stats.pe_flops += 2 * k_s * m * n
+            return
         result = _float(stationary).T @ _float(moving)
         # accumulate=None (NKI 0.3 has no such parameter; 0.4+ default): continue the accumulation group when
         # every dst element was last written by nc_matmul, else open one (overwrite). Interpretation: nki-library's
@@ -210,7 +219,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
                         f"data is {(p, f)}; write the result to PSUM to use the Tensor Engine", url)
 
     def run():
-        dst.write(data.read().reshape(p, f).T.contiguous())
+        value, init, _ = _read_moved(data)
+        dst.write(value.reshape(p, f).T.contiguous(), init=init.reshape(p, f).T.contiguous())
         if on_pe:  # the PE array transposes by a matmul against identity: 2 * p * p * f FLOPs
             stats = current().stats
             stats.pe_flops += 2 * p * p * f
@@ -235,11 +245,11 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
     skip = _oob_skip(oob_mode, op)
 
     def run():
-        value, keep = _read_skipping(src, skip)
+        value, init, keep = _read_moved(src, skip)
         if isinstance(dst, Tensor):
-            dst.write(value, keep=keep)
+            dst.write(value, keep=keep, init=init)
         else:
-            dst.write(value, keep=keep, skip=skip)
+            dst.write(value, keep=keep, skip=skip, init=init)
         _count_dma(dst, src)
         if getattr(src, "vector_offset", None) is not None:
             _count_gather(src, value, keep)
@@ -268,11 +278,12 @@ def _oob_skip(mode, op: str) -> bool:
     raise TypeError(f"{op}: oob_mode must be nisa.oob_mode.error or .skip, got {mode!r}")
 
 
-def _read_skipping(src, skip: bool):
-    """src's values and (oob_mode.skip on an access pattern) the mask of elements actually read."""
-    if skip and isinstance(src, AccessPattern):
-        return src.read(skip=True)
-    return src.read(), None
+def _read_moved(src, skip: bool = False):
+    """src's values, initialised mask and (oob_mode.skip on an access pattern) the mask of elements actually read:
+    a copy or transpose moves unwritten elements along as unwritten instead of failing (see Tensor.read_moved)."""
+    if isinstance(src, AccessPattern):
+        return src.read_moved(skip)
+    return (*src.read_moved(), None)
 
 
 def _count_gather(src, value, keep=None) -> None:
@@ -353,8 +364,9 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _same_layout(op, url, dst=dst, src=src)
 
     def run():
-        value = src.read()
-        dst.write(value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else value.float())
+        value, init, _ = _read_moved(src)
+        value = value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else value.float()
+        dst.write(value, init=init)
 
     emit(_engine(engine, "vector"), op, run)
 
@@ -635,10 +647,105 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):
         raise NotImplementedError(f"{op}(oob_mode=skip) is outside the emulated subset")
 
     def run():
-        dst.write(src.read().reshape(src.shape).permute(axes).contiguous())
+        value, init, _ = _read_moved(src)
+        dst.write(value.reshape(src.shape).permute(axes).contiguous(),
+                  init=init.reshape(src.shape).permute(axes).contiguous())
         _count_dma(dst, src)
 
     emit("dma", op, run)
+
+
+URL_SCAN = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_tensor_scan.html"
+
+
+def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
+    """dst[p, w, z, y, x] = offset + p * channel_multiplier + w*step_w + z*step_z + y*step_y + x*step_x in int32
+    math on GpSimd, cast to dst's dtype; `pattern` = up to 4 [step, num] pairs whose counts multiply to dst's
+    elements per partition (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.iota.html)."""
+    op, url = "iota", URL_IOTA
+    _on_chip(dst, "dst", op, url)
+    if dst.buffer is not SBUF:
+        raise violation("engine-buffer", f"{op}: dst must be in SBUF, got {dst.buffer}", url)
+    pattern = [(int(st), int(n)) for st, n in pattern]
+    if not 1 <= len(pattern) <= 4 or math.prod(n for _, n in pattern) != _per_partition(dst)[1]:
+        raise violation("elementwise-shape", f"{op}: pattern {pattern} must have 1-4 entries whose counts multiply "
+                        f"to dst's {_per_partition(dst)[1]} elements per partition", url)
+
+    def run():
+        value = torch.tensor(int(offset), dtype=torch.int64) + torch.arange(dst.shape[0]).reshape(
+            [-1] + [1] * len(pattern)) * int(channel_multiplier)
+        for k, (st, n) in enumerate(pattern):
+            value = value + (torch.arange(n) * st).reshape([1] + [1] * k + [n] + [1] * (len(pattern) - k - 1))
+        dst.write(value.reshape(dst.shape[0], -1).to(torch.float64) if dst.dtype in dtypes.FLOAT else value)
+
+    emit("gpsimd", op, run)
+URL_MAX8 = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.max8.html"
+URL_FIND8 = f"{DOCS}/v2.32.0/nki/api/generated/nki.isa.nc_find_index8.html"
+
+
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
+    """Per partition, along the flattened free dims: r[0] = op1(op0(data0[0], initial), data1[0]) and
+    r[i] = op1(op0(data0[i], r[i-1]), data1[i]) in fp32 on the Vector Engine; `initial` a scalar or one value per
+    partition; reverseK swaps opK's operands (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.tensor_tensor_scan.html)."""
+    op, url = "tensor_tensor_scan", URL_SCAN
+    for what, t in (("data0", data0), ("data1", data1), ("dst", dst)):
+        _on_chip(t, what, op, url)
+    if data0.buffer is PSUM and data1.buffer is PSUM:
+        raise violation("tensor-tensor-psum-inputs", f"{op}: data0 and data1 cannot both reside in PSUM", url)
+    _same_layout(op, url, dst=dst, data0=data0, data1=data1)
+    _check_operand(initial, data0, "initial", op, url)
+    fn0, fn1 = _arith(op0, op, url), _arith(op1, op, url)
+
+    def run():
+        p = data0.shape[0]
+        a, b = _float(data0).reshape(p, -1), _float(data1).reshape(p, -1)
+        prev = _operand(initial, data0).reshape(-1, 1).expand(p, 1).reshape(p)
+        out = torch.empty_like(a)
+        for i in range(a.shape[1]):
+            x = fn0(prev, a[:, i]) if reverse0 else fn0(a[:, i], prev)
+            prev = out[:, i] = fn1(b[:, i], x) if reverse1 else fn1(x, b[:, i])
+        dst.write(out)
+
+    emit("vector", op, run)
+
+
+def _eight_per_partition(op: str, url: str, src, dst) -> None:
+    n = _per_partition(src)[1]
+    if not 8 <= n <= 16384:
+        raise violation("max8-size", f"{op}: the source must have 8..16384 elements per partition, got {n}", url)
+    if _per_partition(dst) != (src.shape[0], 8):
+        raise violation("elementwise-shape", f"{op}: dst must be ({src.shape[0]}, 8), got {dst.shape}", url)
+
+
+def max8(dst, src, name=None):
+    """The 8 largest values of each partition in descending order, compared in fp32 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.max8.html)."""
+    op, url = "max8", URL_MAX8
+    _on_chip(src, "src", op, url)
+    _on_chip(dst, "dst", op, url)
+    _eight_per_partition(op, url, src, dst)
+    emit("vector", op, lambda: dst.write(_float(src).reshape(src.shape[0], -1).topk(8, dim=1).values))
+
+
+def nc_find_index8(dst, data, vals, name=None):
+    """Per partition, the index of the first occurrence in data of each of the 8 vals (uint16/uint32 dst); a value
+    not present gives the all-ones sentinel (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.32.0/nki/api/generated/nki.isa.nc_find_index8.html)."""
+    op, url = "nc_find_index8", URL_FIND8
+    for what, t in (("data", data), ("vals", vals), ("dst", dst)):
+        _on_chip(t, what, op, url)
+    _eight_per_partition(op, url, data, dst)
+    if _per_partition(vals) != (data.shape[0], 8):
+        raise violation("elementwise-shape", f"{op}: vals must hold 8 values per partition, got {vals.shape}", url)
+    if dst.dtype not in (torch.uint16, torch.uint32):
+        raise violation("find-index-dtype", f"{op}: dst must be uint16 or uint32, got {dst.dtype}", url)
+
+    def run():
+        d = _float(data).reshape(data.shape[0], 1, -1)
+        v = _float(vals).reshape(data.shape[0], 8, 1)
+        hit = d == v
+        first = hit.int().argmax(dim=2).to(torch.int64)
+        dst.write(torch.where(hit.any(dim=2), first, torch.iinfo(dst.dtype).max))
+
+    emit("vector", op, run)
 
 
 def _unemulated(name: str):
@@ -652,8 +759,8 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("sendrecv", "iota", "quantize_mx", "nc_matmul_mx", "nc_find_index8", "affine_select",
-              "activation_reduce", "tensor_scalar_reduce", "max8", "bn_stats", "bn_aggr", "nonzero_with_count",
-              "nc_match_replace8", "range_select", "nc_n_gather", "tensor_tensor_scan", "tensor_partition_reduce",
+for _missing in ("sendrecv", "quantize_mx", "nc_matmul_mx", "affine_select",
+              "activation_reduce", "tensor_scalar_reduce", "bn_stats", "bn_aggr", "nonzero_with_count",
+              "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
               "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))

@@ -71,6 +71,10 @@ class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
     psum_fmax = psum_bank_fmax = PSUM_BANK_BYTES // 4
     gemm_stationary_fmax = GEMM_STATIONARY_FMAX
     gemm_moving_fmax = GEMM_MOVING_FMAX
+    # "Usable SBUF free dimension per partition, in bytes" (tile_size page, v2.30): the page gives no number; this
+    # is 224 KiB less the compiler's reservations as nki-library writes them (bwmm_bwd_dropless.py
+    # MAX_AVAILABLE_SBUF_SIZE = 224 * 1024 - 16384 - 8 - 520), the only public value
+    total_available_sbuf_size = 224 * 1024 - 16384 - 8 - 520
 
 
 class _Op:
@@ -211,3 +215,11 @@ gelu_apprx_sigmoid = _Op("gelu_apprx_sigmoid", _gelu_apprx_sigmoid)
 gelu_apprx_sigmoid_dx = _Op("gelu_apprx_sigmoid_dx", _gelu_apprx_sigmoid_dx)
 ACTIVATIONS = ACTIVATIONS + (copy, exp, log, tanh, sin, abs, square, sqrt, rsqrt, reciprocal, relu, silu, silu_dx,
                              gelu, gelu_apprx_tanh, gelu_apprx_sigmoid, gelu_apprx_sigmoid_dx)
+
+
+def shared_identity_matrix(n: int, dtype=uint8):
+    """`nl.shared_identity_matrix(n, dtype=nl.uint8)`: an (n, n) identity matrix in SBUF, a compiler constant (no
+    instruction) (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/generated/nki.language.shared_identity_matrix.html)."""
+    tile = allocate((n, n), dtype, SBUF, f"identity{n}")
+    tile.write(torch.eye(n))
+    return tile
