@@ -523,13 +523,20 @@ class AccessPattern:
         value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
-        storage.data.view(-1)[flat] = value
+        _bits(storage.data).view(-1)[flat] = _bits(value)
         storage.init.view(-1)[flat] = written
         if storage.mm is not None:
             storage.mm.view(-1)[flat] = by_matmul
 
 
 View = (Tensor, AccessPattern)
+
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bits under a dtype torch can scatter into (torch has no index_put for uint16/uint32)."""
+    return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
 
 
 def _check_owner(storage: _Storage) -> None:

@@ -341,6 +341,21 @@ def _indexed_flatten(lib: Path):
     return (*run_pair(indexed_flatten, indexed_flatten_torch_ref, inputs, 2), 0.0, 0.0)
 
 
+@case("rope")
+def _rope(lib: Path):
+    """test_rope.py (d_head 128, B 1, 4 heads, S 256, contiguous layout, lnc_shard): bf16 Gaussian inputs as the
+    test's gaussian_tensor_generator draws them; LNC 1 (CompilerArgs()), rtol 2**-7, atol 1e-3."""
+    from nkilib_src.nkilib.core.embeddings.rope import RoPE
+    from nkilib_src.nkilib.core.embeddings.rope_torch import rope_torch_ref
+
+    rng = np.random.default_rng(0)
+    d_head, b, heads, seq = 128, 1, 4, 256
+    inputs = {"x_in": rng.normal(size=(d_head, b, heads, seq)), "cos": rng.normal(size=(d_head // 2, b, seq)),
+              "sin": rng.normal(size=(d_head // 2, b, seq)), "lnc_shard": True, "contiguous_layout": True,
+              "relayout_in_sbuf": False}
+    return (*run_pair(RoPE, rope_torch_ref, inputs, 1, bf16_keys=("x_in", "cos", "sin")), 2**-7, 1e-3)
+
+
 def _norm_tkg(lib: Path, which: str):
     """test_{rmsnorm,layernorm}_tkg.py row (LNC 2, batch 2, seqlen 8, hidden 8192, fp16): rtol 2e-2, atol 1e-5."""
     import importlib

@@ -562,14 +562,15 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
         raise violation("index-bounds", f"{op}: dst partitions read src partition {max(rows)} of a "
                         f"{src.shape[0]}-partition src", url)
 
-    def run():
-        value = src.read().reshape(src.shape[0], -1)
-        out = dst.read().reshape(dst.shape[0], -1) if 255 in mask else torch.empty(dst.shape[0], value.shape[1],
-                                                                                     dtype=value.dtype)
+    def run():  # a data movement: unwritten partitions move along unwritten
+        value, init, _ = _read_moved(src)
+        value, init = value.reshape(src.shape[0], -1), init.reshape(src.shape[0], -1)
+        out, out_init, _ = _read_moved(dst)
+        out, out_init = out.reshape(dst.shape[0], -1).clone(), out_init.reshape(dst.shape[0], -1).clone()
         for p in range(dst.shape[0]):
             if mask[p % 32] != 255:
-                out[p] = value[32 * (p // 32) + mask[p % 32]]
-        dst.write(out)
+                out[p], out_init[p] = value[32 * (p // 32) + mask[p % 32]], init[32 * (p // 32) + mask[p % 32]]
+        dst.write(out, init=out_init)
 
     emit("vector", op, run)
 
@@ -672,11 +673,77 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
                         f"to dst's {_per_partition(dst)[1]} elements per partition", url)
 
     def run():
-        value = torch.tensor(int(offset), dtype=torch.int64) + torch.arange(dst.shape[0]).reshape(
-            [-1] + [1] * len(pattern)) * int(channel_multiplier)
-        for k, (st, n) in enumerate(pattern):
-            value = value + (torch.arange(n) * st).reshape([1] + [1] * k + [n] + [1] * (len(pattern) - k - 1))
-        dst.write(value.reshape(dst.shape[0], -1).to(torch.float64) if dst.dtype in dtypes.FLOAT else value)
+        value = _affine(dst.shape[0], pattern, offset, channel_multiplier)
+        dst.write(value.to(torch.float64) if dst.dtype in dtypes.FLOAT else value)
+
+    emit("gpsimd", op, run)
+
+
+def _affine(partitions: int, pattern, offset, channel_multiplier) -> torch.Tensor:
+    """offset + p * channel_multiplier + sum_k i_k * step_k over (partitions, elements): iota's and
+    affine_select's expression, in 64-bit integers."""
+    value = torch.tensor(int(offset), dtype=torch.int64) + torch.arange(partitions).reshape(
+        [-1] + [1] * len(pattern)) * int(channel_multiplier)
+    for k, (st, n) in enumerate(pattern):
+        value = value + (torch.arange(n) * st).reshape([1] + [1] * k + [n] + [1] * (len(pattern) - k - 1))
+    return value.reshape(partitions, -1)
+
+
+URL_AFFINE_SELECT = f"{DOCS}/latest/nki/api/generated/nki.isa.affine_select.html"
+URL_NONZERO = f"{DOCS}/latest/nki/api/generated/nki.isa.nonzero_with_count.html"
+
+
+def affine_select(dst, pattern, on_true_tile, on_false_value, offset=0, channel_multiplier=0, cmp_op=nl.equal,
+                  name=None):
+    """dst = on_true_tile where cmp_op(affine value, 0) else on_false_value, the affine value as in iota
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.affine_select.html).
+    offset defaults to 0: nki-library (NKI 0.3) calls it without one; pass the rest by keyword."""
+    op, url = "affine_select", URL_AFFINE_SELECT
+    _on_chip(dst, "dst", op, url)
+    _on_chip(on_true_tile, "on_true_tile", op, url)
+    _same_layout(op, url, dst=dst, on_true_tile=on_true_tile)
+    pattern = [(int(st), int(n)) for st, n in pattern]
+    if not 1 <= len(pattern) <= 4 or math.prod(n for _, n in pattern) != _per_partition(dst)[1]:
+        raise violation("elementwise-shape", f"{op}: pattern {pattern} must have 1-4 entries whose counts multiply "
+                        f"to dst's {_per_partition(dst)[1]} elements per partition", url)
+    compare = _arith(cmp_op, op, url)
+
+    def run():
+        keep = compare(_affine(dst.shape[0], pattern, offset, channel_multiplier).double(),
+                       torch.zeros((), dtype=torch.float64)) != 0
+        value = _float(on_true_tile).reshape(dst.shape[0], -1)
+        dst.write(torch.where(keep, value, torch.tensor(float(on_false_value))))
+
+    emit("gpsimd", op, run)
+
+
+def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
+    """On partitions 0, 16, ..., 112 only (one per GpSimd core): dst row = indices of src's nonzero elements plus
+    index_offset, then padding_val, then their count in the extra last slot; other partitions are untouched
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.nonzero_with_count.html)."""
+    op, url = "nonzero_with_count", URL_NONZERO
+    _on_chip(src, "src", op, url)
+    _on_chip(dst, "dst", op, url)
+    p, t = _per_partition(src)
+    if _per_partition(dst) != (p, t + 1):
+        raise violation("elementwise-shape", f"{op}: dst must have {p} partitions of {t + 1} elements (one more "
+                        f"than src, for the count), got {dst.shape}", url)
+
+    def run():
+        x, x_init = src.read_moved() if isinstance(src, Tensor) else src.read_moved()[:2]
+        x, x_init = x.float().reshape(p, t), x_init.reshape(p, t)
+        if not bool(x_init[::16].all()):  # only partitions 0, 16, ..., 112 are read
+            raise violation("uninitialized-read", f"{op}: src partitions 0, 16, ..., 112 are read before every "
+                            "element was written", url)
+        out, init = dst.read_moved()
+        out, init = out.reshape(p, t + 1).clone(), init.reshape(p, t + 1).clone()
+        for row in range(0, p, 16):
+            idx = torch.nonzero(x[row] != 0).reshape(-1)
+            line = torch.full((t + 1,), float(padding_val), dtype=torch.float64)
+            line[: len(idx)] = idx.double() + index_offset
+            line[t] = len(idx)
+            out[row], init[row] = line.to(out.dtype), True
+        dst.write(out, init=init)
 
     emit("gpsimd", op, run)
 URL_MAX8 = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.max8.html"
@@ -759,8 +826,7 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("sendrecv", "quantize_mx", "nc_matmul_mx", "affine_select",
-              "activation_reduce", "tensor_scalar_reduce", "bn_stats", "bn_aggr", "nonzero_with_count",
+for _missing in ("sendrecv", "quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "bn_stats", "bn_aggr",
               "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
               "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))
