@@ -826,7 +826,7 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("sendrecv", "quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "bn_stats", "bn_aggr",
-              "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
-              "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
+for _missing in ("sendrecv", "quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "bn_stats",
+                 "bn_aggr", "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
+                 "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))
