@@ -255,6 +255,8 @@ class Tensor:
         self._storage, self._data, self._init, self._mm, self._root = storage, data, init, mm, root
         self._claim = claim
 
+    partitionless = False  # set on views that int-indexed away the partition dim of an on-chip tile
+
     def detached(self) -> Tensor:
         """The same view without the liveness claim (what a recorded instruction keeps)."""
         return Tensor(self._storage, self._data, self._init, self._mm, self._root)
@@ -289,16 +291,16 @@ class Tensor:
                 if not 0 <= int(ix) < size:
                     raise violation("index-bounds", f"index {ix} on dim {dim} of {self} outside [0, {size})",
                                     URL_NKI_TENSOR)
-                if dim == 0 and self.buffer.on_chip:
-                    raise violation(
-                        "partition-view", f"integer index on the partition dim of {self} would drop it; slice it "
-                        f"instead (e.g. t[{ix}:{ix}+1])", URL_NKI_TENSOR)
                 norm.append(int(ix))
             else:
                 raise NotImplementedError(f"index {ix!r}: only ints and slices are emulated")
         idx = tuple(norm)
         mm = None if self._mm is None else self._mm[idx]
-        return Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
+        view = Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
+        # An int index on the partition dim of an on-chip tile (nki-library's `block_expert[0, 0]` as a DMA
+        # endpoint) leaves a view without partitions: DMAs may move it, compute engines refuse it (partition-view).
+        view.partitionless = self.partitionless or (self.buffer.on_chip and isinstance(idx[0], int))
+        return view
 
     def reshape(self, shape) -> Tensor:
         """`NkiTensor.reshape`: the same elements in row-major order under a new shape (a view, no copy).

@@ -24,6 +24,7 @@ import contextlib
 import enum
 import math
 import sys
+import textwrap
 import traceback
 import types
 from collections.abc import Callable
@@ -163,10 +164,12 @@ def case(name: str):
     return register
 
 
-@case("moe_cte/bwmm_shard_on_block")
-def _bwmm_shard_on_block(lib: Path):
-    """nki-library test_moe_cte.py SHARD_ON_BLOCK row (H 3072, T 1024, E 8, B 256, K 4, I 384, bf16, skip 1,
-    bias, Swish, POST_SCALE, clamps 7/None/8/-9), scaled down to H 1024, T 256, E 4; LNC 2, rtol 2e-2 atol 1e-5."""
+def _moe_cte(lib: Path, func: str):
+    """nki-library test_moe_cte.py rows, scaled down to H 1024, T 256, E 4, K 4; LNC 2, rtol 2e-2 atol 1e-5:
+    SHARD_ON_BLOCK (H 3072, T 1024, E 8, B 256, I 384, bf16, skip_token, bias, Swish, POST_SCALE, clamps
+    7/None/8/-9) at B 256, I 384; SHARD_ON_INTERMEDIATE (H 3072, T 1024, E 8, B 512, I 2048, no skip, bias, Swish,
+    POST_SCALE) at B 256, I 512."""
+    from nkilib_src.nkilib.core.moe.moe_cte import bwmm_shard_on_I
     from nkilib_src.nkilib.core.moe.moe_cte.bwmm_shard_on_block import bwmm_shard_on_block
     from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_torch import moe_cte_torch_ref
     from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
@@ -178,7 +181,10 @@ def _bwmm_shard_on_block(lib: Path):
                                    "map_skip_mode"],
                        {"np": np, "math": math, "Enum": enum.Enum, "SkipMode": SkipMode, "nl": nki_emulator.language,
                         "Tuple": tuple, "Callable": Callable, "ExpertAffinityScaleMode": ExpertAffinityScaleMode,
-                        "ActFnType": ActFnType, "bwmm_shard_on_block": bwmm_shard_on_block})
+                        "ActFnType": ActFnType, "bwmm_shard_on_block": bwmm_shard_on_block,
+                        **{k: getattr(bwmm_shard_on_I, k) for k in ("blockwise_mm_baseline_shard_intermediate",
+                                                                    "blockwise_mm_baseline_shard_intermediate_hybrid",
+                                                                    "blockwise_mm_shard_intermediate_dropping")}})
     aws_functions(lib / "test/utils/mx_utils.py", ["is_mx_quantize"], ns)
     stub = types.ModuleType("test_moe_cte_common")
     stub.BWMMFunc = ns["BWMMFunc"]  # moe_cte_torch imports BWMMFunc from the test module at call time
@@ -187,23 +193,33 @@ def _bwmm_shard_on_block(lib: Path):
         sys.modules.setdefault(name, types.ModuleType(name))
     sys.modules["test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common"] = stub
 
-    hidden, tokens, expert, block, top_k, inter, lnc = 1024, 256, 4, 256, 4, 384, 2
+    on_block = func == "SHARD_ON_BLOCK"
+    bwmm = getattr(ns["BWMMFunc"], func)
+    kernel = bwmm_shard_on_block if on_block else bwmm.get_bwmm_func()[0]
+    hidden, tokens, expert, block, top_k, inter, lnc = 1024, 256, 4, 256, 4, 384 if on_block else 512, 2
+    clamps = dict(gate_clamp_lower_limit=None, gate_clamp_upper_limit=7, up_clamp_lower_limit=-9,
+                  up_clamp_upper_limit=8) if on_block else {}
     raw = ns["build_bwmm_inputs"](
-        bwmm_func_enum=ns["BWMMFunc"].SHARD_ON_BLOCK, tokens=tokens, hidden=hidden, intermediate=inter,
-        expert=expert, block_size=block, top_k=top_k, dtype=np.float32, dma_skip=ns["map_skip_mode"](1), bias=True,
-        quantize=None, quantize_strategy=0, vnc_degree=lnc, n_block_per_iter=1, is_block_parallel=True,
+        bwmm_func_enum=bwmm, tokens=tokens, hidden=hidden, intermediate=inter, expert=expert, block_size=block,
+        top_k=top_k, dtype=np.float32, dma_skip=ns["map_skip_mode"](1 if on_block else 0), bias=True,
+        quantize=None, quantize_strategy=0, vnc_degree=lnc, n_block_per_iter=1, is_block_parallel=on_block,
         is_dynamic=False, expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-        activation_function=ActFnType.Swish, checkpoint_activation=False, gate_clamp_lower_limit=None,
-        gate_clamp_upper_limit=7, up_clamp_lower_limit=-9, up_clamp_upper_limit=8)
+        activation_function=ActFnType.Swish, checkpoint_activation=False, **clamps)
     inputs = {k: (bf16(v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else
                   torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in raw.items()}
     inputs["compute_dtype"] = nki_emulator.language.bfloat16
-    kernel_args = {k: v for k, v in inputs.items() if k not in ("checkpoint_activation",
-                                                                "expert_affinity_multiply_on_I")}
-    out = launch(bwmm_shard_on_block, lnc, kernel_args)
-    ref = moe_cte_torch_ref(**{k: as_reference_input(v) for k, v in kernel_args.items()},
-                            bwmm_func=ns["BWMMFunc"].SHARD_ON_BLOCK, lnc_degree=lnc, top_k=top_k)
-    return {"output": out}, ref, 2e-2, 1e-5
+    if on_block:
+        inputs = {k: v for k, v in inputs.items() if k not in ("checkpoint_activation",
+                                                               "expert_affinity_multiply_on_I")}
+    out = launch(kernel, lnc, inputs)
+    ref = moe_cte_torch_ref(**{k: as_reference_input(v) for k, v in inputs.items()}, bwmm_func=bwmm,
+                            lnc_degree=lnc, top_k=top_k)
+    outs = out if isinstance(out, tuple) else (out,)
+    return dict(zip(ref, outs, strict=False)), ref, 2e-2, 1e-5
+
+
+case("moe_cte/bwmm_shard_on_block")(lambda lib: _moe_cte(lib, "SHARD_ON_BLOCK"))
+case("moe_cte/bwmm_shard_on_I")(lambda lib: _moe_cte(lib, "SHARD_ON_INTERMEDIATE"))
 
 
 def _blockwise_mm_bwd(lib: Path, lnc: int):
@@ -375,6 +391,65 @@ case("rmsnorm_tkg")(lambda lib: _norm_tkg(lib, "rmsnorm"))
 case("layernorm_tkg")(lambda lib: _norm_tkg(lib, "layernorm"))
 
 
+# -- the rest: a static scan for the first unemulated name ---------------------------------------------------------
+def library_kernels(library: Path) -> list[tuple[str, str]]:
+    """(module, function) of every `@nki.jit` function in nki-library's src tree."""
+    found = []
+    for path in sorted((library / SRC).rglob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        module = ".".join(path.relative_to(library / "src").with_suffix("").parts)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                found.append((module, node.name))
+    return found
+
+
+def static_gap(module_name: str, function: str) -> str:
+    """The first nl.* / nisa.* / nki.* name the kernel (or a module-level helper it calls, transitively) uses that
+    the emulator lacks or refuses; "" when there is none. Static: branches and arguments are not evaluated."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - an import failure is the gap
+        return first_gap(exc)
+    start = getattr(module, function)
+    todo, seen = [getattr(start, "func", start)], set()
+    while todo:
+        fn = todo.pop(0)
+        if fn.__code__ in seen:
+            continue
+        seen.add(fn.__code__)
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner = fn.__globals__.get(node.value.id)
+                if owner is collectives:
+                    return f"unemulated nki.collectives.{node.attr} ({fn.__module__.rsplit('.', 1)[-1]}.py)"
+                if owner in (nki_emulator, nki_emulator.language, nki_emulator.isa):
+                    target = getattr(owner, node.attr, None)
+                    name = f"{ {nki_emulator: 'nki', nki_emulator.language: 'nl'}.get(owner, 'nisa')}.{node.attr}"
+                    if target is None:
+                        return f"missing {name} ({fn.__module__.rsplit('.', 1)[-1]}.py:{fn.__code__.co_firstlineno})"
+                    if getattr(target, "unemulated", False):
+                        return f"unemulated {name} ({fn.__module__.rsplit('.', 1)[-1]}.py)"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                target = fn.__globals__.get(node.func.id)
+                if isinstance(target, types.FunctionType) and (target.__module__ or "").startswith("nkilib_src"):
+                    todo.append(target)
+                elif isinstance(target, nki_emulator._core.Kernel):
+                    todo.append(target.func)
+    return ""
+
+
 # -- running -------------------------------------------------------------------------------------------------------
 def first_gap(exc: BaseException) -> str:
     """One line: the exception and where in AWS's or the emulator's code it was raised."""
@@ -451,7 +526,23 @@ def main(argv=None) -> int:
         print(table(results[-1:]).splitlines()[-1], flush=True)
     print(f"\nnki-library {args.nki_library}, NKI {args.nki_version} rules\n")
     print(table(results))
+    if not args.only:
+        print("\nThe other @nki.jit kernels, not run (no input recipe here): first unemulated name they use\n")
+        print(scan_table(args.nki_library, args.nki_version))
     return 0
+
+
+def scan_table(library: Path, nki_version: str) -> str:
+    """One row per @nki.jit kernel without a case: its static first gap (see static_gap)."""
+    run_names = {c.name.split()[0].rsplit("/", 1)[-1] for c in CASES}
+    lines = ["| kernel | module | first gap (static scan) |", "|---|---|---|"]
+    with redirected(library), version.rules_of(nki_version):
+        for module, function in library_kernels(library):
+            if function in run_names or module.rsplit(".", 1)[-1] in run_names:
+                continue
+            gap = static_gap(module, function) or "none found statically (needs a run to know)"
+            lines.append(f"| {function} | {module.removeprefix('nkilib_src.nkilib.')} | {gap} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

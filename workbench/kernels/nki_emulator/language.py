@@ -113,30 +113,17 @@ private_hbm = HBM
 
 
 class NKIObject:
-    """`nl.NKIObject`: base class of user classes a kernel creates and passes around.
+    """`nl.NKIObject`: base class of the configuration records a kernel creates and passes around.
 
-    The language guide allows classes in kernels; nki-library derives its configuration records from NKIObject and
-    constructs them from their annotated fields, with or without `@dataclass` (`Configs(compute_dtype=..., ...)`
-    in moe_cte_utils.py has no decorator). So a subclass without its own `__init__` takes its annotated fields,
-    positionally in declaration order or by keyword; unannotated names and missing fields without a class-level
-    default raise TypeError, as a dataclass would.
+    Its constructor takes keyword arguments and sets them as attributes (`NKIObject.__init__(self, **kwargs)` in
+    the nki.language source listing of the v2.30 docs, _modules/nki/language.html); annotated fields not passed stay
+    unset, as nki-library relies on (`DimensionSizes(T=..., ...)` then `derive_all_dims()` in bwmm_shard_on_I.py).
+    Subclasses decorated with `@dataclass` get the dataclass constructor instead.
     """
 
-    def __init__(self, *args, **kwargs):
-        fields = [n for klass in reversed(type(self).__mro__) for n in getattr(klass, "__annotations__", {})]
-        fields = list(dict.fromkeys(fields))
-        if len(args) > len(fields):
-            raise TypeError(f"{type(self).__name__} takes {len(fields)} fields, got {len(args)} positional values")
-        values = dict(zip(fields, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in fields or key in values:
-                raise TypeError(f"{type(self).__name__}: unexpected or repeated field {key!r}")
-            values[key] = value
-        for name in fields:
-            if name not in values and not hasattr(type(self), name):
-                raise TypeError(f"{type(self).__name__}: missing field {name!r}")
-            if name in values:
-                setattr(self, name, values[name])
+    def __init__(self, **kwargs):
+        for name, value in kwargs.items():
+            setattr(self, name, value)
 
 
 def ds(start, size):
