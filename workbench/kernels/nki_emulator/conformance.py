@@ -391,6 +391,53 @@ case("rmsnorm_tkg")(lambda lib: _norm_tkg(lib, "rmsnorm"))
 case("layernorm_tkg")(lambda lib: _norm_tkg(lib, "layernorm"))
 
 
+# -- side by side with our kernels (benchmarks/nki_moe_cost.py --compare-nki-library) -----------------------------
+def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up, w_down, block: int, lnc: int,
+                                   nki_version: str = LIBRARY_NKI_VERSION):
+    """Run nki-library's bwmm_shard_on_block on one routing and return the emulator's Counters.
+
+    Inputs in AWS's layout from our tensors: hidden_states [T+1, D] with the zero padding row T, affinities
+    [(T+1)*E, 1] (token-major, zero outside each token's top-k), gate_up [E, D, 2, F], down [E, F, D]; each
+    expert's tokens in order, padded to whole blocks with token T; N is the static block count AWS's tests
+    allocate (ceil((T*K - (E-1)) / B) + E - 1, rounded to a multiple of the LNC), its padding blocks on the last
+    expert, as nki-library's generate_token_position_to_id_and_experts lays them out. SiLU, POST_SCALE, no bias,
+    no DMA skipping, bf16."""
+    from workbench.kernels.nki_emulator import counters
+
+    t, k = ids.shape
+    e, f, d = w_gate.shape
+    per_expert = [torch.nonzero((ids == j).any(dim=1)).reshape(-1) for j in range(e)]
+    blocks = [math.ceil(len(tok) / block) for tok in per_expert]
+    n = math.ceil((t * k - (e - 1)) / block) + e - 1
+    n = lnc * math.ceil(n / lnc)
+    blocks[-1] += n - sum(blocks)
+    positions = torch.full((n * block,), t, dtype=torch.int32)
+    start = 0
+    for j in range(e):
+        positions[start:start + len(per_expert[j])] = per_expert[j].to(torch.int32)
+        start += blocks[j] * block
+    affinity = torch.zeros(t + 1, e)
+    affinity[torch.arange(t)[:, None], ids] = weights.float()
+    with redirected(library), version.rules_of(nki_version):
+        from nkilib_src.nkilib.core.moe.moe_cte.bwmm_shard_on_block import bwmm_shard_on_block
+        from nkilib_src.nkilib.core.utils.common_types import ActFnType
+
+        inputs = {
+            "hidden_states": torch.cat([x.float(), torch.zeros(1, d)]).to(torch.bfloat16),
+            "expert_affinities_masked": affinity.reshape(-1, 1).to(torch.bfloat16),
+            "gate_up_proj_weight": torch.stack([w_gate.transpose(1, 2), w_up.transpose(1, 2)], dim=2)
+            .detach().to(torch.bfloat16).contiguous(),
+            "down_proj_weight": w_down.transpose(1, 2).detach().to(torch.bfloat16).contiguous(),
+            "block_size": block, "token_position_to_id": positions,
+            "block_to_expert": torch.repeat_interleave(torch.arange(e, dtype=torch.int32), torch.tensor(blocks)),
+            "activation_function": ActFnType.SiLU, "compute_dtype": nki_emulator.language.bfloat16,
+            "is_tensor_update_accumulating": k > 1,
+        }
+        with counters() as c:
+            launch(bwmm_shard_on_block, lnc, inputs)
+    return c, {"blocks": n, "blocks_needed": sum(math.ceil(len(tok) / block) for tok in per_expert)}
+
+
 # -- the rest: a static scan for the first unemulated name ---------------------------------------------------------
 def library_kernels(library: Path) -> list[tuple[str, str]]:
     """(module, function) of every `@nki.jit` function in nki-library's src tree."""
