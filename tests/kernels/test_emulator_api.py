@@ -9,30 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernels.test_nki_emulator import load, raises, store
 from workbench.kernels import nki_emulator as nki
-from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters
+from workbench.kernels.nki_emulator import conformance, counters
 from workbench.kernels.nki_emulator import isa as nisa
 from workbench.kernels.nki_emulator import language as nl
 
 
 def rand(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-
-def load(src, dtype=None):
-    tile = nl.ndarray(src.shape, dtype=dtype or src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src)
-    return tile
-
-
-def store(tile, dtype=None):
-    out = nl.ndarray(tile.shape, dtype=dtype or tile.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=tile)
-    return out
-
-
-def raises(rule: str):
-    return pytest.raises(NkiRuleError, match=rf"\[{rule}\]")
 
 
 def run(body, *arrays, lnc=1):
