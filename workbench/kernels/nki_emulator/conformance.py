@@ -372,6 +372,24 @@ def _rope(lib: Path):
     return (*run_pair(RoPE, rope_torch_ref, inputs, 1, bf16_keys=("x_in", "cos", "sin")), 2**-7, 1e-3)
 
 
+@case("dynamic_elementwise_add")
+def _dynamic_elementwise_add(lib: Path):
+    """test_dynamic_elementwise_add.py (M 256, H 1024, bf16 Gaussian, tile count in an int32 HBM scalar): an
+    nl.dynamic_range kernel, so it runs under NKI 0.3 rules only; LNC 1, rtol 1e-2, atol 1e-3 against the golden
+    rounded to bf16."""
+    from nkilib_src.nkilib.experimental.dynamic_shapes import dynamic_elementwise_add
+    from nkilib_src.nkilib.experimental.dynamic_shapes.dynamic_elementwise_add_torch import (
+        dynamic_elementwise_add_torch_ref,
+    )
+
+    rng = np.random.default_rng(0)
+    inputs = {"input_a": rng.normal(size=(256, 1024)), "input_b": rng.normal(size=(256, 1024)),
+              "num_m_tiles": np.array([[256 // 128]], dtype=np.int32)}
+    outputs, ref = run_pair(dynamic_elementwise_add, dynamic_elementwise_add_torch_ref, inputs, 1,
+                            bf16_keys=("input_a", "input_b"))
+    return outputs, {k: v.to(torch.bfloat16).float() for k, v in ref.items()}, 1e-2, 1e-3
+
+
 def _norm_tkg(lib: Path, which: str):
     """test_{rmsnorm,layernorm}_tkg.py row (LNC 2, batch 2, seqlen 8, hidden 8192, fp16): rtol 2e-2, atol 1e-5."""
     import importlib
