@@ -416,12 +416,14 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
                                    nki_version: str = LIBRARY_NKI_VERSION):
     """Run nki-library's bwmm_shard_on_block on one routing and return the emulator's Counters.
 
-    Inputs in AWS's layout from our tensors: hidden_states [T+1, D] with the zero padding row T, affinities
-    [(T+1)*E, 1] (token-major, zero outside each token's top-k), gate_up [E, D, 2, F], down [E, F, D]; each
-    expert's tokens in order, padded to whole blocks with token T; N is the static block count AWS's tests
-    allocate (ceil((T*K - (E-1)) / B) + E - 1, rounded to a multiple of the LNC), its padding blocks on the last
-    expert, as nki-library's generate_token_position_to_id_and_experts lays them out. SiLU, POST_SCALE, no bias,
-    no DMA skipping, bf16."""
+    Inputs in AWS's layout from our tensors, in the mode nki-library's SHARD_ON_BLOCK tests use (skip_token: padding
+    slots hold token -1 and their DMAs are skipped): hidden_states [T, D], affinities [T*E, 1] (token-major, zero
+    outside each token's top-k), gate_up [E, D, 2, F], down [E, F, D]; each expert's tokens in order, padded to
+    whole blocks; N is the static block count AWS's tests allocate (ceil((T*K - (E-1)) / B) + E - 1, rounded to a
+    multiple of the LNC), its padding blocks on the last expert, as nki-library's
+    generate_token_position_to_id_and_experts lays them out. SiLU, POST_SCALE, no bias, bf16. (Without skip_token
+    the kernel leaves output row T unzeroed when T + 1 leaves a 1-row tail tile, bwmm_output_initialization's
+    `num_elements != 1`, and accumulates padding slots into it: the emulator stops at that uninitialized read.)"""
     from workbench.kernels.nki_emulator import counters
 
     t, k = ids.shape
@@ -431,19 +433,20 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
     n = math.ceil((t * k - (e - 1)) / block) + e - 1
     n = lnc * math.ceil(n / lnc)
     blocks[-1] += n - sum(blocks)
-    positions = torch.full((n * block,), t, dtype=torch.int32)
+    positions = torch.full((n * block,), -1, dtype=torch.int32)
     start = 0
     for j in range(e):
         positions[start:start + len(per_expert[j])] = per_expert[j].to(torch.int32)
         start += blocks[j] * block
-    affinity = torch.zeros(t + 1, e)
+    affinity = torch.zeros(t, e)
     affinity[torch.arange(t)[:, None], ids] = weights.float()
     with redirected(library), version.rules_of(nki_version):
         from nkilib_src.nkilib.core.moe.moe_cte.bwmm_shard_on_block import bwmm_shard_on_block
+        from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
         from nkilib_src.nkilib.core.utils.common_types import ActFnType
 
         inputs = {
-            "hidden_states": torch.cat([x.float(), torch.zeros(1, d)]).to(torch.bfloat16),
+            "hidden_states": x.detach().to(torch.bfloat16), "skip_dma": SkipMode(True, False),
             "expert_affinities_masked": affinity.reshape(-1, 1).to(torch.bfloat16),
             "gate_up_proj_weight": torch.stack([w_gate.transpose(1, 2), w_up.transpose(1, 2)], dim=2)
             .detach().to(torch.bfloat16).contiguous(),
