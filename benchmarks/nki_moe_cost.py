@@ -180,6 +180,8 @@ def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, l
             print(f"{kind + ' ' + engine:<20}{ours[kind].get(engine, 0):>16,}{aws[kind].get(engine, 0):>16,}")
     for label, key in rows:
         print(f"{label:<20}{ours[key]:>16,}{aws[key]:>16,}")
+    print(f"{'PSUM peak B/part.':<20}{'':>16}{c.psum_peak:>16,}  (capacity 16,384 = 8 banks; run with the SBUF/PSUM "
+          "capacity rules lifted)")
 
 
 if __name__ == "__main__":
