@@ -496,3 +496,33 @@ def test_aws_functions_defines_only_the_named_definitions(tmp_path):
 def test_conformance_cli_refuses_a_directory_that_is_not_nki_library(tmp_path, capsys):
     assert conformance.main(["--nki-library", str(tmp_path)]) == 2
     assert "aws-neuron/nki-library" in capsys.readouterr().err
+
+
+def test_conformance_reports_races_and_lifts_capacity_without_hiding_them():
+    def racy(x):  # both cores write the whole output: a write-write overlap with no barrier
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=load(x))
+        return out
+
+    x = rand(2, 4)
+    with raises("lnc-race"):
+        run(racy, x, lnc=2)
+    found = []
+    with conformance.races_reported(found):
+        np.testing.assert_array_equal(run(racy, x, lnc=2), x)
+    assert len(found) == 1 and found[0].startswith("[lnc-race]")
+
+    def nine_banks(_):
+        banks = []
+        for _ in range(9):
+            banks.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=banks[-1], value=0.0)
+        for bank in banks:
+            nisa.memset(dst=bank, value=1.0)
+        return store(nl.shared_identity_matrix(1, dtype=nl.float32))
+
+    with counters() as c, conformance.capacity_lifted():
+        run(nine_banks, rand(1, 1))
+    assert c.psum_peak == 9 * 2048
+    with raises("psum-capacity"):  # lifted only inside the block
+        run(nine_banks, rand(1, 1))
