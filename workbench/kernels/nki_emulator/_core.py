@@ -94,7 +94,7 @@ class _Budget:
         #                                    loop depth at allocation, storage, placement]
         self.carried: dict[int, list] = {}  # loop depth -> tiles used inside that loop but allocated outside it
 
-    def claim(self, storage: _Storage, per_partition: int, address=None) -> None:
+    def allocate(self, storage: _Storage, per_partition: int, address=None) -> None:
         """Record an allocation at the current point of the program (`nl.ndarray` in SBUF/PSUM); `address` is
         the (partitions, bytes) range of an explicitly placed tile."""
         kind = storage.buffer.name
@@ -220,7 +220,7 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tens
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
     if buffer.on_chip:
-        launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize, address)
+        launch.budgets[launch.core].allocate(storage, math.prod(shape[1:]) * itemsize, address)
     return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
 
 
@@ -251,14 +251,13 @@ def _from_array(value, buffer: Buffer, name: str) -> Tensor:
 class Tensor:
     """Emulated `NkiTensor`: a view (basic slicing) of one storage. dim 0 is the partition dim on chip."""
 
-    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool, claim=None):
+    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool):
         self._storage, self._data, self._init, self._mm, self._root = storage, data, init, mm, root
-        self._claim = claim
 
     partitionless = False  # set on views that int-indexed away the partition dim of an on-chip tile
 
     def detached(self) -> Tensor:
-        """The same view without the liveness claim (what a recorded instruction keeps)."""
+        """A copy of the view (what a recorded instruction keeps)."""
         return Tensor(self._storage, self._data, self._init, self._mm, self._root)
 
     shape = property(lambda self: tuple(self._data.shape))
@@ -296,7 +295,7 @@ class Tensor:
                 raise NotImplementedError(f"index {ix!r}: only ints and slices are emulated")
         idx = tuple(norm)
         mm = None if self._mm is None else self._mm[idx]
-        view = Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
+        view = Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False)
         # An int index on the partition dim of an on-chip tile (nki-library's `block_expert[0, 0]` as a DMA
         # endpoint) leaves a view without partitions: DMAs may move it, compute engines refuse it (partition-view).
         view.partitionless = self.partitionless or (self.buffer.on_chip and isinstance(idx[0], int))
@@ -321,7 +320,7 @@ class Tensor:
             raise NotImplementedError(f"reshape of the strided view {self} to {shape} is not a view of its memory; "
                                       "reshape the whole tensor") from None
         mm = None if self._mm is None else self._mm.view(shape)
-        return Tensor(self._storage, data, init, mm, root=self._root, claim=self._claim)
+        return Tensor(self._storage, data, init, mm, root=self._root)
 
     def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
            dtype=None) -> AccessPattern:
