@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    help="model.moe_block_size (default: the config default)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
+                   help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
     return p.parse_args(argv)
 
 
@@ -170,7 +172,31 @@ def main(argv=None):
                "pe_flops_ratio": 1.25, "divergent_loops": 0}
     for key, limit in targets.items():
         print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
+    if args.compare_nki_library:
+        compare_nki_library(args.compare_nki_library, xs, ids, ws, w_gate, w_up, w_down, bs, args.lnc, fwd)
     print(json.dumps(result))
+
+
+def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours):
+    """Our forward's counters next to nki-library's bwmm_shard_on_block on the same routing (docs/nki_kernels.md)."""
+    from workbench.kernels.nki_emulator.conformance import aws_blockwise_forward_counters
+
+    t0 = time.perf_counter()
+    c, plan = aws_blockwise_forward_counters(library, x.detach(), ids, weights.detach(), w_gate, w_up, w_down,
+                                             block, lnc)
+    aws = summarize(c, "fwd")
+    print(f"nki-library bwmm_shard_on_block, same routing: {plan['blocks']} static blocks ({plan['blocks_needed']} "
+          f"needed), emulated in {time.perf_counter() - t0:.0f}s")
+    rows = [("static", "static_total"), ("executed", "executed_total"), ("DMAs", "dma_count"),
+            ("DMA bytes", "dma_bytes"), ("PE FLOPs", "pe_flops"), ("SBUF peak B/part.", "sbuf_peak")]
+    print(f"{'forward':<20}{'ours':>16}{'nki-library':>16}")
+    for kind in ("static", "executed"):
+        for engine in sorted(set(ours[kind]) | set(aws[kind])):
+            print(f"{kind + ' ' + engine:<20}{ours[kind].get(engine, 0):>16,}{aws[kind].get(engine, 0):>16,}")
+    for label, key in rows:
+        print(f"{label:<20}{ours[key]:>16,}{aws[key]:>16,}")
+    print(f"{'PSUM peak B/part.':<20}{'':>16}{c.psum_peak:>16,}  (capacity 16,384 = 8 banks; run with the SBUF/PSUM "
+          "capacity rules lifted)")
 
 
 if __name__ == "__main__":

@@ -193,16 +193,21 @@ def test_psum_bank_size():
 
 
 def test_psum_and_sbuf_capacity():
-    def too_much_psum(_):
+    def too_much_psum(_):  # nine tiles in use at once (each is written again after the ninth is allocated)
         banks = []
         for _ in range(8):
             banks.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=banks[-1], value=0.0)
         banks.append(nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.psum))
+        for bank in banks:
+            nisa.memset(dst=bank, value=1.0)
 
     def too_much_sbuf(_):
         keep = nl.ndarray((128, 50_000), dtype=nl.float32, buffer=nl.sbuf)  # 200000 B of 229376
-        nl.ndarray((128, 8_000), dtype=nl.float32, buffer=nl.sbuf)
-        del keep
+        nisa.memset(dst=keep, value=0.0)
+        more = nl.ndarray((128, 8_000), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=more, value=0.0)
+        nisa.memset(dst=keep, value=1.0)  # keep is still in use after more was allocated
 
     with raises("psum-capacity"):
         run(too_much_psum)
@@ -210,11 +215,13 @@ def test_psum_and_sbuf_capacity():
         run(too_much_sbuf)
 
 
-def test_dropped_tiles_free_capacity():
+def test_tiles_past_their_last_use_free_capacity():
     @nki.jit
     def kernel(_):
-        for _ in range(20):  # each iteration drops the previous tile
-            nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        banks = []
+        for _ in range(20):  # 20 banks stay referenced, but each is dead after its memset (compiler liveness)
+            banks.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=banks[-1], value=0.0)
         out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
         tile = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=tile, value=0.0)
@@ -284,7 +291,7 @@ def test_dma_rules():
         nisa.dma_copy(dst=nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.shared_hbm), src=acc)
 
     def shape_mismatch(x):
-        nisa.dma_copy(dst=nl.ndarray((2, 3), dtype=nl.float32, buffer=nl.sbuf), src=x)
+        nisa.dma_copy(dst=nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf), src=x)  # 4 vs 6 elements
 
     with raises("dma-buffer"):
         run(from_psum)
@@ -322,8 +329,9 @@ def test_index_rules():
         nisa.dma_copy(dst=nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf),
                       src=x.ap(pattern=[[2, 2], [1, 2]], vector_offset=load(rows), indirect_dim=0))
 
-    def partition_int_index(x):
-        load(x)[0, 0:2]
+    def partition_int_index(x):  # indexing is fine (a DMA may move it); a compute engine cannot take it
+        tile = load(x)
+        nisa.tensor_copy(dst=tile[0:1, 0:2], src=tile[0, 0:2])
 
     with raises("index-bounds"):
         run(slice_out_of_range)
@@ -353,8 +361,8 @@ def test_access_pattern_rules():
 
 
 def test_uninitialized_read_and_kernel_outputs():
-    def read_garbage(_):
-        store(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf))
+    def read_garbage(_):  # copying unwritten elements moves them along unwritten; returning them is the error
+        return store(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf))
 
     def half_written_output(x):
         out = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.shared_hbm)

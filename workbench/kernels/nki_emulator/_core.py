@@ -13,12 +13,14 @@ reference counting frees it deterministically when the kernel drops its last ref
 from __future__ import annotations
 
 import functools
+import heapq
 import math
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
+
+from . import dtypes
 
 DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en"
 URL_TILING = f"{DOCS}/latest/nki/about/tiling-overview.html"
@@ -40,8 +42,7 @@ GEMM_MOVING_FMAX = 512
 
 PSUM_BANKS = 8
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int32)
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = dtypes.FLOAT
 
 
 class NkiRuleError(RuntimeError):
@@ -74,50 +75,82 @@ SBUF, PSUM, HBM, SHARED_HBM = Buffer("sbuf"), Buffer("psum"), Buffer("hbm"), Buf
 
 
 class _Budget:
-    """Live on-chip bytes per partition of one core (SBUF and PSUM), released by weakref finalizers.
+    """On-chip memory (SBUF and PSUM) of one core, allocated by liveness the way the compiler allocates it.
+
+    A tile occupies its bytes per partition from its allocation to the last instruction that uses it, in program
+    (trace) order; a tile that an instruction inside a dynamic loop body uses but that was allocated outside that
+    loop stays live to the loop's last instruction (the body reruns). Which Python names still refer to a tile
+    does not matter: nki-library keeps lists of dead tiles and relies on the compiler reusing their space.
+    Capacity is therefore checked when the kernel has been traced (`peak`), not at the allocation.
 
     PSUM is 8 banks of 2 KiB per partition and a PSUM tile is bank-aligned (psum_bank_fmax: one tile per bank),
     so every live PSUM tile takes a whole bank however small it is: at most 8 live PSUM tiles per core.
     """
 
     def __init__(self):
-        self.live = {"sbuf": 0, "psum": 0}
-        self.peak = {"sbuf": 0, "psum": 0}  # high-water mark of live bytes/partition (Counters.sbuf_peak)
+        self.event = 0  # instructions traced on this core so far: the program-order clock of liveness
+        self.tiles: dict[int, list] = {}  # id(storage) -> [kind, bytes/partition, alloc event, last use, name, site,
+        #                                    loop depth at allocation, storage, placement]
+        self.carried: dict[int, list] = {}  # loop depth -> tiles used inside that loop but allocated outside it
 
-    def claim(self, storage: _Storage, per_partition: int) -> _Claim | None:
-        """Count the allocation; it stays live while the returned claim (held by the kernel's views) is alive."""
+    def allocate(self, storage: _Storage, per_partition: int, address=None) -> None:
+        """Record an allocation at the current point of the program (`nl.ndarray` in SBUF/PSUM); `address` is
+        the (partitions, bytes) range of an explicitly placed tile."""
         kind = storage.buffer.name
-        if kind not in self.live:
-            return None
         if kind == "psum":
             per_partition = PSUM_BANK_BYTES * math.ceil(per_partition / PSUM_BANK_BYTES)  # whole banks
-        cap, url = (PSUM_PARTITION_BYTES, URL_MEMORY) if kind == "psum" else (SBUF_PARTITION_BYTES, URL_TRN2)
-        if self.live[kind] + per_partition > cap:
-            banks = f" ({self.live[kind] // PSUM_BANK_BYTES} of {PSUM_BANKS} banks in use; each PSUM tile takes a " \
-                "whole 2 KiB bank)" if kind == "psum" else ""
-            raise violation(
-                f"{kind}-capacity",
-                f"allocating {per_partition} B/partition of {kind.upper()} with {self.live[kind]} B already live "
-                f"exceeds the {cap} B/partition capacity{banks}; free or reuse tiles (allocate inside the loop that "
-                f"uses them) or tile smaller",
-                url,
-            )
-        self.live[kind] += per_partition
-        self.peak[kind] = max(self.peak[kind], self.live[kind])
-        claim = _Claim()
-        weakref.finalize(claim, self._release, kind, per_partition)
-        return claim
+        depth = len(_runtime.current().trace[_runtime.current().core])
+        self.tiles[id(storage)] = [kind, per_partition, self.event, self.event, storage.name, _runtime.call_site(),
+                                   depth, storage, address]
 
-    def _release(self, kind: str, per_partition: int) -> None:
-        self.live[kind] -= per_partition
+    def advance(self, depth: int) -> None:
+        """Start the next instruction, traced inside `depth` nested dynamic loops: loops deeper than that have
+        ended, so the tiles they carried live to the last instruction traced before this one."""
+        for d in [d for d in self.carried if d > depth]:
+            for tile in self.carried.pop(d):
+                tile[3] = max(tile[3], self.event)
+        self.event += 1
 
+    def use(self, storage: _Storage, depth: int) -> None:
+        """The instruction traced now (inside `depth` nested dynamic loops) reads or writes `storage`."""
+        tile = self.tiles.get(id(storage))
+        if tile is not None and tile[7] is storage:
+            tile[3] = max(tile[3], self.event)
+            if depth > tile[6]:  # live through the outermost loop entered since its allocation
+                self.carried.setdefault(tile[6] + 1, []).append(tile)
 
-class _Claim:
-    """Liveness token of one on-chip allocation. Views the kernel holds reference it; the copies of views that
-    recorded instructions keep (dynamic-loop bodies) do not, so a tile the kernel drops frees its space even while
-    a traced loop body still uses it: the compiler reuses space by liveness within the body the same way."""
-
-    __slots__ = ("__weakref__",)
+    @property
+    def peak(self) -> dict:
+        """Most live bytes per partition of each memory over the program; raises `<kind>-capacity` past it."""
+        self.advance(0)  # the kernel has ended: so have its loops
+        peaks = {}
+        for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TRN2), ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
+            # a tile allocated after instruction c exists from c + 0.5 to its last use (an unused one just at
+            # c + 0.5, where it meets every other allocation made before the next instruction)
+            tiles = sorted((t for t in self.tiles.values() if t[0] == kind), key=lambda t: t[2])
+            live, ends, peak = 0, [], 0  # ends: heap of (last use, bytes) of the live tiles
+            placed = []  # explicitly placed tiles still live: (last use, partitions and bytes, name, site)
+            for t in tiles:
+                start = t[2] + 0.5
+                while ends and ends[0][0] < start:
+                    live -= heapq.heappop(ends)[1]
+                live += t[1]
+                heapq.heappush(ends, (max(t[3], start), t[1]))
+                if t[8] is not None:
+                    placed = [p for p in placed if p[0] >= start]
+                    _check_overlap(t, placed, kind)
+                    placed.append((max(t[3], start), t[8], t[4], t[5]))
+                if live > cap:
+                    banks = f" ({(live - t[1]) // PSUM_BANK_BYTES} of {PSUM_BANKS} banks in use; each PSUM tile " \
+                        "takes a whole 2 KiB bank)" if kind == "psum" else ""
+                    raise violation(
+                        f"{kind}-capacity",
+                        f"allocating {t[1]} B/partition of {kind.upper()} ({t[4] or 'tile'} at {t[5]}) with "
+                        f"{live - t[1]} B still in use by tiles used later exceeds the {cap} B/partition "
+                        f"capacity{banks}; finish with tiles before allocating more, reuse tiles or tile smaller", url)
+                peak = max(peak, live)
+            peaks[kind] = peak
+        return peaks
 
 
 class _Storage:
@@ -137,11 +170,12 @@ class _Storage:
         self.mm = torch.zeros(data.shape, dtype=torch.bool) if buffer is PSUM else None
 
 
-def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
+def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tensor:
     """`nl.ndarray`: allocate an uninitialised tensor, checking the tile rules for on-chip memories."""
     shape = tuple(int(s) for s in shape)
-    if dtype not in SUPPORTED_DTYPES:
-        raise NotImplementedError(f"dtype {dtype} is outside the emulated subset {SUPPORTED_DTYPES}")
+    if address is not None:
+        address = _placement(shape, dtype, buffer, address)
+    dtypes.check_stored(dtype, f"nl.ndarray {name or ''}")
     if not isinstance(buffer, Buffer):
         raise TypeError(f"buffer must be nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm, got {buffer!r}")
     if any(s <= 0 for s in shape) or not shape:
@@ -180,21 +214,35 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
                                 f"{tuple(storage.data.shape)}, {storage.data.dtype}); allocate shared HBM tensors "
                                 "in the same order on every core", URL_MEMORY)
             return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
-    fill = float("nan") if dtype in FLOAT_DTYPES else -(2**31)
+    fill = float("nan") if dtype in FLOAT_DTYPES else False if dtype is torch.bool else torch.iinfo(dtype).min
     storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
-    claim = None
     if buffer.on_chip:
-        claim = launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize)
-    return Tensor(storage, storage.data, storage.init, storage.mm, root=True, claim=claim)
+        launch.budgets[launch.core].allocate(storage, math.prod(shape[1:]) * itemsize, address)
+    return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
+
+
+def _placement(shape, dtype, buffer: Buffer, address) -> tuple[int, int, int, int]:
+    """Check `address=(start_partition, byte_offset)` of an explicitly placed tile; return its partition and byte
+    ranges (p0, p1, b0, b1)."""
+    if not buffer.on_chip:
+        raise violation("tile-address", f"address= places SBUF/PSUM tiles; {buffer} tensors have no on-chip "
+                        "address", URL_NKI_TENSOR)
+    p0, b0 = (int(a) for a in address)
+    p1, b1 = p0 + shape[0], b0 + math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    cap = SBUF_PARTITION_BYTES if buffer is SBUF else PSUM_PARTITION_BYTES
+    if p0 < 0 or p1 > PMAX or b0 < 0 or b1 > cap:
+        raise violation("tile-address", f"tile {shape} at address {tuple(address)} spans partitions [{p0}, {p1}) "
+                        f"and bytes [{b0}, {b1}); {buffer} has {PMAX} partitions of {cap} B", URL_NKI_TENSOR)
+    return p0, p1, b0, b1
 
 
 def _from_array(value, buffer: Buffer, name: str) -> Tensor:
     data = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
-    if data.dtype not in SUPPORTED_DTYPES:
+    if data.dtype not in dtypes.STORED:
         hint = " (cast index tensors to int32)" if data.dtype == torch.int64 else ""
-        raise NotImplementedError(f"kernel argument {name} has dtype {data.dtype}; emulated: {SUPPORTED_DTYPES}{hint}")
+        raise NotImplementedError(f"kernel argument {name} has dtype {data.dtype}; emulated: {dtypes.STORED}{hint}")
     storage = _Storage(data.contiguous(), buffer, name, initialised=True)
     return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
 
@@ -202,12 +250,13 @@ def _from_array(value, buffer: Buffer, name: str) -> Tensor:
 class Tensor:
     """Emulated `NkiTensor`: a view (basic slicing) of one storage. dim 0 is the partition dim on chip."""
 
-    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool, claim=None):
+    def __init__(self, storage: _Storage, data: torch.Tensor, init: torch.Tensor, mm, root: bool):
         self._storage, self._data, self._init, self._mm, self._root = storage, data, init, mm, root
-        self._claim = claim
+
+    partitionless = False  # set on views that int-indexed away the partition dim of an on-chip tile
 
     def detached(self) -> Tensor:
-        """The same view without the liveness claim (what a recorded instruction keeps)."""
+        """A copy of the view (what a recorded instruction keeps)."""
         return Tensor(self._storage, self._data, self._init, self._mm, self._root)
 
     shape = property(lambda self: tuple(self._data.shape))
@@ -219,7 +268,7 @@ class Tensor:
         return f"Tensor({self._storage.name or '?'}, shape={self.shape}, dtype={self.dtype}, {self.buffer})"
 
     def __getitem__(self, index) -> Tensor:
-        index = index if isinstance(index, tuple) else (index,)
+        index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), self.ndim)
         if len(index) > self.ndim:
             raise violation("index-bounds", f"{len(index)} indices for a {self.ndim}-d tensor {self}", URL_NKI_TENSOR)
         norm = []
@@ -240,16 +289,37 @@ class Tensor:
                 if not 0 <= int(ix) < size:
                     raise violation("index-bounds", f"index {ix} on dim {dim} of {self} outside [0, {size})",
                                     URL_NKI_TENSOR)
-                if dim == 0 and self.buffer.on_chip:
-                    raise violation(
-                        "partition-view", f"integer index on the partition dim of {self} would drop it; slice it "
-                        f"instead (e.g. t[{ix}:{ix}+1])", URL_NKI_TENSOR)
                 norm.append(int(ix))
             else:
                 raise NotImplementedError(f"index {ix!r}: only ints and slices are emulated")
         idx = tuple(norm)
         mm = None if self._mm is None else self._mm[idx]
-        return Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False, claim=self._claim)
+        view = Tensor(self._storage, self._data[idx], self._init[idx], mm, root=False)
+        # An int index on the partition dim of an on-chip tile (nki-library's `block_expert[0, 0]` as a DMA
+        # endpoint) leaves a view without partitions: DMAs may move it, compute engines refuse it (partition-view).
+        view.partitionless = self.partitionless or (self.buffer.on_chip and isinstance(idx[0], int))
+        return view
+
+    def reshape(self, shape) -> Tensor:
+        """`NkiTensor.reshape`: the same elements in row-major order under a new shape (a view, no copy).
+
+        On chip the partition dim stays (a reshape cannot move elements between partitions); the result of
+        reshaping a whole tensor is again a whole tensor, so `.ap()` may follow (nki-library does
+        `block_to_expert.reshape((N, 1)).ap(...)`).
+        """
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if math.prod(shape) != math.prod(self.shape):
+            raise ValueError(f"cannot reshape {self} ({math.prod(self.shape)} elements) to {shape}")
+        if self.buffer.on_chip and shape[0] != self.shape[0]:
+            raise NotImplementedError(f"reshape of on-chip {self} to {shape} changes the partition dim; only free "
+                                      f"dims are reshaped here ({URL_NKI_TENSOR})")
+        try:
+            data, init = self._data.view(shape), self._init.view(shape)
+        except RuntimeError:
+            raise NotImplementedError(f"reshape of the strided view {self} to {shape} is not a view of its memory; "
+                                      "reshape the whole tensor") from None
+        mm = None if self._mm is None else self._mm.view(shape)
+        return Tensor(self._storage, data, init, mm, root=self._root)
 
     def ap(self, pattern, offset: int = 0, scalar_offset=None, vector_offset=None, indirect_dim: int = 0,
            dtype=None) -> AccessPattern:
@@ -257,8 +327,9 @@ class Tensor:
         if not self._root:
             raise violation("ap-on-view", f"cannot specify an access pattern on an already indexed tensor {self}; "
                             "call .ap on the nl.ndarray itself", URL_AP)
-        if dtype is not None:
-            raise NotImplementedError("ap(dtype=...) reinterpret casts are outside the emulated subset")
+        if dtype is not None and dtype != self.dtype:  # ap(dtype=own dtype) is the plain access pattern
+            raise NotImplementedError(f"ap(dtype={dtype}) on a {self.dtype} tensor: reinterpret casts are outside the "
+                                      "emulated subset")
         return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim)
 
     # -- element access used by the instructions -------------------------------------------------------------
@@ -276,15 +347,45 @@ class Tensor:
                            "not initialised)")
         return self._data.clone()
 
-    def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
+    def read_moved(self):
+        """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
+        arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
+        self._access("r")
+        return self._data.clone(), self._init.clone()
+
+    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, init=None) -> None:
+        """Store `value` (cast to the dtype); `keep` (oob_mode.skip) limits which elements are written, `init`
+        (a data movement) says which of them carry initialised data."""
         self._access("w")
-        self._data.copy_(value.reshape(self.shape))  # copy_ casts: fp32 -> bf16 rounds to nearest-even
-        self._init.fill_(True)
+        init = None if init is None else init.reshape(self.shape)
+        if init is not None:  # unwritten source elements carry no value: store 0 so the cast cannot object
+            value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
+        value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
+        written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
+        if keep is None:
+            self._data.copy_(value)
+            self._init.copy_(written)
+            if self._mm is not None:
+                self._mm.fill_(by_matmul)
+            return
+        keep = keep.reshape(self.shape)  # oob_mode.skip: elements whose transfer was skipped keep their value
+        self._data.copy_(torch.where(keep, value, self._data))
+        self._init.copy_(torch.where(keep, written, self._init))
         if self._mm is not None:
-            self._mm.fill_(by_matmul)
+            self._mm.copy_(torch.where(keep, by_matmul, self._mm))
 
     def written_by_matmul(self) -> bool:
         return self._mm is not None and bool(self._mm.all())
+
+
+def _expand_ellipsis(index: tuple, ndim: int) -> tuple:
+    """`t[..., 0:4]`: `...` stands for as many full slices as leave one index per dim (numpy/NKI indexing)."""
+    if not any(ix is Ellipsis for ix in index):
+        return index
+    if sum(ix is Ellipsis for ix in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    k = index.index(Ellipsis)
+    return index[:k] + (slice(None),) * (ndim - len(index) + 1) + index[k + 1:]
 
 
 class AccessPattern:
@@ -315,7 +416,9 @@ class AccessPattern:
         for name, off in (("scalar_offset", scalar_offset), ("vector_offset", vector_offset)):
             if name == "scalar_offset" and isinstance(off, _runtime.VirtualRegister):
                 continue
-            if off is not None and (not isinstance(off, Tensor) or off.buffer is not SBUF or off.dtype != torch.int32):
+            # an offset is an int32 SBUF tile or an access pattern over one (nki-library's MoE forward passes
+            # token_indices.ap(...) as vector_offset)
+            if off is not None and (not isinstance(off, View) or off.buffer is not SBUF or off.dtype != torch.int32):
                 raise violation("offset-tile", f"{name} must be an int32 SBUF tile, got {off!r}", URL_AP)
         if isinstance(scalar_offset, Tensor) and tuple(scalar_offset.shape) != (1, 1):
             raise violation("scalar-offset-shape", f"scalar_offset must be a (1, 1) int32 SBUF tile (or a "
@@ -335,7 +438,7 @@ class AccessPattern:
         ap = object.__new__(AccessPattern)
         ap.__dict__.update(self.__dict__)
         ap.root = self.root.detached()
-        if isinstance(self.scalar_offset, Tensor):
+        if isinstance(self.scalar_offset, View):
             ap.scalar_offset = self.scalar_offset.detached()
         if self.vector_offset is not None:
             ap.vector_offset = self.vector_offset.detached()
@@ -348,13 +451,18 @@ class AccessPattern:
     def __repr__(self) -> str:
         return f"AccessPattern({self.root!r}, pattern={self.pattern}, offset={self.offset})"
 
-    def _flat_index(self, kind: str) -> torch.Tensor:
+    def _flat_index(self, kind: str, skip: bool = False):
+        """Flat element indices of the view, and (oob_mode.skip) which of them take part in the transfer.
+
+        With skip=False an out-of-range offset raises (oob_mode.error) and the mask is None. With skip=True a
+        scalar offset out of range skips the whole transfer and a vector offset out of range skips its row
+        ("silently skip the runtime out-of-bounds access", nki.isa.oob_mode)."""
         _check_owner(self.root._storage)
         shape = self.root.shape
         stride = math.prod(shape[self.indirect_dim + 1:])
         start = torch.tensor(self.offset, dtype=torch.int64)
         terms = [torch.arange(n, dtype=torch.int64) * s for s, n in self.pattern]
-        outer = None
+        outer = keep = None
         for name, off in (("scalar_offset", self.scalar_offset), ("vector_offset", self.vector_offset)):
             if off is None:
                 continue
@@ -362,10 +470,15 @@ class AccessPattern:
                 values = torch.tensor([off.runtime_value()], dtype=torch.int64)
             else:
                 values = off.read().reshape(-1).to(torch.int64)
-            if bool(((values < 0) | (values >= shape[self.indirect_dim])).any()):
+            bad = (values < 0) | (values >= shape[self.indirect_dim])
+            if bool(bad.any()) and not skip:
                 raise violation("index-bounds", f"{name} values {values.tolist()} outside [0, "
                                 f"{shape[self.indirect_dim]}) on dim {self.indirect_dim} of {self.root} "
                                 "(oob_mode.error)", URL_AP)
+            if skip:
+                rows = ~bad if name == "vector_offset" else (~bad).expand(self.pattern[0][1])
+                keep = rows if keep is None else keep & rows
+                values = torch.where(bad, 0, values)
             if name == "scalar_offset":
                 start = start + values[0] * stride
             else:
@@ -374,29 +487,56 @@ class AccessPattern:
         for k, term in enumerate(terms):
             flat = flat.unsqueeze(-1) + term.reshape([1] * k + [-1])
         numel = math.prod(shape)
+        if keep is not None:  # skipped rows address nothing: park them on element 0, masked out below
+            keep = keep.reshape([-1] + [1] * (flat.dim() - 1)).expand(flat.shape)
+            flat = torch.where(keep, flat, 0)
         if bool(((flat < 0) | (flat >= numel)).any()):
             raise violation("index-bounds", f"{self} addresses elements outside the {numel}-element tensor", URL_AP)
         launch = _runtime.current()
         if launch is not None and launch.lnc > 1 and self.root._storage.shared:
             launch.record(self.root._storage, kind, int(start), self.pattern, outer)
-        return flat
+        return flat, keep
 
-    def read(self) -> torch.Tensor:
-        flat = self._flat_index("r")
-        if not bool(self.root._storage.init.reshape(-1)[flat].all()):
+    def read(self, skip: bool = False):
+        """The viewed values; with skip=True also the mask of elements actually transferred (else None)."""
+        flat, keep = self._flat_index("r", skip)
+        init = self.root._storage.init.reshape(-1)[flat]
+        if not bool((init if keep is None else init | ~keep).all()):
             _uninitialized(self.root._storage, f"{self} reads elements never written")
-        return self.root._storage.data.reshape(-1)[flat].clone()
+        value = self.root._storage.data.reshape(-1)[flat].clone()
+        return (value, keep) if skip else value
 
-    def write(self, value: torch.Tensor, by_matmul: bool = False) -> None:
-        flat = self._flat_index("w")
+    def read_moved(self, skip: bool = False):
+        """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
+        flat, keep = self._flat_index("r", skip)
+        init = self.root._storage.init.reshape(-1)[flat]
+        return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
+
+    def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
+        flat, own = self._flat_index("w", skip)
+        keep = own if keep is None else keep.reshape(flat.shape) if own is None else keep.reshape(flat.shape) & own
         storage = self.root._storage
-        storage.data.view(-1)[flat] = value.reshape(flat.shape).to(storage.data.dtype)
-        storage.init.view(-1)[flat] = True
+        value = value.reshape(flat.shape)
+        written = torch.ones(flat.shape, dtype=torch.bool) if init is None else init.reshape(flat.shape)
+        if init is not None:
+            value = torch.where(written, value, torch.zeros((), dtype=value.dtype))
+        value = dtypes.cast(value, storage.data.dtype)
+        if keep is not None:
+            flat, value, written = flat[keep], value[keep], written[keep]
+        _bits(storage.data).view(-1)[flat] = _bits(value)
+        storage.init.view(-1)[flat] = written
         if storage.mm is not None:
             storage.mm.view(-1)[flat] = by_matmul
 
 
 View = (Tensor, AccessPattern)
+
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bits under a dtype torch can scatter into (torch has no index_put for uint16/uint32)."""
+    return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
 
 
 def _check_owner(storage: _Storage) -> None:
@@ -425,6 +565,40 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
             "uninitialized-read", f"{detail}; under LNC {launch.lnc} the emulator runs core 0 up to its next "
             "core_barrier before core 1: if another core writes these elements, a nisa.core_barrier must separate "
             "the write from this read", URL_TILING)
+
+
+def _check_overlap(tile, placed, kind: str) -> None:
+    """Two explicitly placed tiles live at the same time must not share a partition and a byte."""
+    p0, p1, b0, b1 = tile[8]
+    for _, (q0, q1, c0, c1), name, site in placed:
+        if p0 < q1 and q0 < p1 and b0 < c1 and c0 < b1:
+            raise violation("tile-address", f"{kind.upper()} tile {tile[4] or '?'} ({tile[5]}) at partitions "
+                            f"[{p0}, {p1}) bytes [{b0}, {b1}) overlaps {name or '?'} ({site}) at [{q0}, {q1}) "
+                            f"[{c0}, {c1}), which is still used later", URL_NKI_TENSOR)
+
+
+def note_uses(run) -> None:
+    """Advance the core's program clock by one instruction and mark the on-chip tiles it touches as used now.
+
+    `run` is the instruction's closure; its cells hold the operand views (also inside lists/tuples, and the
+    offset tiles of access patterns)."""
+    launch = _runtime.require("an NKI instruction", URL_NKI_TENSOR)
+    budget, depth = launch.budgets[launch.core], len(launch.trace[launch.core])
+    budget.advance(depth)
+    todo = []
+    for cell in run.__closure__ or ():
+        try:
+            todo.append(cell.cell_contents)
+        except ValueError:  # an unassigned cell
+            continue
+    while todo:
+        value = todo.pop()
+        if isinstance(value, (list, tuple)):
+            todo.extend(value)
+        elif isinstance(value, AccessPattern):
+            todo.extend((value.root, value.scalar_offset, value.vector_offset))
+        elif isinstance(value, Tensor) and value.buffer.on_chip:
+            budget.use(value._storage, depth)
 
 
 # -- kernel entry point --------------------------------------------------------------------------------------------

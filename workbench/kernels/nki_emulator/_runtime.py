@@ -496,10 +496,16 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     launch = require("nisa.core_barrier", URL_BARRIER)
     if tuple(cores) != (0, 1):
         raise _violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
+    if launch.lnc == 1 and not version.at_least("0.7.0"):
+        raise _violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: before NKI 0.7.0 the barrier "
+                         "is only allowed when LNC is enabled (the paired physical core does not run this kernel); "
+                         "launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
     if launch.lnc == 1:
-        raise _violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: the paired physical core is a "
-                         "separate logical core that does not run this kernel, so nothing in it reaches the barrier "
-                         "(it would hang); launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
+        # The 2.33 (NKI 0.7.0) page: cores=(0, 1) "applies at LNC degree 1 and 2": at LNC 1 the barrier waits for the
+        # paired physical core, which runs its own launch. One emulated launch has no such partner.
+        raise NotImplementedError("nisa.core_barrier at LNC 1 waits for the paired physical core's own kernel "
+                                  "launch (allowed from NKI 0.7.0); the emulator runs one launch, so it cannot "
+                                  f"emulate that partner ({URL_BARRIER})")
     if not isinstance(data, View) or data.buffer is not SHARED_HBM:
         raise _violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
                          f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
@@ -516,8 +522,10 @@ def program_id(axis: int) -> int:
     return launch.core
 
 
-def num_programs(axis: int = 0) -> int:
+def num_programs(axes: int = 0) -> int:
+    """`nl.num_programs(axes=0)` (the API page's parameter name; nki-library passes it by keyword)."""
     launch = require("nl.num_programs", URL_PROGRAM_ID)
+    axis = axes
     if axis != 0:
         raise _violation("lnc-grid", f"num_programs({axis}): the LNC launch grid kernel[lnc] is 1-D; use axis 0",
                          URL_PROGRAM_ID)

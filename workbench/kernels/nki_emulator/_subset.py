@@ -1,6 +1,13 @@
 """The NKI Python subset: an AST check of each `@nki.jit` function and of the module-level helpers it calls.
 
-The NKI language guide (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html)
+Which Python a kernel may use depends on the NKI version (`version.py`). From NKI 0.7.0 (Neuron SDK 2.33) NKI
+specializes kernels by tracing them with Python, and "kernel developers can now use the full Python language during
+specialization, including generators and class inheritance" ("Announcing changes to NKI specialization",
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/announcements/neuron2.x/announce-nki-specialization-change.html;
+NKI 0.7.0 release notes). So under 0.7.0 rules only the removed loop APIs are refused here; the subset below is
+the rule of NKI 0.6.0 and older (`version.rules_of("0.6.0")`), whose specialization ran as compiler lowering passes.
+
+Before 0.7.0, the NKI language guide (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html)
 documents the Python a kernel may use: functions, assignments (incl. tuple unpacking), arithmetic and comparisons,
 `if`/`for`/`while` with specialization-time values, loops over ranges/lists/tuples, lists, dicts, classes,
 `assert` and `print`. Anything else is rejected with `[nki-python-subset]` rather than trusted to the tracer:
@@ -30,7 +37,10 @@ URL_GUIDE = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-s
 URL_DYNAMIC = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html"
 
 ALLOWED_BUILTINS = {"range", "len", "min", "max", "abs", "int", "float", "bool", "isinstance", "print", "tuple",
-                    "list", "dict", "str"}
+                    "list", "dict", "str"} | {"divmod"}
+# divmod: not in the guide's list, but nki-library's kernels call it from traced code (e.g. core/subkernels/
+# norm_tkg_utils.py contiguous_load_transpose, 18 calls in 9 files) and compile on the real NKI, and no page says a
+# kernel must not: the guide lists what it documents, it does not forbid the rest of Python's integer builtins.
 REJECTED = {
     ast.ListComp: "a list comprehension", ast.SetComp: "a set comprehension", ast.DictComp: "a dict comprehension",
     ast.GeneratorExp: "a generator expression", ast.Lambda: "a lambda", ast.Try: "try/except",
@@ -86,12 +96,13 @@ def _check_function(fn) -> list:
     where = f"{fn.__code__.co_filename.rsplit('/', 1)[-1]}:{{}} in {fn.__qualname__}"
     fdef = tree.body[0]
     helpers = []
+    subset = not version.at_least("0.7.0")  # NKI 0.7.0 specializes with full Python (module docstring)
     for node in ast.walk(fdef):
         line = line0 + getattr(node, "lineno", 1)
-        if type(node) in REJECTED:
+        if subset and type(node) in REJECTED:
             raise _violation(f"{where.format(line)} uses {REJECTED[type(node)]}, which the NKI language guide does "
                              "not document; write it as a plain for loop over range()/a list")
-        if isinstance(node, ast.For) and not isinstance(node.target, ast.Name):
+        if subset and isinstance(node, ast.For) and not isinstance(node.target, ast.Name):
             raise _violation(f"{where.format(line)}: for-loop target {ast.unparse(node.target)!r} is not a single "
                              "name; loop over range(len(...)) and index instead")
         if _is_dynamic_range(node) and version.at_least("0.7.0"):
@@ -108,7 +119,7 @@ def _check_function(fn) -> list:
             if fn.__closure__ and name in fn.__code__.co_freevars:
                 cell = fn.__closure__[fn.__code__.co_freevars.index(name)]
                 target = cell.cell_contents
-            if target is getattr(builtins, name, object()) and name not in ALLOWED_BUILTINS:
+            if subset and target is getattr(builtins, name, object()) and name not in ALLOWED_BUILTINS:
                 raise _violation(f"{where.format(line)} calls the builtin {name}(), which the NKI language guide "
                                  f"does not document (allowed: {sorted(ALLOWED_BUILTINS)}); index with range() "
                                  "instead")

@@ -1,0 +1,530 @@
+"""The NKI API added for nki-library's kernels: each op against a numpy/torch definition from its doc page, and each
+new refusal on a deliberately wrong kernel. Our own small kernels: CI has no nki-library checkout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.kernels.test_nki_emulator import load, raises, store
+from workbench.kernels import nki_emulator as nki
+from workbench.kernels.nki_emulator import conformance, counters
+from workbench.kernels.nki_emulator import isa as nisa
+from workbench.kernels.nki_emulator import language as nl
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def run(body, *arrays, lnc=1):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))  # the compiler's LNC equals the launch's (NKI >= 0.7.0)
+        return nki.jit(body)[lnc](*arrays)
+
+
+# -- dtypes ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [nl.int8, nl.uint8, nl.int16, nl.uint16, nl.uint32, nl.int32])
+def test_integer_tiles_hold_integers_exactly(dtype):
+    info = torch.iinfo(dtype)
+    top = min(info.max, 2**24)  # the largest integer fp32 holds exactly
+    values = np.array([[info.min, 0, 1, top]], dtype=np.float32)
+
+    def kernel(x):
+        tile = nl.ndarray((1, 4), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=load(x))  # fp32 -> int store of integral values
+        return store(tile, nl.float32)
+
+    np.testing.assert_array_equal(run(kernel, values), values)
+
+
+def test_float8_e5m2_and_e4m3fn_round_like_their_torch_types():
+    x = rand(4, 8)
+
+    def kernel(a):
+        tile = a
+        for dtype in (nl.float8_e5m2, nl.float8_e4m3fn):
+            tile = load(tile if tile is a else store(tile), dtype)
+        return store(tile, nl.float32)
+
+    want = torch.from_numpy(x).to(torch.float8_e5m2).float().to(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(run(kernel, x), want)
+
+
+def test_unmodelled_dtypes_and_lossy_int_stores_raise_not_implemented():
+    def fp8_e4m3_tile(_):
+        nl.ndarray((2, 2), dtype=nl.float8_e4m3, buffer=nl.sbuf)
+
+    def fractional_into_int(x):
+        tile = nl.ndarray(x.shape, dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=load(x))
+
+    with pytest.raises(NotImplementedError, match="float8_e4m3"):
+        run(fp8_e4m3_tile, rand(2, 2))
+    with pytest.raises(NotImplementedError, match="float-to-int"):
+        run(fractional_into_int, np.full((2, 2), 0.5, dtype=np.float32))
+    assert nki.dtype is torch.dtype and isinstance(nl.tfloat32, nki.dtypes.Unmodelled)
+
+
+# -- language ---------------------------------------------------------------------------------------------------------
+def test_ds_ellipsis_and_reshape_views():
+    x = rand(4, 6)
+
+    def kernel(a):
+        tile = load(a)
+        out = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[..., nl.ds(0, 3)], src=tile[:, nl.ds(3, 3)])  # t[..., ds] == t[:, 0:3]
+        nisa.dma_copy(dst=out[nl.ds(0, 4), 3:6], src=tile[..., 0:3])
+        return out
+
+    np.testing.assert_array_equal(run(kernel, x), np.concatenate([x[:, 3:], x[:, :3]], axis=1))
+
+    def reshape_then_ap(a):  # a whole reshaped HBM tensor takes an access pattern: column 1 of a (12, 2) view
+        tile = nl.ndarray((1, 12), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=a.reshape((12, 2)).ap(pattern=[[1, 1], [2, 12]], offset=1))
+        return store(tile)
+
+    np.testing.assert_array_equal(run(reshape_then_ap, x), x.reshape(12, 2)[:, 1][None])
+
+    def reshape_partitions(a):
+        load(a).reshape((8, 3))
+
+    with pytest.raises(NotImplementedError, match="partition dim"):
+        run(reshape_partitions, x)
+
+
+def test_nkiobject_takes_keyword_fields_and_program_grid():
+    class Dims(nl.NKIObject):
+        a: int
+        b: int
+
+    d = Dims(a=3)
+    assert d.a == 3 and not hasattr(d, "b")
+
+    def kernel(x):
+        out = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.shared_hbm)
+        tile = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=tile[0:1, 0:1], value=nl.num_programs(axes=0))
+        nisa.memset(dst=tile[0:1, 1:2], value=nl.program_ndim())
+        if nl.program_id(0) == 0:
+            nisa.dma_copy(dst=out, src=tile)
+        return out
+
+    np.testing.assert_array_equal(run(kernel, rand(1, 1), lnc=2), [[2, 1]])
+
+
+def test_shared_identity_matrix_is_an_initialised_sbuf_constant():
+    def kernel(_):
+        return store(nl.shared_identity_matrix(5, dtype=nl.float32))
+
+    np.testing.assert_array_equal(run(kernel, rand(1, 1)), np.eye(5))
+
+
+# -- isa: element-wise and reductions ------------------------------------------------------------------------------
+@pytest.mark.parametrize("op, ref", [(nl.minimum, np.minimum), (nl.equal, np.equal), (nl.less, np.less),
+                                     (nl.greater_equal, np.greater_equal), (nl.divide, np.divide),
+                                     (nl.logical_and, np.logical_and)])
+def test_new_tensor_tensor_ops(op, ref):
+    a, b = rand(4, 5), rand(4, 5, seed=1)
+    b[0] = a[0]  # equal elements for the comparisons
+
+    def kernel(x, y):
+        tile = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=tile, data1=load(x), data2=load(y), op=op)
+        return store(tile)
+
+    np.testing.assert_allclose(run(kernel, a, b), ref(a, b).astype(np.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op, ref", [
+    (nl.exp, np.exp), (nl.copy, lambda x: x), (nl.rsqrt, lambda x: 1 / np.sqrt(np.abs(x) + 1)),
+    (nl.silu, lambda x: x / (1 + np.exp(-x))), (nl.gelu_apprx_sigmoid, lambda x: x / (1 + np.exp(-1.702 * x))),
+    (nl.square, np.square)])
+def test_new_activation_functions(op, ref):
+    x = rand(4, 6)
+    data = np.abs(x) + 1 if op is nl.rsqrt else x
+
+    def kernel(a):
+        tile = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=tile, op=op, data=load(a))
+        return store(tile)
+
+    np.testing.assert_allclose(run(kernel, data), ref(x).astype(np.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_scalar_tensor_tensor_reciprocal_and_predicated_copy():
+    x, y, v = rand(4, 6), rand(4, 6, seed=1), rand(4, 1, seed=2)
+    pred = (rand(4, 6, seed=3) > 0).astype(np.uint8)
+
+    def kernel(a, b, s, p):
+        ta, tb = load(a), load(b)
+        stt = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=stt, data=ta, op0=nl.multiply, operand0=load(s), op1=nl.subtract,
+                                  operand1=tb, reverse1=True)  # b - a * s
+        rec = nl.ndarray(a.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=rec, data=tb)
+        nisa.tensor_copy_predicated(dst=ta, src=rec, predicate=load(p))  # where(p, 1/b, a)
+        out = nl.ndarray((2, 4, 6), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0], src=stt)
+        nisa.dma_copy(dst=out[1], src=ta)
+        return out
+
+    out = run(kernel, x, y, v, pred)
+    np.testing.assert_allclose(out[0], y - x * v, rtol=1e-6)
+    np.testing.assert_allclose(out[1], np.where(pred != 0, 1 / y, x), rtol=1e-6)
+
+
+def test_tensor_reduce_scan_max8_find_index8():
+    x = rand(4, 2, 16)
+
+    def kernel(a):
+        t = load(a)
+        out = nl.ndarray((4, 35), dtype=nl.float32, buffer=nl.shared_hbm)
+        s = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=s, op=nl.add, data=t, axis=2)  # sum over the last free axis
+        m = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=m, op=nl.maximum, data=t, axis=(1, 2), negate=True)
+        scan = nl.ndarray((4, 16), dtype=nl.float32, buffer=nl.sbuf)
+        ones = nl.ndarray((4, 16), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)  # r[i] = 1 * r[i-1] + x[i]: a cumulative sum
+        nisa.tensor_tensor_scan(dst=scan, data0=ones, data1=t[:, 0, :], initial=0.0, op0=nl.multiply, op1=nl.add)
+        top = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=top, src=t)
+        idx = nl.ndarray((4, 8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.nc_find_index8(dst=idx, data=t, vals=top)
+        idx_f = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=idx_f, src=idx)
+        parts = ((s, 0, 2), (m, 2, 1), (scan, 3, 16), (top, 19, 8), (idx_f, 27, 8))
+        for k in range(len(parts)):
+            nisa.dma_copy(dst=out[:, parts[k][1]:parts[k][1] + parts[k][2]], src=parts[k][0])
+        return out
+
+    out = run(kernel, x)
+    flat = x.reshape(4, 32)
+    top8 = -np.sort(-flat, axis=1)[:, :8]
+    np.testing.assert_allclose(out[:, 0:2], x.sum(axis=2), rtol=1e-5)
+    np.testing.assert_allclose(out[:, 2], -flat.max(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(out[:, 3:19], np.cumsum(x[:, 0, :], axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[:, 19:27], top8)
+    np.testing.assert_array_equal(out[:, 27:35], np.argsort(-flat, axis=1, kind="stable")[:, :8])
+
+
+def test_iota_affine_select_nonzero_with_count():
+    def kernel(a):
+        pos = nl.ndarray((4, 2, 3), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=pos, pattern=[[10, 2], [1, 3]], offset=5, channel_multiplier=100)
+        tri = nl.ndarray((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.affine_select(dst=tri, pattern=[[-1, 4]], channel_multiplier=1, on_true_tile=load(a),
+                           on_false_value=-9.0, cmp_op=nl.greater_equal)  # keep where p - i >= 0
+        nz = nl.ndarray((32, 5), dtype=nl.float32, buffer=nl.sbuf)
+        src = nl.ndarray((32, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=src, value=0.0)
+        nisa.memset(dst=src[16:17, 1:2], value=3.0)
+        nisa.memset(dst=src[16:17, 3:4], value=1.0)
+        nisa.memset(dst=nz, value=7.0)
+        nisa.nonzero_with_count(dst=nz, src=src, index_offset=10, padding_val=-1)
+        out = nl.ndarray((3, 4, 6), dtype=nl.float32, buffer=nl.shared_hbm)
+        pos_f = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=pos_f, src=pos)
+        nisa.dma_copy(dst=out[0], src=pos_f)
+        nisa.dma_copy(dst=out[1, :, 0:4], src=tri)
+        nisa.dma_copy(dst=out[1, :, 4:6], src=tri[:, 0:2])
+        nisa.dma_copy(dst=out[2, 0:2, 0:5], src=nz[15:17, :])
+        nisa.dma_copy(dst=out[2, 0:2, 5:6], src=nz[0:2, 4:5])  # the count slot of partitions 0 and 1
+        nisa.dma_copy(dst=out[2, 2:4, :], src=pos_f[0:2, :])
+        return out
+
+    a = rand(4, 4)
+    out = run(kernel, a)
+    want_pos = 5 + 100 * np.arange(4)[:, None, None] + 10 * np.arange(2)[None, :, None] + np.arange(3)[None, None]
+    np.testing.assert_array_equal(out[0], want_pos.reshape(4, 6))
+    np.testing.assert_array_equal(out[1, :, :4], np.where(np.tril(np.ones((4, 4))) > 0, a, -9.0))
+    np.testing.assert_array_equal(out[2, 0, 0:5], [7, 7, 7, 7, 7])  # partition 15: not a GpSimd core's partition
+    np.testing.assert_array_equal(out[2, 1, 0:5], [11, 13, -1, -1, 2])  # partition 16: indices + offset, count
+    np.testing.assert_array_equal(out[2, 0:2, 5], [0, 7])  # partition 0 has no nonzeros; partition 1 untouched
+
+
+def test_nc_stream_shuffle_and_dma_transpose():
+    x = rand(64, 3)
+
+    def kernel(a):
+        t = load(a)
+        dst = nl.ndarray((64, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=dst, value=-1.0)
+        mask = []
+        for i in range(31):  # reverse each quadrant, keep its last partition
+            mask.append(31 - i)
+        mask.append(255)
+        nisa.nc_stream_shuffle(dst=dst, src=t, shuffle_mask=mask)
+        tr = nl.ndarray((3, 64), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=tr, src=a)
+        out = nl.ndarray((2, 64, 3), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0], src=dst)
+        back = nl.ndarray((64, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=back, src=tr)
+        nisa.dma_copy(dst=out[1], src=back)
+        return out
+
+    out = run(kernel, x)
+    want = np.full((64, 3), -1.0, dtype=np.float32)
+    for p in range(64):
+        if p % 32 != 31:
+            want[p] = x[32 * (p // 32) + 31 - p % 32]
+    np.testing.assert_array_equal(out[0], want)
+    np.testing.assert_array_equal(out[1], x)
+
+
+def test_oob_skip_skips_rows_and_vector_offset_may_be_an_access_pattern():
+    table = rand(5, 4)
+
+    def kernel(t, rows):
+        idx = load(rows)  # (1, 3) int32: the indices as one partition's free elements
+        col = nl.ndarray((3, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=col, src=idx)
+        dst = nl.ndarray((3, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=dst, value=-1.0)
+        nisa.dma_copy(dst=dst, src=t.ap(pattern=[[4, 3], [1, 4]], offset=0, indirect_dim=0,
+                                        vector_offset=col.ap(pattern=[[1, 3], [1, 1]])),
+                      oob_mode=nisa.oob_mode.skip)
+        return store(dst)
+
+    out = run(kernel, table, np.array([[2, 7, 0]], dtype=np.int32))
+    np.testing.assert_array_equal(out, np.stack([table[2], np.full(4, -1.0), table[0]]))
+
+    def error_mode(t, rows):
+        idx = load(rows)
+        col = nl.ndarray((3, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=col, src=idx)
+        dst = nl.ndarray((3, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dst, src=t.ap(pattern=[[4, 3], [1, 4]], offset=0, vector_offset=col, indirect_dim=0))
+
+    with raises("index-bounds"):
+        run(error_mode, table, np.array([[2, 7, 0]], dtype=np.int32))
+
+
+def test_dma_moves_equal_element_counts_in_row_major_order():
+    x = rand(3, 2)
+
+    def kernel(a):
+        out = nl.ndarray((2, 3), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=a)
+        return out
+
+    np.testing.assert_array_equal(run(kernel, x), x.reshape(2, 3))
+
+
+# -- isa: matmul modes ------------------------------------------------------------------------------------------------
+def test_matmul_accumulate_none_opens_then_continues_a_group_and_is_transpose():
+    a, b, c = rand(4, 3), rand(4, 5, seed=1), rand(4, 5, seed=2)
+
+    def kernel(x, y, z):
+        acc = nl.ndarray((3, 5), dtype=nl.float32, buffer=nl.psum)
+        tx = load(x)
+        nisa.nc_matmul(dst=acc, stationary=tx, moving=load(y))  # fresh PSUM: overwrites
+        nisa.nc_matmul(dst=acc, stationary=tx, moving=load(z))  # last written by a matmul: accumulates
+        tr = nl.ndarray((3, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=tr, stationary=tx, moving=nl.shared_identity_matrix(4, dtype=nl.float32),
+                       is_transpose=True)
+        out = nl.ndarray((3, 9), dtype=nl.float32, buffer=nl.shared_hbm)
+        parts = ((acc, 0, 5), (tr, 5, 4))
+        for k in range(2):
+            s = nl.ndarray((3, parts[k][2]), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=s, src=parts[k][0])
+            nisa.dma_copy(dst=out[:, parts[k][1]:parts[k][1] + parts[k][2]], src=s)
+        return out
+
+    out = run(kernel, a, b, c)
+    np.testing.assert_allclose(out[:, 0:5], a.T @ b + a.T @ c, rtol=1e-5)
+    np.testing.assert_array_equal(out[:, 5:9], a.T)
+
+
+# -- rules ------------------------------------------------------------------------------------------------------------
+def test_moving_unwritten_data_is_fine_computing_on_it_is_not():
+    def moved_then_computed(x):
+        tile = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[:, 0:2], src=x)
+        copy = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=copy, src=tile)  # moves the unwritten half along
+        out = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=copy[:, 0:2])  # the written half is fine
+        twice = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=twice, data1=copy, data2=copy, op=nl.add)  # arithmetic on garbage
+
+    with raises("uninitialized-read"):
+        run(moved_then_computed, rand(2, 2))
+
+
+def test_partition_int_index_moves_by_dma_but_not_into_an_engine():
+    def dma_ok(x):
+        t = load(x)
+        out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t[1, 0])
+        return out
+
+    np.testing.assert_array_equal(run(dma_ok, np.arange(4, dtype=np.float32).reshape(2, 2)), [[2.0]])
+
+    def engine_refuses(x):
+        t = load(x)
+        nisa.tensor_copy(dst=t[0:1, 0:1], src=t[1, 0:1])
+
+    with raises("partition-view"):
+        run(engine_refuses, rand(2, 2))
+
+
+def test_capacity_counts_tiles_until_their_last_use():
+    def dead_tiles_free_space(_):
+        for _ in range(3):  # each 200 KB tile is dead after its memset
+            t = nl.ndarray((128, 50_000), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=0.0)
+        return store(nl.shared_identity_matrix(1, dtype=nl.float32))
+
+    with counters() as c:
+        run(dead_tiles_free_space, rand(1, 1))
+    assert c.sbuf_peak == 200_000
+
+    def live_tiles_do_not(_):
+        tiles = []
+        for _ in range(2):
+            tiles.append(nl.ndarray((128, 50_000), dtype=nl.float32, buffer=nl.sbuf))
+            nisa.memset(dst=tiles[-1], value=0.0)
+        for t in tiles:
+            nisa.memset(dst=t, value=1.0)
+
+    with raises("sbuf-capacity"):
+        run(live_tiles_do_not, rand(1, 1))
+
+
+def test_explicit_address_placement():
+    def overlapping(_):
+        a = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 0))
+        b = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(2, 16))  # bytes 16..47 overlap 0..31
+        nisa.memset(dst=a, value=0.0)
+        nisa.memset(dst=b, value=0.0)
+        nisa.memset(dst=a, value=1.0)
+
+    def disjoint(_):
+        a = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(0, 0))
+        b = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(4, 0))  # other partitions
+        nisa.memset(dst=a, value=0.0)
+        nisa.memset(dst=b, value=2.0)
+        nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.add)
+        return store(a)
+
+    def outside(_):
+        nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf, address=(126, 0))
+
+    with raises("tile-address"):
+        run(overlapping, rand(1, 1))
+    np.testing.assert_array_equal(run(disjoint, rand(1, 1)), np.full((4, 8), 2.0))
+    with raises("tile-address"):
+        run(outside, rand(1, 1))
+
+
+def test_sendrecv_exchanges_between_the_two_cores():
+    x = rand(2, 4)
+
+    def kernel(a):
+        core = nl.program_id(0)
+        mine = load(a[core:core + 1, :])
+        theirs = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=0)
+        out = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[core:core + 1, :], src=theirs)
+        return out
+
+    np.testing.assert_array_equal(run(kernel, x, lnc=2), x[::-1])
+
+    def at_lnc1(a):
+        t = load(a)
+        nisa.sendrecv(src=t, dst=t, send_to_rank=1, recv_from_rank=1, pipe_id=0)
+
+    with raises("sendrecv-operands"):
+        run(at_lnc1, x)
+
+
+def test_engine_selectors_constants_and_unemulated_instructions():
+    assert nisa.vector_engine is nisa.engine.vector and nisa.get_nc_version() >= nisa.nc_version.gen3
+    assert nisa.constants.oob_mode is nisa.oob_mode
+
+    def quantize(x):
+        nisa.quantize_mx(load(x))
+
+    with pytest.raises(NotImplementedError, match="nisa.quantize_mx"):
+        run(quantize, rand(2, 2))
+
+    def bad_engine(x):
+        t = load(x)
+        nisa.tensor_copy(dst=t, src=t, engine="vector")
+
+    with pytest.raises(TypeError, match="nisa.engine"):
+        run(bad_engine, rand(2, 2))
+
+
+def test_divmod_is_allowed_in_kernels():
+    def kernel(x):
+        q, r = divmod(x.shape[1], 3)
+        out = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t[0:1, 0:1], value=float(q))
+        nisa.memset(dst=t[0:1, 1:2], value=float(r))
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    np.testing.assert_array_equal(run(kernel, rand(1, 7)), [[2.0, 1.0]])
+
+
+# -- the conformance command's own pieces (nki-library itself is not in CI) ---------------------------------------
+def test_compare_is_nki_librarys_max_mode_allclose():
+    ref = {"out": torch.tensor([10.0, -2.0, 0.0])}
+    result = conformance.Result("k")
+    conformance.compare({"out": torch.tensor([10.1, -2.0, 0.15])}, ref, rtol=0.02, atol=0.0, result=result)
+    assert result.match and math.isclose(result.max_abs, 0.15, rel_tol=1e-5)  # 0.15 <= 0.02 * max|ref| = 0.2
+    conformance.compare({"out": torch.tensor([10.0, -2.0, 0.25])}, ref, rtol=0.02, atol=0.0, result=result)
+    assert not result.match
+
+
+def test_aws_functions_defines_only_the_named_definitions(tmp_path):
+    src = tmp_path / "helpers.py"
+    src.write_text("import not_installed_anywhere\n\ndef double(x):\n    return 2 * x\n\ndef other():\n    pass\n")
+    ns = conformance.aws_functions(src, ["double"], {})
+    assert ns["double"](4) == 8 and "other" not in ns
+    with pytest.raises(LookupError, match="missing"):
+        conformance.aws_functions(src, ["missing"], {})
+
+
+def test_conformance_cli_refuses_a_directory_that_is_not_nki_library(tmp_path, capsys):
+    assert conformance.main(["--nki-library", str(tmp_path)]) == 2
+    assert "aws-neuron/nki-library" in capsys.readouterr().err
+
+
+def test_conformance_reports_races_and_lifts_capacity_without_hiding_them():
+    def racy(x):  # both cores write the whole output: a write-write overlap with no barrier
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=load(x))
+        return out
+
+    x = rand(2, 4)
+    with raises("lnc-race"):
+        run(racy, x, lnc=2)
+    found = []
+    with conformance.races_reported(found):
+        np.testing.assert_array_equal(run(racy, x, lnc=2), x)
+    assert len(found) == 1 and found[0].startswith("[lnc-race]")
+
+    def nine_banks(_):
+        banks = []
+        for _ in range(9):
+            banks.append(nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum))
+            nisa.memset(dst=banks[-1], value=0.0)
+        for bank in banks:
+            nisa.memset(dst=bank, value=1.0)
+        return store(nl.shared_identity_matrix(1, dtype=nl.float32))
+
+    with counters() as c, conformance.capacity_lifted():
+        run(nine_banks, rand(1, 1))
+    assert c.psum_peak == 9 * 2048
+    with raises("psum-capacity"):  # lifted only inside the block
+        run(nine_banks, rand(1, 1))
