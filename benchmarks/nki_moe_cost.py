@@ -22,25 +22,29 @@ Printed: a table per direction, then as the LAST line a JSON object with
                            trip counts (target 0; its lnc-divergent-control rule stops a launch at the first one,
                            so a report that completes at LNC 2 has 0)
   noop_pieces              the pieces (slots: count) the kernels run only so both cores have the same trip counts
+  model_ms_overlap         trn2 time model (workbench.kernels.nki_emulator.timing) of the forward + backward kernels,
+                           each at its busiest engine (every engine perfectly overlapped): a lower bound
+  model_ms_serial          the same with no overlap (each kernel the sum of its engines): an upper bound
+  roofline_ms              max(PE floor, HBM floor) of the layer (workbench.kernels.moe_cost: what each floor counts)
+  roofline_ratio           model_ms_overlap / roofline_ms (target <= 1.25)
+  bound                    the engine with the most modeled time (fwd + bwd); bound_fwd / bound_bwd per kernel
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from workbench.device import LNC_ENV  # noqa: E402
-from workbench.kernels import blockwise_moe_nki, plan_blocks, route  # noqa: E402
+from workbench.kernels import plan_blocks  # noqa: E402
 from workbench.kernels.autograd import KernelPlan  # noqa: E402
-from workbench.kernels.nki_emulator import counters, version  # noqa: E402
+from workbench.kernels.moe_cost import run_layer  # noqa: E402
+from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
@@ -82,20 +86,10 @@ def main(argv=None):
     from workbench.config import Model
 
     args = parse_args(argv)
-    os.environ[LNC_ENV] = str(args.lnc)  # the compiler's LNC: the kernels launch on it (and the emulator checks)
     bs = args.block_size or Model().moe_block_size
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn
-    dtype = getattr(torch, args.dtype)
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(T, D, generator=g)
-    router = torch.randn(E, D, generator=g) * D ** -0.5
-    weights, ids = route(x @ router.T, K)
-    w_gate = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
-    w_up = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
-    w_down = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype).requires_grad_()
-    xs = x.to(dtype).requires_grad_()
-    ws = weights.to(dtype).requires_grad_()
-
+    run = run_layer(T, E, K, D, F, args.lnc, bs, dtype=getattr(torch, args.dtype), seed=args.seed)
+    ids, cf, cb = run.topk_ids, run.forward, run.backward
     plan, kplan = KernelPlan.build(ids, E, bs, args.lnc)
     kb = kplan.kb
     pieces = kplan.pieces()
@@ -107,13 +101,6 @@ def main(argv=None):
             noop[w] = noop.get(w, 0) + 1
     old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
-    t0 = time.perf_counter()
-    with counters() as cf:
-        out = blockwise_moe_nki(xs, ids, ws, w_gate, w_up, w_down, block_size=bs)
-    t1 = time.perf_counter()
-    with counters() as cb:
-        out.backward(torch.randn(out.shape, generator=g).to(dtype))
-    t2 = time.perf_counter()
     fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
     padding = fwd["padding"] / fwd["gathered"]  # the emulator's count (forward's gathers of x_pad = arg0)
     padding_plan = 1 - T * K / slots_run  # what the host plan says the kernels compute
@@ -146,10 +133,11 @@ def main(argv=None):
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
         "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
         "sbuf_peak_kib": round(max(fwd["sbuf_peak"], bwd["sbuf_peak"]) / 1024, 1),
+        **run.summary(),
     }
 
     print(f"NKI MoE kernels, one rank's layer: T={T} E={E} K={K} D={D} F={F} {args.dtype} LNC={args.lnc} "
-          f"block={bs} (kernel block {kb}); emulated in {t1 - t0:.0f}s fwd + {t2 - t1:.0f}s bwd")
+          f"block={bs} (kernel block {kb}); emulated in {run.seconds[0]:.0f}s fwd + {run.seconds[1]:.0f}s bwd")
     engines = sorted(set(fwd["static"]) | set(bwd["static"]) | set(fwd["executed"]) | set(bwd["executed"]))
     print(f"{'engine':<10}{'static fwd':>12}{'static bwd':>12}{'exec fwd':>12}{'exec bwd':>12}")
     for e in engines:
@@ -166,8 +154,16 @@ def main(argv=None):
           f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")
     print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
           f"{result['pe_flops_ratio']:.3f} (bwd recomputes gate/up: +2/9 by design)")
+    print(f"trn2 time model (nki_emulator.timing; a model, nothing ran on Trainium), ms per engine, fwd + bwd: "
+          f"{result['model_ms_engines']}; layer {result['model_ms_overlap']:.2f} ms with every engine overlapped "
+          f"(fwd {result['model_ms_fwd']:.2f} {result['bound_fwd']}-bound, bwd {result['model_ms_bwd']:.2f} "
+          f"{result['bound_bwd']}-bound) .. {result['model_ms_serial']:.2f} ms serial; HBM {result['hbm_gib']:.2f} "
+          f"GiB")
+    print(f"roofline {result['roofline_ms']:.2f} ms = max(PE floor {result['pe_floor_ms']:.2f}, HBM floor "
+          f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB); overlap model / roofline "
+          f"{result['roofline_ratio']:.3f}")
     targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
-               "pe_flops_ratio": 1.25, "divergent_loops": 0}
+               "pe_flops_ratio": 1.25, "divergent_loops": 0, "roofline_ratio": 1.25}
     for key, limit in targets.items():
         print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
     print(json.dumps(result))

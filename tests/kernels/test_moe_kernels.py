@@ -384,6 +384,12 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
     assert result["padding_fraction"] == round(result["padding_slots_computed"] / result["slots_computed"], 4)
     assert 0 < result["sbuf_peak_kib"] <= 224
+    # the trn2 time model: both bounds, the roofline and its ratio, the binding engine, every instruction modeled
+    assert 0 < result["model_ms_overlap"] <= result["model_ms_serial"]
+    assert result["model_ms_overlap"] == pytest.approx(result["model_ms_fwd"] + result["model_ms_bwd"], rel=1e-3)
+    assert result["roofline_ms"] == max(result["pe_floor_ms"], result["hbm_floor_ms"])
+    assert result["roofline_ratio"] == pytest.approx(result["model_ms_overlap"] / result["roofline_ms"], rel=2e-3)
+    assert result["bound"] in ("tensor", "vector", "scalar", "gpsimd", "dma") and result["unmodeled_instructions"] == 0
 
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")

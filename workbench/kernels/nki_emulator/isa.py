@@ -26,6 +26,7 @@ from ._core import (
     violation,
 )
 from ._runtime import VirtualRegister, core_barrier, current, emit  # noqa: F401 - core_barrier is nisa.*
+from .timing import dma_work, elementwise_work, matmul_work, transpose_work
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
 URL_MATMUL = f"{API}/nki.isa.nc_matmul.html"
@@ -156,7 +157,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         dst.write(result, by_matmul=True)
         current().stats.pe_flops += 2 * k_s * m * n
 
-    emit("tensor", op, run)
+    emit("tensor", op, run, matmul_work(stationary, moving))
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -188,7 +189,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
             stats.pe_flops += 2 * p * p * f
             stats.pe_transpose_flops += 2 * p * p * f
 
-    emit("tensor" if tensor_engine else "vector", op, run)
+    emit("tensor" if tensor_engine else "vector", op, run,
+         transpose_work(data) if tensor_engine else elementwise_work(dst, data))
 
 
 # -- DMA ---------------------------------------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
         if getattr(src, "vector_offset", None) is not None:
             _count_gather(src, value)
 
-    emit("dma", op, run)
+    emit("dma", op, run, dma_work(dst, src))
 
 
 def _count_gather(src, value) -> None:
@@ -277,7 +279,7 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
         stats.dma_bytes += nbytes
         stats.dma_sizes.append((nbytes, nbytes // side.shape[0], _name(srcs[-1]), _name(dst)))
 
-    emit("dma", op, run)
+    emit("dma", op, run, dma_work(dst, *srcs))
 
 
 # -- Vector / Scalar / GpSimd engines ----------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         value = src.read()
         dst.write(value if value.dtype == dst.dtype else value.float())
 
-    emit(_engine(engine, "vector"), op, run)
+    emit(_engine(engine, "vector"), op, run, elementwise_work(dst, src))
 
 
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
@@ -306,7 +308,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
                         url)
     _same_layout(name_, url, dst=dst, data1=data1, data2=data2)
     emit(_engine(engine, "vector"), name_,
-         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))))
+         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))),
+         elementwise_work(dst, data1, data2))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -333,7 +336,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             result = fn(value, result) if reverse else fn(result, value)
         dst.write(result)
 
-    emit(_engine(engine, "vector"), name_, run)
+    emit(_engine(engine, "vector"), name_, run, elementwise_work(dst, data))
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,
@@ -360,7 +363,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
             x = x + _operand(bias, data)
         dst.write(op.fn(x))
 
-    emit("scalar", name_, run)
+    emit("scalar", name_, run, elementwise_work(dst, data))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -368,7 +371,8 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _on_chip(dst, "dst", "memset", URL_MEMSET)
     if not isinstance(value, (int, float)):
         raise TypeError(f"memset value must be a compile-time constant number, got {value!r}")
-    emit(_engine(engine, "vector"), "memset", lambda: dst.write(torch.full(dst.shape, float(value))))
+    emit(_engine(engine, "vector"), "memset", lambda: dst.write(torch.full(dst.shape, float(value))),
+         elementwise_work(dst))
 
 
 # -- registers (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.register_alloc.html)
