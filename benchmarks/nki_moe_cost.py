@@ -42,13 +42,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from workbench.kernels import plan_blocks  # noqa: E402
-from workbench.kernels.autograd import KernelPlan  # noqa: E402
+from workbench.kernels.autograd import KernelPlan, kernel_block_size, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import run_layer  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
-WEIGHT_ARGS = {"fwd": {"arg7", "arg8", "arg9"}, "bwd": {"arg8", "arg9", "arg10", "arg11", "arg12"}}
+WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg13", "arg14", "arg15"}}
 
 
 def parse_args(argv=None):
@@ -90,7 +90,8 @@ def main(argv=None):
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn
     run = run_layer(T, E, K, D, F, args.lnc, bs, dtype=getattr(torch, args.dtype), seed=args.seed)
     ids, cf, cb = run.topk_ids, run.forward, run.backward
-    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc)
+    dtype = getattr(torch, args.dtype)
+    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc, tiles_per_sub(kernel_block_size(bs), D, F, dtype))
     kb = kplan.kb
     pieces = kplan.pieces()
     slots_run = sum(w for _, w, _ in pieces)
@@ -153,7 +154,7 @@ def main(argv=None):
           f"({bwd['dma_bytes'] / 2**20:,.0f} MiB); expert weights {result['weight_dma_count']:,} DMAs, "
           f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")
     print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
-          f"{result['pe_flops_ratio']:.3f} (bwd recomputes gate/up: +2/9 by design)")
+          f"{result['pe_flops_ratio']:.3f} (the backward reads the saved gT, uT: no recompute)")
     print(f"trn2 time model (nki_emulator.timing; a model, nothing ran on Trainium), ms per engine, fwd + bwd: "
           f"{result['model_ms_engines']}; layer {result['model_ms_overlap']:.2f} ms with every engine overlapped "
           f"(fwd {result['model_ms_fwd']:.2f} {result['bound_fwd']}-bound, bwd {result['model_ms_bwd']:.2f} "

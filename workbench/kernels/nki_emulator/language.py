@@ -75,6 +75,15 @@ multiply = _Op("multiply", torch.mul)
 maximum = _Op("maximum", torch.maximum)
 ARITHMETIC = (add, subtract, multiply, maximum)
 
-# Activation functions for nisa.activation.
+# Activation functions for nisa.activation ("Supported Activation Functions for NKI ISA", evaluated exactly here:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/api/nki.api.shared.html).
+def _silu_dx(x):
+    sig = torch.sigmoid(x)
+    return sig * (1 + x * (1 - sig))
+
+
 sigmoid = _Op("sigmoid", torch.sigmoid)
-ACTIVATIONS = (sigmoid,)
+copy = _Op("copy", torch.clone)  # Identity
+silu = _Op("silu", torch.nn.functional.silu)
+silu_dx = _Op("silu_dx", _silu_dx)  # Silu Derivative: sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+ACTIVATIONS = (sigmoid, copy, silu, silu_dx)
