@@ -197,6 +197,28 @@ def test_nki_kernels_sub_segments_match_reference_fp32(bs, tiles, lnc, monkeypat
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,lnc", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_saved_for_backward_lists_what_the_forward_kernel_saves(dtype, lnc, monkeypatch):
+    """`autograd.saved_for_backward` (what the memory plan counts) names exactly the tensors, shapes and dtypes the
+    forward kernel hands the backward."""
+    from workbench.kernels import autograd
+
+    seen = {}
+    forward = autograd.HOST_KERNELS.forward
+
+    def spy(*args):
+        outs = forward(*args)
+        seen["saved"] = outs[1:]
+        return outs
+
+    monkeypatch.setattr(autograd, "HOST_KERNELS", autograd.Kernels(spy, autograd.HOST_KERNELS.backward))
+    T, K, E, D, F, bs, ids = EDGE_CASES["tail_pieces_of_256_blocks"]
+    x, ids, w, wg, wu, wd = make_case(T, K, E, D, F, dtype=dtype, ids=ids)
+    nki_at(lnc, monkeypatch)(x, ids, w, wg, wu, wd, block_size=bs)
+    got = [(name, tuple(t.shape), t.dtype) for name, t in zip(("g_saved", "u_saved"), seen["saved"], strict=True)]
+    assert got == autograd.saved_for_backward(T, K, E, F, bs, lnc, dtype)
+
+
 @pytest.mark.skipif(REAL_NKI, reason="the emulator's counters are what is under test")
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):

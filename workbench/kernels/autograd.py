@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from workbench.device import logical_nc_config
 from workbench.kernels import nki_moe
-from workbench.kernels.moe_reference import BlockPlan, blockwise_moe, check_moe_args, plan_blocks, slot_weights
+from workbench.kernels.moe_reference import (
+    BlockPlan,
+    blockwise_moe,
+    check_moe_args,
+    max_blocks,
+    plan_blocks,
+    slot_weights,
+)
 from workbench.kernels.nki_api import REAL_NKI, nki
 
 
@@ -53,6 +60,25 @@ def tiles_per_sub(kb: int, hidden: int, ffn: int, dtype: torch.dtype) -> int:
     (`nki_moe.backward_layout`); the plan splits experts with more."""
     widths = nki_moe.piece_widths(kb, (kb // slot_granule(kb)).bit_length())
     return nki_moe.backward_layout(hidden, ffn, dtype, widths)[1]
+
+
+def saved_for_backward(tokens: int, top_k: int, experts: int, ffn: int, block_size: int, lnc: int,
+                       dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of the HBM tensors the NKI MoE path keeps from a layer's forward to its backward on top
+    of what the torch reference path also saves (its input rows, routing weights and the expert weights): the
+    forward kernel's gT = W_gate x and uT = W_up x for every slot, feature-major, in the io dtype (`dtype`). They
+    live from the layer's forward to its backward (under full activation checkpointing: from the recomputed forward
+    to the backward of that one layer). Slots: each expert padded to the 32-slot granule and to one 128-slot tile
+    (a static bound, `plan_blocks` / `max_blocks`), plus one no-op area of the kernel block per core. At Qwen3-30B-A3B
+    (T 4096, K 8, E 128, F 768, block 256, LNC 2, bf16): 2 x [768, 49,536] = 145 MiB per layer.
+
+    The backward's weight-gradient outputs are [E + lnc, ...] in the io dtype (each core's dummy row E + core
+    absorbs its no-op writes); the grads handed to autograd are views of their first E rows.
+    """
+    kb = kernel_block_size(block_size)
+    G = slot_granule(kb)
+    slots = (max_blocks(tokens, top_k, experts, G, nki_moe.tile_slots(kb) // G) + lnc * (kb // G)) * G
+    return [("g_saved", (ffn, slots), dtype), ("u_saved", (ffn, slots), dtype)]
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,17 @@ through the time model (`nki_emulator.timing`), and the layer's roofline.
 Used by benchmarks/nki_moe_cost.py (the full cost report), `workbench.bench` and notebook 03 (the modeled layer
 time beside the measured CPU numbers). Everything here is a model: nothing has run on Trainium.
 
-The roofline (`roofline`) is max(PE floor, HBM floor) of one rank (LNC physical cores, their share of the chip):
+The roofline (`roofline`) is max(PE floor, HBM floor) of one rank (LNC physical cores, their share of the chip),
+as issue 26 defines it:
   PE floor   the unpadded expert matmuls, 3 x 2*T*K*D*F FLOPs forward and twice that backward, at 79 BF16 TFLOPS
              per physical NeuronCore-v3 (no transposes, no padding, no recompute);
-  HBM floor  bytes every implementation must move, at the rank's share of 2.9 TB/s: the three expert matrices
-             read once forward and once backward (io dtype), the three weight gradients written once (in the
-             dtype the layer returns them: the io dtype, as the kernels and the torch reference do), and each
-             token's rows once: x read and out written forward, x and dy read and dx written backward
-             (5 * T * D elements). Routing tables, slot scratch, padding and the K-fold gathers are not in it.
+  HBM floor  at the rank's share of 2.9 TB/s: the three expert matrices read once forward and once backward (io
+             dtype), the three weight gradients written once in fp32, and each token's rows once: x read and out
+             written forward, x and dy read and dx written backward (5 * T * D elements, io dtype). Routing tables,
+             slot scratch, padding and the K-fold gathers are not in it.
+The kernels return the weight gradients in the io dtype (what autograd hands on: the weights' dtype), so a floor
+counting them at that width is lower still: `summary()` reports it too (`roofline_ms_io_grads`, its ratio); at
+30B-A3B in bf16 that floor is the PE floor.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ class Roofline:
 
 
 def roofline(tokens: int, top_k: int, experts: int, hidden: int, ffn: int, lnc: int, io_bytes: int,
-             rates: Rates = TRN2) -> Roofline:
-    """The layer's floors for one rank of `lnc` physical cores (module docstring: what each counts)."""
+             grad_bytes: int = 4, rates: Rates = TRN2) -> Roofline:
+    """The layer's floors for one rank of `lnc` physical cores (module docstring: what each counts); `grad_bytes`:
+    the width the weight gradients are counted at (4: fp32, as the issue defines the floor)."""
     T, K, E, D, F = tokens, top_k, experts, hidden, ffn
     flops = 9 * 2 * T * K * D * F
-    hbm = 3 * E * D * F * io_bytes * 3 + 5 * T * D * io_bytes  # weights fwd + bwd, dW, token rows
+    hbm = 3 * E * D * F * (2 * io_bytes + grad_bytes) + 5 * T * D * io_bytes  # weights fwd + bwd, dW, token rows
     return Roofline(pe_s=flops / (rates.pe_bf16_flops * lnc), hbm_s=hbm / (rates.hbm_bytes_per_s * lnc),
                     hbm_bytes=hbm, pe_flops=flops)
 
@@ -62,6 +66,7 @@ class LayerRun:
     forward: object  # nki_emulator Counters
     backward: object
     roofline: Roofline
+    roofline_io_grads: Roofline  # the same with the weight gradients at the io dtype the kernels write
     topk_ids: torch.Tensor  # the routing the layer ran with
     seconds: tuple  # emulator wall time of the forward and the backward (CPU)
 
@@ -80,6 +85,8 @@ class LayerRun:
             "model_ms_engines": {e: _ms(s) for e, s in engines.items()},
             "model_ms_fwd": _ms(fwd.overlap_s), "bound_fwd": fwd.bound,
             "model_ms_bwd": _ms(bwd.overlap_s), "bound_bwd": bwd.bound,
+            "roofline_ms_io_grads": _ms(self.roofline_io_grads.seconds),
+            "roofline_ratio_io_grads": round(overlap / self.roofline_io_grads.seconds, 4),
             "pe_floor_ms": _ms(self.roofline.pe_s),
             "hbm_floor_ms": _ms(self.roofline.hbm_s),
             "hbm_floor_gib": round(self.roofline.hbm_bytes / 2**30, 3),
@@ -134,4 +141,22 @@ def run_layer(tokens: int, experts: int, top_k: int, hidden: int, ffn: int, lnc:
         else:
             os.environ[LNC_ENV] = old
     io_bytes = torch.empty((), dtype=dtype).element_size()
-    return LayerRun(cf, cb, roofline(tokens, top_k, experts, hidden, ffn, lnc, io_bytes), ids, (t1 - t0, t2 - t1))
+    shape = (tokens, top_k, experts, hidden, ffn, lnc, io_bytes)
+    return LayerRun(cf, cb, roofline(*shape), roofline(*shape, grad_bytes=io_bytes), ids, (t1 - t0, t2 - t1))
+
+
+def trn2_moe_layer(job) -> dict | None:
+    """The time model's trn2 figures for one rank's MoE layer at a job's shapes (tokens per rank = local batch x
+    sequence length, the flavor's experts, top-k, hidden and expert widths, model.moe_block_size), run as on trn2:
+    bf16, LNC 2. None for a dense flavor. A model from the emulator's counters, not a measurement; the emulator
+    takes minutes at 30B-A3B shapes on a CPU.
+    """
+    shape = job.shape
+    if not shape.is_moe:
+        return None
+    tokens = job.training.local_batch_size * job.training.seq_len
+    run = run_layer(tokens, shape.num_experts, shape.top_k, shape.dim, shape.moe_ffn_dim, lnc=2,
+                    block_size=job.model.moe_block_size)
+    return {"tokens": tokens, "experts": shape.num_experts, "top_k": shape.top_k, "hidden": shape.dim,
+            "ffn": shape.moe_ffn_dim, "block_size": job.model.moe_block_size, "moe_layers": shape.n_layers,
+            **run.summary()}
