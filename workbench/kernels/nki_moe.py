@@ -70,6 +70,9 @@ F32 = nl.float32
 I32 = nl.int32
 # SBUF bytes per partition on NeuronCore-v3 (28 MiB = 128 x 224 KiB; Trainium2 Architecture Guide for NKI)
 SBUF_BYTES = 224 * 1024
+# kept free in the backward's budget for the small tiles a block allocates on top of its workspace (int32 [1, 1]
+# table entries and slot-index / affinity columns: < 100 bytes per partition)
+SMALL_TILES_BYTES = 1024
 # PSUM banks the backward's weight-gradient phase accumulates in: 8 banks, 3 held by the pieces' pool
 DW_BANKS = 5
 DW_ROW_BANKS = 4  # a weight-gradient output row is written in segments of at most this many banks (2048 columns)
@@ -235,7 +238,7 @@ def _fit_backward(D, F, io_dtype, widths):
             chunks.append(n * P)
     for fc in chunks:
         ws = _bwd_workspace_shapes(kb, D, fc, io_dtype, F32 if fc < F else io_dtype, fc < F)
-        free = SBUF_BYTES - _resident_bytes(D, fc, io_dtype.itemsize, 3) - _shape_bytes(ws)
+        free = SBUF_BYTES - SMALL_TILES_BYTES - _resident_bytes(D, fc, io_dtype.itemsize, 3) - _shape_bytes(ws)
         nt = free // _res_tile_bytes(D, fc, io_dtype.itemsize) - tails
         if nt >= need:
             return fc, nt
