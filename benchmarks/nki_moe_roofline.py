@@ -2,12 +2,13 @@
 
     .venv/bin/python benchmarks/nki_moe_roofline.py [--tokens 4096 --experts 128 --top-k 8 --hidden 2048 --ffn 768]
         [--block-sizes 32,64,128,256] [--data docs/nki_moe_roofline.json] [--out docs/nki_moe_roofline.png]
-        [--plot-only]
+        [--baseline REPORT.txt ...] [--plot-only]
 
 Per block size, one rank's layer (forward + backward, bf16, LNC 2, the cost report's seeded routing) runs through
 the NKI kernels on the emulator (a few minutes each at Qwen3-30B-A3B shapes on a CPU) and its counters through the
 trn2 time model (`workbench.kernels.moe_cost`). Writes the numbers (JSON) and the figure (PNG); `--plot-only`
-redraws the figure from the JSON. A model: nothing here ran on Trainium.
+redraws the figure from the JSON. `--baseline` adds the cost reports (their JSON last lines) of an older version of
+the kernels as grey points, kept in the JSON under "baseline". A model: nothing here ran on Trainium.
 """
 
 import argparse
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--block-sizes", default="32,64,128,256")
     p.add_argument("--data", type=Path, default=DOCS / "nki_moe_roofline.json")
     p.add_argument("--out", type=Path, default=DOCS / "nki_moe_roofline.png")
+    p.add_argument("--baseline", nargs="*", type=Path, default=[],
+                   help="cost-report outputs of older kernels (their JSON last lines), shown as grey points")
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from --data")
     return p.parse_args(argv)
 
@@ -60,12 +63,17 @@ def plot(data: dict, path: Path) -> None:
 
     runs, s = data["runs"], data["shape"]
     x = list(range(len(runs)))
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(13, 5.5))
     ax.fill_between(x, [r["model_ms_overlap"] for r in runs], [r["model_ms_serial"] for r in runs], color="tab:blue",
                     alpha=0.12, label="model: between the bounds")
     ax.plot(x, [r["model_ms_overlap"] for r in runs], "o-", color="tab:blue", lw=2,
             label="model: engines overlapped (each kernel = its busiest engine)")
     ax.plot(x, [r["model_ms_serial"] for r in runs], "o--", color="tab:blue", lw=1, label="model: no overlap")
+    base = {r["block_size"]: r for r in data.get("baseline", [])}
+    if base:
+        bx = [i for i, r in enumerate(runs) if r["block_size"] in base]
+        ax.plot(bx, [base[runs[i]["block_size"]]["model_ms_overlap"] for i in bx], "X", color="grey", ms=9,
+                label="before this change (the NKI 0.7.0 port's kernels): engines overlapped")
     for engine, style in zip(ENGINES, ("s:", "^:", "v:", "D:"), strict=True):
         ax.plot(x, [r["model_ms_engines"][engine] for r in runs], style, lw=1, ms=4, alpha=0.8,
                 label=f"engine busy: {engine}")
@@ -83,7 +91,7 @@ def plot(data: dict, path: Path) -> None:
                  f"D {s['hidden']}, F {s['ffn']}, {s['dtype']}, LNC {s['lnc']})\n"
                  "a model from the NKI emulator's counters (workbench.kernels.moe_cost); nothing ran on Trainium",
                  fontsize=10)
-    ax.legend(fontsize=7.5, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -96,6 +104,9 @@ def main(argv=None):
         data = json.loads(args.data.read_text())
     else:
         data = sweep(args)
+    if args.baseline:
+        data["baseline"] = [json.loads(path.read_text().strip().splitlines()[-1]) for path in args.baseline]
+    if not args.plot_only or args.baseline:
         args.data.write_text(json.dumps(data, indent=1) + "\n")
     plot(data, args.out)
     print(f"wrote {args.out}" + ("" if args.plot_only else f" and {args.data}"))
