@@ -53,13 +53,18 @@ SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fi
 WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg13", "arg14", "arg15"}}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(p):
+    """The layer's shape options (one rank's Qwen3-30B-A3B layer by default)."""
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(p)
     p.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     p.add_argument("--block-size", type=int, default=None,
                    help="model.moe_block_size (default: the config default)")

@@ -27,11 +27,7 @@ ENGINES = ("tensor", "vector", "scalar", "dma")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=768)
+    nki_moe_cost.add_shape_args(p)
     p.add_argument("--block-sizes", default="32,64,128,256")
     p.add_argument("--data", type=Path, default=DOCS / "nki_moe_roofline.json")
     p.add_argument("--out", type=Path, default=DOCS / "nki_moe_roofline.png")

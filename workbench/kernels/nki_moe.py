@@ -504,11 +504,22 @@ def _bounds(table, row0, col, reg):
     return begin, end
 
 
-def _segment_count(seg_count):
-    """The number of segment positions, one count shared by every core (a register)."""
+def _count(count):
+    """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=seg_count[0:1, 0:1])
+    nisa.dma_copy(dst=tile, src=count[0:1, 0:1])
     return _register(tile)
+
+
+def _listed(table, count, pid, body):
+    """Compiled loop over the first `count` entries of this core's column of a per-core [lnc * U, 1] int32 table:
+    body(entry as an int32 SBUF [1, 1] tile)."""
+    U = table.shape[0] // nl.num_programs(0)
+
+    def each(i):
+        body(_load_entry(table, pid * U, 0, i))
+
+    nl.fori_loop(0, _count(count), each)
 
 
 def _slot_window(slots, row0, s0, sl, c0, cl):
@@ -622,7 +633,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, mats):
                 _pieces(piece, begin, end, hbm, w, _ws_view(ws, widths[k]), None, ps, widths[k], f0, c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
-    nl.fori_loop(0, _segment_count(seg_count), segment)
+    nl.fori_loop(0, _count(seg_count), segment)
 
 
 def _zero_saved(saved, G, fill_rows, fill_count, pid):
@@ -634,12 +645,8 @@ def _zero_saved(saved, G, fill_rows, fill_count, pid):
     rem = F - nfull * fp
     zeros = nl.ndarray((fp, nfull, G), dtype=saved[0].dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
-    U = fill_rows.shape[0] // nl.num_programs(0)
-    count = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=count, src=fill_count[0:1, 0:1])
 
-    def group(i):
-        row = _load_entry(fill_rows, pid * U, 0, i)
+    def group(row):
         for t in saved:
             NS = t.shape[1]
             nisa.dma_copy(dst=t.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, G]], offset=0, scalar_offset=row,
@@ -648,7 +655,7 @@ def _zero_saved(saved, G, fill_rows, fill_count, pid):
                 nisa.dma_copy(dst=t.ap(pattern=[[NS, rem], [1, G]], offset=nfull * fp * NS, scalar_offset=row,
                                        indirect_dim=1), src=zeros[0:rem, 0, 0:G])
 
-    nl.fori_loop(0, _register(count), group)
+    _listed(fill_rows, fill_count, pid, group)
 
 
 @nki.jit
@@ -939,7 +946,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, mats
                           c == 0)
             w = None
 
-    nl.fori_loop(0, _segment_count(seg_count), segment)
+    nl.fori_loop(0, _count(seg_count), segment)
 
 
 def _zero_rows(t, zeros, pid, lnc):
@@ -961,12 +968,8 @@ def _zero_experts(grads, zero_rows, zero_count, pid):
         width = max(width, dw.shape[2])
     zeros = nl.ndarray((P, width), dtype=grads[0].dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
-    Z = zero_rows.shape[0] // nl.num_programs(0)
-    count = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=count, src=zero_count[0:1, 0:1])
 
-    def expert(i):
-        e = _load_entry(zero_rows, pid * Z, 0, i)
+    def expert(e):
         for dw in grads:
             R, C = dw.shape[1], dw.shape[2]
             for r0 in range(0, R, P):
@@ -974,7 +977,7 @@ def _zero_experts(grads, zero_rows, zero_count, pid):
                 nisa.dma_copy(dst=dw.ap(pattern=[[C, rl], [1, C]], offset=r0 * C, scalar_offset=e, indirect_dim=0),
                               src=zeros[0:rl, 0:C])
 
-    nl.fori_loop(0, _register(count), expert)
+    _listed(zero_rows, zero_count, pid, expert)
 
 
 @nki.jit
