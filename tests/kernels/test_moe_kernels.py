@@ -338,6 +338,19 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
     assert kp.slot_of_assignment.shape[0] % lnc == 0  # the combine's token tiles split evenly
 
 
+def test_backward_layout_and_tile_cap_refusals():
+    """A shape whose backward does not fit SBUF even in 128-wide F chunks, and a tile cap below one full block plus
+    the main-buffer tails, are refused with the fix named."""
+    from workbench.kernels import nki_moe
+    from workbench.kernels.autograd import KernelPlan
+
+    with pytest.raises(ValueError, match="does not fit SBUF at D=16384.*smaller model.moe_block_size"):
+        nki_moe.backward_layout(16384, 768, torch.float32, nki_moe.piece_widths(256, 4))
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="2 resident tiles per sub-segment cannot hold one 256-slot block"):
+        KernelPlan.build(ids, 2, 256, 1, tiles=2)
+
+
 def test_kernel_plan_needs_an_expert_per_core():
     from workbench.kernels.autograd import KernelPlan
 

@@ -147,7 +147,8 @@ class KernelPlan:
         # full blocks per sub-segment: the sub-segment's main tiles (its full blocks, the main tail classes) fit
         per_sub = ng if tiles is None else (tiles - sum(tiles_k[1:])) // tiles_k[0]
         if per_sub < 1:
-            raise ValueError(f"{tiles} resident tiles per sub-segment cannot hold one {kb}-slot block and the tails")
+            raise ValueError(f"{tiles} resident tiles per sub-segment cannot hold one {kb}-slot block and the tails: "
+                             "use a smaller model.moe_block_size")
         J = -(-max(1, ng // r) // per_sub)  # static bound on sub-segments per expert
         dev = plan.block_to_expert_B.device
         i32, i64 = torch.int32, torch.long
