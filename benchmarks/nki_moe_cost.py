@@ -22,13 +22,20 @@ Printed: a table per direction, then as the LAST line a JSON object with
                            trip counts (target 0; its lnc-divergent-control rule stops a launch at the first one,
                            so a report that completes at LNC 2 has 0)
   noop_pieces              the pieces (slots: count) the kernels run only so both cores have the same trip counts
+  model_ms_overlap         trn2 time model (workbench.kernels.nki_emulator.timing) of the forward + backward kernels,
+                           each at its busiest engine (every engine perfectly overlapped): a lower bound
+  model_ms_serial          the same with no overlap (each kernel the sum of its engines): an upper bound
+  roofline_ms              max(PE floor, HBM floor) of the layer as issue 26 defines it (workbench.kernels.moe_cost:
+                           what each floor counts; weight gradients in fp32)
+  roofline_ratio           model_ms_overlap / roofline_ms (target <= 1.25)
+  roofline_ms_io_grads     the same floor with the weight gradients at the io dtype the kernels write (and ratio)
+  bound                    the engine with the most modeled time (fwd + bwd); bound_fwd / bound_bwd per kernel
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,23 +44,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from workbench.device import LNC_ENV  # noqa: E402
-from workbench.kernels import blockwise_moe_nki, plan_blocks, route  # noqa: E402
-from workbench.kernels.autograd import KernelPlan  # noqa: E402
-from workbench.kernels.nki_emulator import counters, version  # noqa: E402
+from workbench.kernels import plan_blocks  # noqa: E402
+from workbench.kernels.autograd import KernelPlan, kernel_block_size, tiles_per_sub  # noqa: E402
+from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
+from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
-WEIGHT_ARGS = {"fwd": {"arg7", "arg8", "arg9"}, "bwd": {"arg8", "arg9", "arg10", "arg11", "arg12"}}
+WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg13", "arg14", "arg15"}}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(p):
+    """The layer's shape options (one rank's Qwen3-30B-A3B layer by default)."""
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=768)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(p)
     p.add_argument("--lnc", type=int, default=2, choices=(1, 2))
     p.add_argument("--block-size", type=int, default=None,
                    help="model.moe_block_size (default: the config default)")
@@ -80,25 +92,16 @@ def summarize(c, direction):
     }
 
 
-def main(argv=None):
+def measure(args):
+    """Run the layer (`parse_args` namespace) and count it: (the JSON result, what the printed tables need)."""
     from workbench.config import Model
 
-    args = parse_args(argv)
-    os.environ[LNC_ENV] = str(args.lnc)  # the compiler's LNC: the kernels launch on it (and the emulator checks)
     bs = args.block_size or Model().moe_block_size
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn
+    run = run_layer(T, E, K, D, F, args.lnc, bs, dtype=getattr(torch, args.dtype), seed=args.seed)
+    ids, cf, cb = run.topk_ids, run.forward, run.backward
     dtype = getattr(torch, args.dtype)
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(T, D, generator=g)
-    router = torch.randn(E, D, generator=g) * D ** -0.5
-    weights, ids = route(x @ router.T, K)
-    w_gate = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
-    w_up = (torch.randn(E, F, D, generator=g) * D ** -0.5).to(dtype).requires_grad_()
-    w_down = (torch.randn(E, D, F, generator=g) * F ** -0.5).to(dtype).requires_grad_()
-    xs = x.to(dtype).requires_grad_()
-    ws = weights.to(dtype).requires_grad_()
-
-    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc)
+    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc, tiles_per_sub(kernel_block_size(bs), D, F, dtype))
     kb = kplan.kb
     pieces = kplan.pieces()
     slots_run = sum(w for _, w, _ in pieces)
@@ -109,13 +112,6 @@ def main(argv=None):
             noop[w] = noop.get(w, 0) + 1
     old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
-    t0 = time.perf_counter()
-    with counters() as cf:
-        out = blockwise_moe_nki(xs, ids, ws, w_gate, w_up, w_down, block_size=bs)
-    t1 = time.perf_counter()
-    with counters() as cb:
-        out.backward(torch.randn(out.shape, generator=g).to(dtype))
-    t2 = time.perf_counter()
     fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
     padding = fwd["padding"] / fwd["gathered"]  # the emulator's count (forward's gathers of x_pad = arg0)
     padding_plan = 1 - T * K / slots_run  # what the host plan says the kernels compute
@@ -148,10 +144,20 @@ def main(argv=None):
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
         "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
         "sbuf_peak_kib": round(max(fwd["sbuf_peak"], bwd["sbuf_peak"]) / 1024, 1),
+        **run.summary(),
     }
+    return result, {"fwd": fwd, "bwd": bwd, "plan": plan, "old_padding": old_padding, "weight_bytes": weight_bytes,
+                    "seconds": run.seconds, "forward_counters": run.forward}
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    result, d = measure(args)
+    fwd, bwd, plan, old_padding, weight_bytes = d["fwd"], d["bwd"], d["plan"], d["old_padding"], d["weight_bytes"]
+    T, E, K, D, F, bs, kb = (args.tokens, args.experts, args.top_k, args.hidden, args.ffn, result["block_size"],
+                             result["kernel_block"])
     print(f"NKI MoE kernels, one rank's layer: T={T} E={E} K={K} D={D} F={F} {args.dtype} LNC={args.lnc} "
-          f"block={bs} (kernel block {kb}); emulated in {t1 - t0:.0f}s fwd + {t2 - t1:.0f}s bwd")
+          f"block={bs} (kernel block {kb}); emulated in {d['seconds'][0]:.0f}s fwd + {d['seconds'][1]:.0f}s bwd")
     engines = sorted(set(fwd["static"]) | set(bwd["static"]) | set(fwd["executed"]) | set(bwd["executed"]))
     print(f"{'engine':<10}{'static fwd':>12}{'static bwd':>12}{'exec fwd':>12}{'exec bwd':>12}")
     for e in engines:
@@ -167,19 +173,32 @@ def main(argv=None):
           f"({bwd['dma_bytes'] / 2**20:,.0f} MiB); expert weights {result['weight_dma_count']:,} DMAs, "
           f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")
     print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
-          f"{result['pe_flops_ratio']:.3f} (bwd recomputes gate/up: +2/9 by design)")
+          f"{result['pe_flops_ratio']:.3f} (the backward reads the saved gT, uT: no recompute)")
+    print(f"trn2 time model (nki_emulator.timing; a model, nothing ran on Trainium), ms per engine, fwd + bwd: "
+          f"{result['model_ms_engines']}; layer {result['model_ms_overlap']:.2f} ms with every engine overlapped "
+          f"(fwd {result['model_ms_fwd']:.2f} {result['bound_fwd']}-bound, bwd {result['model_ms_bwd']:.2f} "
+          f"{result['bound_bwd']}-bound) .. {result['model_ms_serial']:.2f} ms serial; HBM {result['hbm_gib']:.2f} "
+          f"GiB")
+    print(f"roofline {result['roofline_ms']:.2f} ms = max(PE floor {result['pe_floor_ms']:.2f}, HBM floor "
+          f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB, dW counted in fp32); overlap model "
+          f"/ roofline {result['roofline_ratio']:.3f}; with dW at the io dtype the kernels write: roofline "
+          f"{result['roofline_ms_io_grads']:.2f} ms, ratio {result['roofline_ratio_io_grads']:.3f}")
     targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
-               "pe_flops_ratio": 1.25, "divergent_loops": 0}
+               "pe_flops_ratio": 1.25, "divergent_loops": 0, "roofline_ratio": 1.25}
     for key, limit in targets.items():
         print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
     if args.compare_nki_library:
-        compare_nki_library(args.compare_nki_library, xs, ids, ws, w_gate, w_up, w_down, bs, args.lnc, fwd)
+        x, ids, w, w_gate, w_up, w_down, _ = layer_inputs(T, E, K, D, F, getattr(torch, args.dtype), args.seed)
+        compare_nki_library(args.compare_nki_library, x, ids, w, w_gate, w_up, w_down, bs, args.lnc, fwd,
+                            d["forward_counters"])
     print(json.dumps(result))
 
 
-def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours):
-    """Our forward's counters next to nki-library's bwmm_shard_on_block on the same routing (docs/nki_kernels.md)."""
+def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours, ours_counters):
+    """Our forward's counters and trn2 time model next to nki-library's bwmm_shard_on_block on the same routing
+    (docs/nki_kernels.md)."""
     from workbench.kernels.nki_emulator.conformance import aws_blockwise_forward_counters
+    from workbench.kernels.nki_emulator.timing import model
 
     t0 = time.perf_counter()
     c, plan = aws_blockwise_forward_counters(library, x.detach(), ids, weights.detach(), w_gate, w_up, w_down,
@@ -197,6 +216,16 @@ def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, l
         print(f"{label:<20}{ours[key]:>16,}{aws[key]:>16,}")
     print(f"{'PSUM peak B/part.':<20}{'':>16}{c.psum_peak:>16,}  (capacity 16,384 = 8 banks; run with the SBUF/PSUM "
           "capacity rules lifted)")
+    # The same trn2 time model (nki_emulator.timing) over both kernels' counters: a model, not a measurement.
+    mine, theirs = model(ours_counters), model(c)
+    for label, get in (("model ms, overlap", lambda t: f"{t.overlap_s * 1e3:.3f}"),
+                       ("model ms, serial", lambda t: f"{t.serial_s * 1e3:.3f}"), ("bound", lambda t: t.bound),
+                       ("unmodeled instr.", lambda t: f"{sum(t.unmodeled.values()):,}")):
+        print(f"{label:<20}{get(mine):>16}{get(theirs):>16}")
+    if theirs.unmodeled:
+        print(f"nki-library instructions the model has no cost for: {dict(theirs.unmodeled)}")
+    for engine in mine.engines:
+        print(f"{'  ms ' + engine:<20}{mine.engines[engine] * 1e3:>16.3f}{theirs.engines[engine] * 1e3:>16.3f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,28 @@ def test_a_failing_path_is_reported_and_the_others_still_run(tmp_path, monkeypat
     assert len(pd.read_csv(tmp_path / "bench.csv")) == 3
 
 
+def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
+    """On a MoE config the nki_moe row gets the time model's trn2 MoE-layer figures (the real emulator run at
+    cpu_moe's shapes, under a second), labelled as a model in bench.md; the other rows stay empty there."""
+    import workbench.train
+    from workbench.config import load_config
+    from workbench.kernels.moe_cost import trn2_moe_layer
+
+    def fake_train(job, nproc, stream):
+        _write_run(job.run_dir, [5.0, 1.0, 1.0], backend=job.model.backend)
+        return job.run_dir
+
+    monkeypatch.setattr(workbench.train, "train", fake_train)
+    df = bench.run_matrix(ROOT / "configs/cpu_moe.toml", ["native", "nki_moe"], steps=3, out=tmp_path,
+                          show_progress=False).set_index("backend")
+    want = trn2_moe_layer(load_config(ROOT / "configs/cpu_moe.toml", argv=["--training.steps", "3"]))
+    assert df.loc["nki_moe", "trn2_moe_layer_model_ms"] == want["model_ms_overlap"] > 0
+    assert df.loc["nki_moe", "trn2_moe_layer_serial_ms"] == want["model_ms_serial"] >= want["model_ms_overlap"]
+    assert df.loc["nki_moe", "trn2_moe_layer_roofline_ms"] == want["roofline_ms"] > 0
+    assert df.loc[["native"], bench.MODEL_COLUMNS].isna().all(axis=None)
+    assert "**Modeled, not measured:**" in (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.slow
 def test_bench_matrix_of_all_three_paths(tmp_path):
     """The command of the acceptance criterion, with few steps: all three paths, plausible and consistent numbers."""

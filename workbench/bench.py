@@ -24,6 +24,11 @@ Columns of bench.csv / bench.md (bench.png plots them), per path, all from rank 
     init_s                  trainer construction (summary.json `init_seconds`)
     final_loss              loss of the last step
     speed_vs_native         tokens_per_s / native's tokens_per_s
+    trn2_moe_layer_model_ms nki_moe row, MoE flavors: a MODEL, not a measurement: the trn2 time of one rank's MoE
+                            layer (forward + backward) at this config's shapes (tokens per rank, experts, widths,
+                            moe_block_size; bf16, LNC 2), from the NKI kernels' emulator counters through the time
+                            model (`workbench.kernels.moe_cost.trn2_moe_layer`): every engine overlapped; with
+                            trn2_moe_layer_serial_ms (no overlap) and trn2_moe_layer_roofline_ms (the layer's floor)
 
 The first `warmup_steps` steps are left out of every median and percentile (if a run has no more steps than
 that, only its last step is timed).
@@ -56,7 +61,8 @@ METRIC_COLUMNS = [
     "tokens_per_s", "tokens_per_s_all_ranks", "step_time_median_s", "step_time_p90_s", "mfu", "peak_memory_gib",
     "first_step_s", "time_to_first_step_s", "init_s", "final_loss", "speed_vs_native",
 ]
-COLUMNS = ["backend", "status", *METRIC_COLUMNS, "steps", "timed_steps", "wall_s", "run_dir", "error"]
+MODEL_COLUMNS = ["trn2_moe_layer_model_ms", "trn2_moe_layer_serial_ms", "trn2_moe_layer_roofline_ms"]
+COLUMNS = ["backend", "status", *METRIC_COLUMNS, *MODEL_COLUMNS, "steps", "timed_steps", "wall_s", "run_dir", "error"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,6 +207,10 @@ def run_matrix(config: str | Path, backends: Iterable[str] = BACKENDS, *, steps:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows = [run_backend(config, b, out=out, overrides=overrides, nproc=nproc, warmup_steps=warmup_steps,
                         show_progress=show_progress) for b in backends]
+    model = trn2_model_row(base) if "nki_moe" in backends else None
+    for row in rows:
+        if row["backend"] == "nki_moe" and model:
+            row.update(model)
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     native = df.loc[(df.backend == "native") & (df.status == "ok"), "tokens_per_s"]
     df["speed_vs_native"] = df["tokens_per_s"] / native.iloc[0] if len(native) else float("nan")
@@ -211,14 +221,32 @@ def run_matrix(config: str | Path, backends: Iterable[str] = BACKENDS, *, steps:
     return df
 
 
+def trn2_model_row(job) -> dict[str, float] | None:
+    """The nki_moe row's modeled trn2 MoE-layer columns (`MODEL_COLUMNS`); None for a dense flavor."""
+    from workbench.kernels.moe_cost import trn2_moe_layer
+
+    model = trn2_moe_layer(job)
+    if model is None:
+        return None
+    return {"trn2_moe_layer_model_ms": model["model_ms_overlap"], "trn2_moe_layer_serial_ms": model["model_ms_serial"],
+            "trn2_moe_layer_roofline_ms": model["roofline_ms"]}
+
+
 def write_report(df: pd.DataFrame, out: Path, meta: dict[str, Any]) -> None:
     """bench.csv (every column), bench.md (metrics table + settings + failures) and bench.png."""
     from workbench.profiling import markdown_table
 
     df.to_csv(out / "bench.csv", index=False)
-    shown = df[["backend", "status", *METRIC_COLUMNS]]
+    shown = df[["backend", "status", *METRIC_COLUMNS, "trn2_moe_layer_model_ms"]]
     lines = ["# Benchmark matrix", "", markdown_table(shown), "Settings: " + ", ".join(f"{k} {v}" for k, v in
              meta.items()) + f". Medians over steps > {meta['warmup_steps']}; see workbench/bench.py for columns.", ""]
+    modeled = df.dropna(subset=["trn2_moe_layer_model_ms"])
+    for r in modeled.itertuples():
+        lines += [f"**Modeled, not measured:** one rank's MoE layer of this config on trn2 (nki_moe kernels, bf16, "
+                  f"LNC 2; time model over the NKI emulator's counters, `workbench.kernels.moe_cost`): "
+                  f"{r.trn2_moe_layer_model_ms:.4g} ms forward + backward with every engine overlapped, "
+                  f"{r.trn2_moe_layer_serial_ms:.4g} ms with none; roofline {r.trn2_moe_layer_roofline_ms:.4g} ms. "
+                  "The table's times above are measured on this machine.", ""]
     problems = df[df.status != "ok"]
     if len(problems):
         lines += ["Not run to completion:", ""]

@@ -11,7 +11,7 @@ import torch
 
 from tests.kernels.test_nki_emulator import load, raises, store
 from workbench.kernels import nki_emulator as nki
-from workbench.kernels.nki_emulator import conformance, counters
+from workbench.kernels.nki_emulator import conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
 from workbench.kernels.nki_emulator import language as nl
 
@@ -172,7 +172,9 @@ def test_scalar_tensor_tensor_reciprocal_and_predicated_copy():
         nisa.dma_copy(dst=out[1], src=ta)
         return out
 
-    out = run(kernel, x, y, v, pred)
+    with counters() as c:
+        out = run(kernel, x, y, v, pred)
+    assert timing.model(c).unmodeled == {}  # each instruction has a cost in the trn2 time model
     np.testing.assert_allclose(out[0], y - x * v, rtol=1e-6)
     np.testing.assert_allclose(out[1], np.where(pred != 0, 1 / y, x), rtol=1e-6)
 
@@ -202,7 +204,9 @@ def test_tensor_reduce_scan_max8_find_index8():
             nisa.dma_copy(dst=out[:, parts[k][1]:parts[k][1] + parts[k][2]], src=parts[k][0])
         return out
 
-    out = run(kernel, x)
+    with counters() as c:
+        out = run(kernel, x)
+    assert timing.model(c).unmodeled == {}
     flat = x.reshape(4, 32)
     top8 = -np.sort(-flat, axis=1)[:, :8]
     np.testing.assert_allclose(out[:, 0:2], x.sum(axis=2), rtol=1e-5)
@@ -238,7 +242,9 @@ def test_iota_affine_select_nonzero_with_count():
         return out
 
     a = rand(4, 4)
-    out = run(kernel, a)
+    with counters() as c:
+        out = run(kernel, a)
+    assert timing.model(c).unmodeled == {}
     want_pos = 5 + 100 * np.arange(4)[:, None, None] + 10 * np.arange(2)[None, :, None] + np.arange(3)[None, None]
     np.testing.assert_array_equal(out[0], want_pos.reshape(4, 6))
     np.testing.assert_array_equal(out[1, :, :4], np.where(np.tril(np.ones((4, 4))) > 0, a, -9.0))
@@ -268,7 +274,9 @@ def test_nc_stream_shuffle_and_dma_transpose():
         nisa.dma_copy(dst=out[1], src=back)
         return out
 
-    out = run(kernel, x)
+    with counters() as c:
+        out = run(kernel, x)
+    assert timing.model(c).unmodeled == {}
     want = np.full((64, 3), -1.0, dtype=np.float32)
     for p in range(64):
         if p % 32 != 31:

@@ -121,12 +121,17 @@ def test_nki_kernels_128_experts_large_blocks_lnc2(bs, monkeypatch):
 
 
 @pytest.mark.skipif(REAL_NKI, reason="with the real nki, kernels run under nki.simulate, fed fp32 numpy only")
-def test_nki_kernels_fit_qwen3_30b_a3b_expert_shapes(monkeypatch):
-    """D=2048, F=768 (Qwen3-30B-A3B experts), 512-slot blocks in bf16 at LNC 2: every tile/SBUF/PSUM rule holds
-    with the five expert matrices resident in SBUF for the backward."""
+@pytest.mark.parametrize("bs", [128, 512])
+def test_nki_kernels_fit_qwen3_30b_a3b_expert_shapes(bs, monkeypatch):
+    """D=2048, F=768 (Qwen3-30B-A3B experts), 128- and 512-slot blocks in bf16 at LNC 2: every tile/SBUF/PSUM rule
+    holds with the backward's three matrices and as many resident tiles as `backward_layout` fits."""
+    from workbench.kernels.nki_emulator import counters
+
     case = make_case(3, 1, 2, 2048, 768, dtype=torch.bfloat16, ids=[0, 1, 1])
-    assert_match(outputs_and_grads(nki_at(2, monkeypatch), case, block_size=512),
-                 outputs_and_grads(blockwise_moe, case, block_size=512), rtol=2e-2)
+    with counters() as c:
+        got = outputs_and_grads(nki_at(2, monkeypatch), case, block_size=bs)
+    assert_match(got, outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=2e-2)
+    assert 200 * 1024 < c.sbuf_peak <= SBUF_PARTITION, c.sbuf_peak  # the resident tiles fill what is free
 
 
 SBUF_PARTITION = 224 * 1024  # trn2 SBUF bytes per partition (the emulator's sbuf-capacity limit)
@@ -152,12 +157,15 @@ def test_nki_kernels_d4096_tile_f_to_fit_sbuf(F, dtype, lnc, bs, monkeypatch):
 
 @pytest.mark.skipif(REAL_NKI, reason="the emulator's SBUF accounting is what is under test")
 def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
-    """Without F chunks (all five matrices resident) the D = 4096 backward is stopped by the emulator's SBUF
-    accounting, not by anything in the kernel."""
+    """Without F chunks (the three matrices resident whole, with their resident tiles) the D = 4096 backward is
+    stopped by the emulator's SBUF accounting, not by anything in the kernel."""
     from workbench.kernels import nki_moe
     from workbench.kernels.nki_emulator import NkiRuleError
 
-    monkeypatch.setattr(nki_moe, "RESIDENT_WEIGHT_BYTES", 2**40)
+    def untiled(D, F, io, widths):
+        return F, nki_moe.tiles_needed(widths)
+
+    monkeypatch.setattr(nki_moe, "_fit_backward", untiled)
     x, ids, w, wg, wu, wd = make_case(2, 1, 1, 4096, 768, dtype=torch.bfloat16)
     out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128)  # LNC 1; the forward fits whole (144 KiB)
     with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\]"):
@@ -179,6 +187,43 @@ def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
+@pytest.mark.parametrize("bs,tiles,lnc", [(128, 1, 1), (128, 1, 2), (256, 3, 2)])
+def test_nki_kernels_sub_segments_match_reference_fp32(bs, tiles, lnc, monkeypatch):
+    """Experts with more resident tiles than the backward holds run as sub-segments (forced here by capping the
+    tiles per sub-segment): the first writes dW[e], the later ones add into it with dma_compute, the other core
+    runs no-op sub-segments into its dummy row. All five grads within 1e-5 of the reference."""
+    from workbench.kernels import autograd
+
+    monkeypatch.setattr(autograd, "tiles_per_sub", lambda *args: tiles)
+    T = 300 if bs == 128 else 540
+    ids = [[0, 1 + t % 3] for t in range(T)]  # expert 0: T slots (2 full blocks + a tail), 1..3: T / 3 each
+    case = make_case(T, 2, 4, 16, 24, ids=ids)
+    assert_match(outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs),
+                 outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,lnc", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_saved_for_backward_lists_what_the_forward_kernel_saves(dtype, lnc, monkeypatch):
+    """`autograd.saved_for_backward` (what the memory plan counts) names exactly the tensors, shapes and dtypes the
+    forward kernel hands the backward."""
+    from workbench.kernels import autograd
+
+    seen = {}
+    forward = autograd.HOST_KERNELS.forward
+
+    def spy(*args):
+        outs = forward(*args)
+        seen["saved"] = outs[1:]
+        return outs
+
+    monkeypatch.setattr(autograd, "HOST_KERNELS", autograd.Kernels(spy, autograd.HOST_KERNELS.backward))
+    T, K, E, D, F, bs, ids = EDGE_CASES["tail_pieces_of_256_blocks"]
+    x, ids, w, wg, wu, wd = make_case(T, K, E, D, F, dtype=dtype, ids=ids)
+    nki_at(lnc, monkeypatch)(x, ids, w, wg, wu, wd, block_size=bs)
+    got = [(name, tuple(t.shape), t.dtype) for name, t in zip(("g_saved", "u_saved"), seen["saved"], strict=True)]
+    assert got == autograd.saved_for_backward(T, K, E, F, bs, lnc, dtype)
+
+
 @pytest.mark.skipif(REAL_NKI, reason="the emulator's counters are what is under test")
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
@@ -197,65 +242,113 @@ def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
     assert (cb.gathered_rows["arg1"], cb.padding_rows["arg1"]) == (8, 3)
 
 
-@pytest.mark.parametrize("bs,lnc", [(128, 2), (256, 2), (128, 1), (8, 2)])
-def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc):
-    """Each non-empty expert is one segment on one core (one dW writer); its slots, padded only to the 32-slot
-    granule, are covered exactly once by full KB blocks plus at most one tail piece of each of KB/2 .. 32 slots.
-    Every core runs the same number of segment positions and, per position and width class, the same number of
-    pieces: the extra ones are no-op pieces inside that core's own no-op area, on an expert no other core writes.
-    Sorting experts by size keeps them few; the cores' real slot groups balance to within one segment."""
+@pytest.mark.parametrize("bs,lnc,tiles", [(128, 2, None), (256, 2, None), (128, 1, None), (8, 2, None),
+                                          (256, 2, 3), (128, 2, 2), (128, 1, 1)])
+def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
+    """Each non-empty expert is one segment on one core (one dW writer); its slots, padded to the 32-slot granule
+    and to one resident tile, are covered exactly once by full KB blocks plus at most one tail piece of each of
+    KB/2 .. 32 slots. An expert with more resident tiles than `tiles` runs as several sub-segments, the first
+    writing dW[e], the later ones adding into it. Every core runs the same number of segment positions, of
+    sub-segments per position and, per sub-segment and width class, of pieces: the extra ones are no-op pieces
+    inside that core's own no-op area and no-op sub-segments writing its dummy dW row. Sorting experts by size keeps
+    them few; the cores' real slot groups balance to within one segment."""
+    from workbench.kernels import nki_moe
     from workbench.kernels.autograd import KernelPlan
 
     T, K, E = 400, 4, 8
     _, ids, *_ = make_case(T, K, E, 4, 4, seed=bs)
-    ids[:60, 0] = 5  # uneven experts
-    plan, kp = KernelPlan.build(ids, E, bs, lnc)
+    ids[:, 0] = 5  # uneven experts: 5 gets > 512 slots (several sub-segments under a tile cap), ...
+    ids = torch.where(ids == 7, 6, ids)  # ... 7 none (an empty expert), ...
+    ids[0, 3] = 7 if bs == 8 else ids[0, 3]  # ... or, at bs 8, one token (padded to one whole resident tile)
+    plan, kp = KernelPlan.build(ids, E, bs, lnc, tiles)
     G, ng = plan.block_size, plan.max_blocks
     r = kp.kb // G
+    ts = nki_moe.tile_slots(kp.kb)
+    L = (kp.seg_table.shape[1] - 3) // 2
+    widths = nki_moe.piece_widths(kp.kb, L)
     assert G == min(32, bs) and kp.kb == kernel_block_size(bs)
     assert kp.token_index.shape == (ng + lnc * r, G) and (kp.token_index[ng:] == T).all()
     counts_E = torch.bincount(ids.reshape(-1), minlength=E)
-    L = (kp.seg_table.shape[1] - 1) // 2
     S = kp.seg_table.shape[0] // lnc
     positions = int(kp.seg_count[0, 0])
     assert positions == -(-int((counts_E > 0).sum()) // lnc)
     seen = torch.zeros(ng * G, dtype=torch.long)
-    real_groups, noop_pieces, writers = [0] * lnc, 0, {}
+    real_groups, noop_pieces, writers, adders, subs_of = [0] * lnc, 0, {}, {}, {}
     for s in range(positions):
-        assert len({tuple(int(kp.seg_table[c * S + s, 1 + 2 * k + 1] - kp.seg_table[c * S + s, 1 + 2 * k])
-                          for k in range(L)) for c in range(lnc)}) == 1  # the same trip counts on every core
+        seg = [kp.seg_table[c * S + s] for c in range(lnc)]
+        assert len({int(row[2] - row[1]) for row in seg}) == 1  # the same number of sub-segments on every core
         for c in range(lnc):
-            row = kp.seg_table[c * S + s]
+            row = seg[c]
             e = int(row[0])
-            writers.setdefault(e, set()).add(c)
-            for k in range(L):
-                for j in range(int(row[1 + 2 * k]), int(row[2 + 2 * k])):
-                    g, r0 = int(kp.piece[j, 0]), int(kp.piece[j, 1])
-                    width = kp.kb >> k
-                    assert r0 == g * G
-                    if g >= ng:  # a no-op piece: this core's own area
-                        assert g == ng + c * r
-                        noop_pieces += 1
-                        continue
-                    assert (plan.block_to_expert_B[g:g + width // G] == e).all()
-                    seen[r0:r0 + width] += 1
-                    real_groups[c] += width // G
-    assert all(len(cores) == 1 for cores in writers.values())  # one dW writer per expert
-    real_slots = int(((counts_E + G - 1) // G * G).sum())
+            for j in range(int(row[1]), int(row[2])):
+                sub = kp.sub_table[j]
+                others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
+                assert len({(int(o[2]), int(o[3])) + tuple(int(o[5 + 2 * k] - o[4 + 2 * k]) for k in range(L))
+                            for o in others}) == 1  # cont, tiles and pieces per class: the same on every core
+                write, add, cont, n_tiles = (int(v) for v in sub[:4])
+                assert cont == (j > int(row[1])) and (tiles is None or n_tiles <= tiles)
+                real = False
+                tile_next = 0
+                for k in range(L):
+                    for q in range(int(sub[4 + 2 * k]), int(sub[5 + 2 * k])):
+                        g, r0, tile = (int(v) for v in kp.piece[q])
+                        width = widths[k]
+                        assert r0 == g * G
+                        if width >= ts:  # resident main tiles, in order, no-op pieces too
+                            assert tile == tile_next
+                            tile_next += width // ts
+                        if g >= ng:  # a no-op piece: this core's own area
+                            assert g == ng + c * r
+                            noop_pieces += 1
+                            continue
+                        real = True
+                        assert (plan.block_to_expert_B[g:g + width // G] == e).all()
+                        seen[r0:r0 + width] += 1
+                        real_groups[c] += width // G
+                assert tile_next == n_tiles >= 1
+                if real:
+                    subs_of.setdefault(e, []).append((c, write, add))
+                else:  # a no-op or spare sub-segment: its dW goes to the core's dummy row
+                    assert write == add == E + c
+    for e, subs in subs_of.items():  # one core; the first sub-segment writes dW[e], the later ones add into it
+        assert len({c for c, _, _ in subs}) == 1
+        c = subs[0][0]
+        assert [(w, a) for _, w, a in subs] == [(e, E + c)] + [(E + c, e)] * (len(subs) - 1)
+        writers[e], adders[e] = c, len(subs) - 1
+    if tiles is not None:
+        assert max(adders.values()) >= 1  # the cap really split an expert
+    real_slots = int(torch.maximum((counts_E + G - 1) // G * G, torch.where(counts_E > 0, ts, 0)).sum())
     assert int(seen.sum()) == real_slots and int(seen.max()) == 1  # each real slot group exactly once
     assert seen[:real_slots].all() and not seen[real_slots:].any()
     if lnc == 1:
         assert noop_pieces == 0
     else:
-        assert abs(real_groups[0] - real_groups[1]) <= int(((counts_E + G - 1) // G).max())
-        # experts paired by size: each pair's no-op pieces are its per-class piece-count differences
-        n = sorted((((counts_E + G - 1) // G)[counts_E > 0]).tolist(), reverse=True) + [0]
-        pieces = [[m // r] + [int(m % r & (r >> k) > 0) for k in range(1, L)] for m in n]
-        assert noop_pieces == sum(abs(a - b) for i in range(0, len(n) - 1, 2)
-                                  for a, b in zip(pieces[i], pieces[i + 1], strict=True))
-    # padding is the rounding of each expert to the granule only
-    assert real_slots - T * K == int(((-counts_E) % G).sum())
+        assert abs(real_groups[0] - real_groups[1]) <= 2 * int(((counts_E + G - 1) // G).max())
+    # zero fill: each core its dummy row and a share of the empty experts, each empty expert once
+    Z = kp.zero_rows.shape[0] // lnc
+    zeroed = [kp.zero_rows[c * Z:c * Z + int(kp.zero_count[0, 0]), 0].tolist() for c in range(lnc)]
+    assert all(E + c in zeroed[c] and set(zeroed[c]) <= {E + c} | set(range(E)) for c in range(lnc))
+    empties = sorted(e for rows in zeroed for e in set(rows) if e < E)
+    assert empties == sorted(torch.nonzero(counts_E == 0).flatten().tolist())
+    # the saved gT/uT groups no piece computes get zeros: each core its no-op area and a disjoint share of the rest
+    U = kp.fill_rows.shape[0] // lnc
+    filled = [{int(v) // G for v in kp.fill_rows[c * U:c * U + int(kp.fill_count[0, 0]), 0]} for c in range(lnc)]
+    assert all(not (filled[a] & filled[b]) for a in range(lnc) for b in range(a + 1, lnc))
+    assert set().union(*filled) == set(range(real_slots // G, ng + lnc * r))
     assert kp.slot_of_assignment.shape[0] % lnc == 0  # the combine's token tiles split evenly
+
+
+def test_backward_layout_and_tile_cap_refusals():
+    """A shape whose backward does not fit SBUF even in 128-wide F chunks, and a tile cap below one full block plus
+    the main-buffer tails, are refused with the fix named."""
+    from workbench.kernels import nki_moe
+    from workbench.kernels.autograd import KernelPlan
+
+    with pytest.raises(ValueError, match="does not fit SBUF at D=16384.*smaller model.moe_block_size"):
+        nki_moe.backward_layout(16384, 768, torch.float32, nki_moe.piece_widths(256, 4))
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="2 resident tiles per sub-segment cannot hold one 256-slot block"):
+        KernelPlan.build(ids, 2, 256, 1, tiles=2)
 
 
 def test_kernel_plan_needs_an_expert_per_core():
@@ -358,9 +451,9 @@ def test_kernels_under_real_nki_simulate():
     kp = KernelPlan.from_plan(plan, 4, lnc=1)
     weight = kp.slot_weights(slot_weights(w, plan)).float().view(kp.token_index.shape)
     x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    args = [x_pad, kp.token_index, weight, *kp.plan_args(), kp.slot_of_assignment, wg.transpose(1, 2),
+    args = [x_pad, kp.token_index, weight, *kp.forward_tables(), kp.slot_of_assignment, wg.transpose(1, 2),
             wu.transpose(1, 2), wd.transpose(1, 2)]
-    out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) for a in args))
+    out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) for a in args))[0]
     np.testing.assert_allclose(out.reshape(-1, 136)[:9], blockwise_moe(x, ids, w, wg, wu, wd, block_size=8).numpy(),
                                rtol=1e-4, atol=1e-5)
 
@@ -384,6 +477,12 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
     assert result["padding_fraction"] == round(result["padding_slots_computed"] / result["slots_computed"], 4)
     assert 0 < result["sbuf_peak_kib"] <= 224
+    # the trn2 time model: both bounds, the roofline and its ratio, the binding engine, every instruction modeled
+    assert 0 < result["model_ms_overlap"] <= result["model_ms_serial"]
+    assert result["model_ms_overlap"] == pytest.approx(result["model_ms_fwd"] + result["model_ms_bwd"], rel=1e-3)
+    assert result["roofline_ms"] == max(result["pe_floor_ms"], result["hbm_floor_ms"])
+    assert result["roofline_ratio"] == pytest.approx(result["model_ms_overlap"] / result["roofline_ms"], rel=2e-3)
+    assert result["bound"] in ("tensor", "vector", "scalar", "gpsimd", "dma") and result["unmodeled_instructions"] == 0
 
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")
@@ -410,8 +509,8 @@ def test_neuron_custom_op_glue_over_the_emulator(monkeypatch, lnc):
     def via_op(x, ids, w, wg, wu, wd, block_size):
         plan, kplan = autograd.KernelPlan.build(ids, wg.shape[0], block_size, lnc)
         slot_w = kplan.slot_weights(slot_weights(w, plan)).float().view(kplan.token_index.shape)
-        out = op(kplan.lnc, torch.nn.functional.pad(x, (0, 0, 0, 1)), kplan.token_index, slot_w, *kplan.plan_args(),
-                 kplan.slot_of_assignment, wg, wu, wd)
+        out = op(kplan.lnc, torch.nn.functional.pad(x, (0, 0, 0, 1)), kplan.token_index, slot_w, *kplan.tables(),
+                 kplan.slot_of_assignment, wg, wu, wd)[0]
         return kplan.tokens(out)
 
     T, K, E, D, F, bs, ids = EDGE_CASES["full_blocks_and_tail_pieces"]

@@ -145,6 +145,24 @@ def test_activation_sigmoid_scale_bias_and_bf16_store():
     np.testing.assert_allclose(kernel(x, bias), want, atol=2 ** -8)  # within one bf16 ulp of the rounding point
 
 
+@pytest.mark.parametrize("op,ref", [
+    ("copy", lambda x: x),
+    ("silu", lambda x: x / (1.0 + np.exp(-x))),
+    ("silu_dx", lambda x: (1.0 + np.exp(-x) + x * np.exp(-x)) / (1.0 + np.exp(-x)) ** 2),  # d/dx x * sigmoid(x)
+])
+def test_activation_copy_silu_and_its_derivative(op, ref):
+    function = getattr(nl, op)
+
+    @nki.jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=out, op=function, data=load(x), scale=2.0)
+        return store(out)
+
+    x = rand(8, 20)
+    np.testing.assert_allclose(kernel(x), ref(2.0 * x), rtol=1e-5, atol=1e-6)
+
+
 def test_memset_and_tensor_copy_cast():
     @nki.jit
     def kernel(x):

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from workbench.device import logical_nc_config
 from workbench.kernels import nki_moe
-from workbench.kernels.moe_reference import BlockPlan, blockwise_moe, check_moe_args, plan_blocks, slot_weights
+from workbench.kernels.moe_reference import (
+    BlockPlan,
+    blockwise_moe,
+    check_moe_args,
+    max_blocks,
+    plan_blocks,
+    slot_weights,
+)
 from workbench.kernels.nki_api import REAL_NKI, nki
 
 
@@ -48,42 +55,81 @@ def slot_granule(kb: int) -> int:
     return kb
 
 
+def tiles_per_sub(kb: int, hidden: int, ffn: int, dtype: torch.dtype) -> int:
+    """Resident 128-slot tiles the backward can hold for one expert sub-segment at these shapes
+    (`nki_moe.backward_layout`); the plan splits experts with more."""
+    widths = nki_moe.piece_widths(kb, (kb // slot_granule(kb)).bit_length())
+    return nki_moe.backward_layout(hidden, ffn, dtype, widths)[1]
+
+
+def saved_for_backward(tokens: int, top_k: int, experts: int, ffn: int, block_size: int, lnc: int,
+                       dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of the HBM tensors the NKI MoE path keeps from a layer's forward to its backward on top
+    of what the torch reference path also saves (its input rows, routing weights and the expert weights): the
+    forward kernel's gT = W_gate x and uT = W_up x for every slot, feature-major, in the io dtype (`dtype`). They
+    live from the layer's forward to its backward (under full activation checkpointing: from the recomputed forward
+    to the backward of that one layer). Slots: each expert padded to the 32-slot granule and to one 128-slot tile
+    (a static bound, `plan_blocks` / `max_blocks`), plus one no-op area of the kernel block per core. At Qwen3-30B-A3B
+    (T 4096, K 8, E 128, F 768, block 256, LNC 2, bf16): 2 x [768, 49,536] = 145 MiB per layer.
+
+    The backward's weight-gradient outputs are [E + lnc, ...] in the io dtype (each core's dummy row E + core
+    absorbs its no-op writes); the grads handed to autograd are views of their first E rows.
+    """
+    kb = kernel_block_size(block_size)
+    G = slot_granule(kb)
+    slots = (max_blocks(tokens, top_k, experts, G, nki_moe.tile_slots(kb) // G) + lnc * (kb // G)) * G
+    return [("g_saved", (ffn, slots), dtype), ("u_saved", (ffn, slots), dtype)]
+
+
 @dataclass(frozen=True)
 class KernelPlan:
-    """The block plan in the kernels' int32 layouts (see `nki_moe.moe_blockwise_fwd`), for `lnc` cores.
+    """The block plan in the kernels' int32 layouts (see `nki_moe.moe_blockwise_fwd` / `_bwd`), for `lnc` cores.
 
-    The plan's blocks are slot groups of G (`plan.block_size`); each expert's groups run as full kernel blocks
-    of KB = G * 2^(L-1) slots, then a tail of at most one piece of each of KB/2, ..., G slots (the binary digits
-    of its remaining group count), so padding is only each expert's rounding up to G.
+    The plan's slots come in groups of G (`plan.block_size`), each expert padded to a multiple of G and to at least
+    one resident tile (min(128, KB) slots); each expert's groups run as full kernel blocks of KB = G * 2^(L-1)
+    slots, then a tail of at most one piece of each of KB/2, ..., G slots (the binary digits of its remaining group
+    count), so padding is each expert's rounding up to G (or to one tile).
 
     Every core runs the same compiled control flow (the LNC page: control flow that differs between the cores is
     undefined). The non-empty experts, sorted by group count, are dealt to the cores in rounds (round s: position s
-    of every core, the larger expert alternating between cores 0 and 1); at each position both cores run the same
-    number of pieces of each width class, the core with fewer real pieces topping up with no-op pieces: they read
-    the zero row of x (slot weight 0) and write only that core's `dummy_groups` slot rows, so the dW rows of its
-    expert get exact zeros added and nothing it returns changes. Experts of equal group count have equal piece
-    counts, so sorting makes most positions need none. Built with static-shaped tensor ops only (no host sync), so
-    the kernels' input shapes depend on (T, K, E, block size, lnc) alone.
+    of every core, the larger expert alternating between cores 0 and 1). An expert whose pieces need more resident
+    tiles than the backward holds (`tiles_per_sub`) runs as several *sub-segments* on its core, the later ones
+    adding into its dW. At each position both cores run the same number of sub-segments and, in each, the same
+    number of pieces of each width class, the core with fewer real ones topping up with no-op pieces (they read the
+    zero row of x, slot weight 0, and write only that core's `noop area` slot rows) and no-op sub-segments (their dW
+    goes to the core's dummy row E + core). Experts of equal group count have equal piece counts, so sorting makes
+    most positions need none. Built with static-shaped tensor ops only (no host sync), so the kernels' input shapes
+    depend on (T, K, E, block size, lnc, tiles per sub-segment) alone.
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M, 2]: first slot group, first slot row; per class, per core, per position
-    seg_table: torch.Tensor  # [lnc * S, 1 + 2L]: core c's position s: expert, then [begin, end) piece rows per class
+    piece: torch.Tensor  # [M, 3]: first slot group, first slot row, first resident tile; per class, core, position
+    seg_table: torch.Tensor  # [lnc * S, 3 + 2L]: expert, [begin, end) sub_table rows, [begin, end) piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
+    sub_table: torch.Tensor  # [lnc * S * J, 4 + 2L]: write row, add row, cont, tiles, [begin, end) piece rows/class
+    zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
+    zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
+    fill_rows: torch.Tensor  # [lnc * U, 1]: slot rows of the groups each core zero-fills in the saved gT, uT
+    fill_count: torch.Tensor  # [1, 1]: groups zero-filled per core, the same on every core
     slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
     num_tokens: int
+    num_experts: int
     lnc: int
     kb: int
 
     @classmethod
-    def build(cls, topk_ids_TK: torch.Tensor, num_experts: int, block_size: int, lnc: int):
-        """(slot plan at granule G, kernel plan) for the model's `block_size` (kernel block `kernel_block_size`)."""
+    def build(cls, topk_ids_TK: torch.Tensor, num_experts: int, block_size: int, lnc: int,
+              tiles: int | None = None):
+        """(slot plan at granule G, kernel plan) for the model's `block_size` (kernel block `kernel_block_size`);
+        `tiles`: resident tiles per sub-segment (`tiles_per_sub`; None: one sub-segment per expert)."""
         kb = kernel_block_size(block_size)
-        plan = plan_blocks(topk_ids_TK, num_experts, slot_granule(kb))
-        return plan, cls.from_plan(plan, num_experts, lnc, kb)
+        G = slot_granule(kb)
+        plan = plan_blocks(topk_ids_TK, num_experts, G, min_blocks=nki_moe.tile_slots(kb) // G)
+        return plan, cls.from_plan(plan, num_experts, lnc, kb, tiles)
 
     @classmethod
-    def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int, kb: int | None = None) -> "KernelPlan":
+    def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int, kb: int | None = None,
+                  tiles: int | None = None) -> "KernelPlan":
         G = plan.block_size
         kb = G if kb is None else kb
         r = kb // G
@@ -94,9 +140,18 @@ class KernelPlan:
             raise ValueError(f"{E} experts on {lnc} logical cores: the NKI kernels give each core whole experts and "
                              f"need at least one per core; run at NEURON_LOGICAL_NC_CONFIG=1")
         L = r.bit_length()
+        widths = nki_moe.piece_widths(kb, L)
+        ts = nki_moe.tile_slots(kb)
+        tiles_k = [w // ts if w >= ts else 0 for w in widths]  # resident main tiles per piece of each class
+        ng = plan.max_blocks
+        # full blocks per sub-segment: the sub-segment's main tiles (its full blocks, the main tail classes) fit
+        per_sub = ng if tiles is None else (tiles - sum(tiles_k[1:])) // tiles_k[0]
+        if per_sub < 1:
+            raise ValueError(f"{tiles} resident tiles per sub-segment cannot hold one {kb}-slot block and the tails: "
+                             "use a smaller model.moe_block_size")
+        J = -(-max(1, ng // r) // per_sub)  # static bound on sub-segments per expert
         dev = plan.block_to_expert_B.device
         i32, i64 = torch.int32, torch.long
-        ng = plan.max_blocks
         real = torch.arange(ng, device=dev) < plan.num_blocks
         n_E = torch.zeros(E, dtype=i64, device=dev).index_add_(0, plan.block_to_expert_B, real.long())  # groups
         gstart_E = n_E.cumsum(0) - n_E
@@ -104,6 +159,7 @@ class KernelPlan:
         # per class k (KB >> k slots): pieces of each expert and the first slot group of its first one
         count_kE = [full_E] + [((rem_E & (r >> k)) > 0).long() for k in range(1, L)]
         first_kE = [gstart_E] + [gstart_E + r * full_E + (rem_E & ~(2 * (r >> k) - 1)) for k in range(1, L)]
+        nsub_E = ((full_E + per_sub - 1) // per_sub).clamp(min=1)
         # positions: experts by group count (descending, empty ones last), dealt in rounds of lnc
         order = torch.argsort(n_E, descending=True, stable=True)
         nseg = (n_E > 0).sum()
@@ -113,32 +169,73 @@ class KernelPlan:
         rank = s_cs * lnc + (c_cs - s_cs) % lnc  # round s: core (j + s) % lnc takes its j-th largest expert
         live = rank < nseg
         own = order[rank.clamp(max=E - 1)]
-        # a core without an expert at a position runs its no-op pieces on its own first expert, else on an empty
-        # expert (one nobody else writes after the zero fill): never on another core's expert (lnc-race)
+        # weights a core without an expert at a position loads: its own first expert, else an empty one
         spare = torch.where(live[:, :1], own[:, :1], order[nseg.clamp(max=E - 1)])
         expert_cs = torch.where(live, own, spare)
-        runs_kcs = [torch.where(live, cnt[own], 0) for cnt in count_kE]  # real pieces per class, core, position
-        m_ks = [runs.max(0).values for runs in runs_kcs]  # pieces every core runs there: real ones, then no-ops
-        # piece rows: class k's rows per core, positions in order; bounds: sum_s m_0 <= all full blocks <= NG/r
-        # and m_k <= 1 for the tail classes
-        rows_k = [max(1, ng // r)] + [S] * (L - 1)
+        # real pieces per class, core, position, sub-segment: full blocks split per_sub at a time, the tails in the
+        # expert's last sub-segment
+        j_J = torch.arange(J, device=dev)
+        nsub_cs = torch.where(live, nsub_E[own], 0)
+        runs = [torch.where(live[..., None], (full_E[own][..., None] - per_sub * j_J).clamp(0, per_sub), 0)]
+        last = j_J == (nsub_cs[..., None] - 1)
+        runs += [torch.where(live[..., None] & last, cnt[own][..., None], 0) for cnt in count_kE[1:]]
+        nsub_s = nsub_cs.max(0).values.clamp(min=1)  # sub-segments every core runs at a position
+        m = [run.max(0).values for run in runs]  # [S, J] pieces every core runs: real ones, then no-ops
+        ntiles_sj = sum(mk * tk for mk, tk in zip(m, tiles_k, strict=True))
+        tile0_k = [ntiles_sj * 0]  # first main tile of each class inside its sub-segment
+        for k in range(1, L):
+            tile0_k.append(tile0_k[-1] + m[k - 1] * tiles_k[k - 1])
         noop_group = ng + r * torch.arange(lnc, device=dev)  # each core's KB-slot no-op area
-        groups, cols = [], [expert_cs]
+        rows_k = [max(1, ng // r)] + [S * min(J, lnc)] * (L - 1)  # bounds on piece rows per class and core
+        groups, tile_col, sub_cols = [], [], []
         base = 0
         for k in range(L):
-            end_s = m_ks[k].cumsum(0)
-            beg_s = end_s - m_ks[k]
+            m_flat = m[k].reshape(-1)  # (position, sub-segment) in run order
+            end_q = m_flat.cumsum(0)
+            beg_q = end_q - m_flat
             q = torch.arange(rows_k[k], device=dev)
-            s_q = torch.searchsorted(end_s, q, right=True).clamp(max=S - 1)
-            t_q = q - beg_s[s_q]  # index of the row's piece among those of its position
+            sj = torch.searchsorted(end_q, q, right=True).clamp(max=S * J - 1)
+            s_q, j_q = sj // J, sj % J
+            t_q = q - beg_q[sj]  # index of the row's piece among those of its sub-segment
             for c in range(lnc):
                 e_q = expert_cs[c, s_q]
-                is_real = live[c, s_q] & (t_q < runs_kcs[k][c, s_q])
-                groups.append(torch.where(is_real, first_kE[k][e_q] + r * t_q, noop_group[c]))
+                is_real = live[c, s_q] & (t_q < runs[k][c, s_q, j_q])
+                offset = r * (j_q * per_sub + t_q) if k == 0 else 0
+                groups.append(torch.where(is_real, first_kE[k][e_q] + offset, noop_group[c]))
+                tile_col.append(tile0_k[k].reshape(-1)[sj] + t_q * tiles_k[k] if tiles_k[k] else torch.zeros_like(q))
             cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
-            cols += [cbase + beg_s[None, :], cbase + end_s[None, :]]
+            sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]  # [lnc, S * J]
             base += lnc * rows_k[k]
         group = torch.cat(groups)
+        dummy = E + torch.arange(lnc, device=dev)[:, None, None]
+        first_sub = live[..., None] & (j_J == 0)
+        cont_sub = live[..., None] & (j_J >= 1) & (j_J < nsub_cs[..., None])
+        own3 = own[..., None].expand(lnc, S, J)
+        sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
+                    (j_J >= 1).long().expand(lnc, S, J), ntiles_sj[None].expand(lnc, S, J)]
+        sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
+        sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
+        seg_cols = [expert_cs, sub_begin, sub_begin + nsub_s[None, :]]
+        seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(
+            2, (nsub_s - 1)[None, :, None].expand(lnc, S, 1))[..., 0] for i, col in enumerate(sub_cols)]
+        # zero fill: each core its dummy row, then every lnc-th empty expert
+        Z = 1 + -(-E // lnc)
+        empty = n_E == 0
+        erank = empty.long().cumsum(0) - 1
+        where = torch.where(empty, (erank % lnc) * Z + 1 + erank // lnc, lnc * Z)  # the extra row: a dump
+        zero_rows = dummy.view(lnc, 1).expand(lnc, Z).reshape(-1).clone()
+        zero_rows = torch.cat([zero_rows, zero_rows[:1]]).scatter(0, where, torch.arange(E, device=dev))[:-1]
+        zero_count = 1 + (empty.sum() + lnc - 1) // lnc
+        # forward: the slot groups no piece computes get zeros in the saved gT, uT: each core its no-op area, then
+        # every lnc-th unused group; padded with its no-op area's first group
+        U = r + -(-ng // lnc)
+        unused = ~real
+        urank = unused.long().cumsum(0) - 1
+        where = torch.where(unused, (urank % lnc) * U + r + urank // lnc, lnc * U)
+        fill = noop_group[:, None].expand(lnc, U).clone()
+        fill[:, :r] += torch.arange(r, device=dev)
+        fill = torch.cat([fill.reshape(-1), fill[0, :1]]).scatter(0, where, torch.arange(ng, device=dev))[:-1]
+        fill_count = r + (unused.sum() + lnc - 1) // lnc
         T, K = plan.slot_of_assignment_TK.shape
         tt = min(T, nki_moe.P)
         nt = -(-T // (tt * lnc)) * lnc  # token tiles: a multiple of lnc, the same count per core in the combine
@@ -146,18 +243,34 @@ class KernelPlan:
         token_index = F.pad(plan.token_index_N.view(ng, G), (0, 0, 0, lnc * r), value=T)  # no-op areas: zero row
         return cls(
             token_index=token_index.to(i32),
-            piece=torch.stack([group, group * G], 1).to(i32),
-            seg_table=torch.stack(cols, 2).reshape(lnc * S, 1 + 2 * L).to(i32),
+            piece=torch.stack([group, group * G, torch.cat(tile_col)], 1).to(i32),
+            seg_table=torch.stack(seg_cols, 2).reshape(lnc * S, 3 + 2 * L).to(i32),
             seg_count=(-(-nseg // lnc)).view(1, 1).to(i32),
+            sub_table=sub_table.reshape(lnc * S * J, 4 + 2 * L).to(i32),
+            zero_rows=zero_rows.view(lnc * Z, 1).to(i32),
+            fill_rows=(fill * G).view(lnc * U, 1).to(i32),
+            fill_count=fill_count.view(1, 1).to(i32),
+            zero_count=zero_count.view(1, 1).to(i32),
             slot_of_assignment=soa.to(i32).view(nt, tt, K),
             num_tokens=T,
+            num_experts=E,
             lnc=lnc,
             kb=kb,
         )
 
-    def plan_args(self) -> tuple[torch.Tensor, ...]:
-        """piece, seg_table, seg_count (kernel arguments after token_index and slot_weight)."""
-        return (self.piece, self.seg_table, self.seg_count)
+    def forward_tables(self) -> tuple[torch.Tensor, ...]:
+        """piece, seg_table, seg_count, fill_rows, fill_count: the forward kernel's arguments after token_index and
+        slot_weight."""
+        return (self.piece, self.seg_table, self.seg_count, self.fill_rows, self.fill_count)
+
+    def backward_tables(self) -> tuple[torch.Tensor, ...]:
+        """piece, seg_table, seg_count, sub_table, zero_rows, zero_count: the backward kernel's arguments after
+        token_index and slot_weight."""
+        return (self.piece, self.seg_table, self.seg_count, self.sub_table, self.zero_rows, self.zero_count)
+
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """Every table either kernel takes (`forward_tables` + sub_table, zero_rows, zero_count), in that order."""
+        return self.forward_tables() + self.backward_tables()[3:]
 
     def slot_weights(self, slot_weight_N: torch.Tensor) -> torch.Tensor:
         """The plan's [N] slot weights padded with the no-op areas' zeros (differentiable: grads slice back)."""
@@ -166,14 +279,14 @@ class KernelPlan:
     def pieces(self) -> list[tuple[int, int, int]]:
         """(core, slots, first slot row) of every piece the kernels run, no-op pieces included (their rows lie in
         the last lnc * KB slot rows); host-side, for tests and the cost report."""
-        L = (self.seg_table.shape[1] - 1) // 2
+        L = (self.seg_table.shape[1] - 3) // 2
         S = self.seg_table.shape[0] // self.lnc
         out = []
         for c in range(self.lnc):
             for s in range(int(self.seg_count[0, 0])):
                 row = self.seg_table[c * S + s]
                 for k in range(L):
-                    for j in range(int(row[1 + 2 * k]), int(row[2 + 2 * k])):
+                    for j in range(int(row[3 + 2 * k]), int(row[4 + 2 * k])):
                         out.append((c, self.kb >> k, int(self.piece[j, 1])))
         return out
 
@@ -189,31 +302,35 @@ class Kernels:
 
 
 class BlockwiseMoEFunction(torch.autograd.Function):
-    """out = blockwise experts(x) via the NKI kernels; grads for x, slot weights and the three expert weights."""
+    """out = blockwise experts(x) via the NKI kernels; grads for x, slot weights and the three expert weights.
+
+    Saved for the backward (`saved_for_backward` lists them with shapes): x_pad, the slot weights, the three expert
+    weights (references to the parameters) and the forward kernel's gT / uT ([F, slots] in the io dtype).
+    """
 
     @staticmethod
     def forward(ctx, x_TD, slot_weight_N, w_gate_EFD, w_up_EFD, w_down_EDF, kplan: KernelPlan, kernels: Kernels):
         io = x_TD.dtype
         x_pad = F.pad(x_TD.contiguous(), (0, 0, 0, 1))
         weight = slot_weight_N.detach().float().view(kplan.token_index.shape)
-        ctx.save_for_backward(x_pad, weight, w_gate_EFD, w_up_EFD, w_down_EDF)
+        out, g_saved, u_saved = kernels.forward(
+            kplan.lnc, x_pad, kplan.token_index, weight, *kplan.forward_tables(), kplan.slot_of_assignment,
+            _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io), _transposed(w_down_EDF, io))
+        ctx.save_for_backward(x_pad, weight, w_gate_EFD, w_up_EFD, w_down_EDF, g_saved, u_saved)
         ctx.kplan, ctx.kernels, ctx.slot_dtype = kplan, kernels, slot_weight_N.dtype
-        out = kernels.forward(kplan.lnc, x_pad, kplan.token_index, weight, *kplan.plan_args(),
-                              kplan.slot_of_assignment, _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io),
-                              _transposed(w_down_EDF, io))
         return kplan.tokens(out)
 
     @staticmethod
     def backward(ctx, dout_TD):
-        x_pad, weight, w_gate, w_up, w_down = ctx.saved_tensors
-        kplan, io = ctx.kplan, x_pad.dtype
+        x_pad, weight, w_gate, w_up, w_down, g_saved, u_saved = ctx.saved_tensors
+        kplan, io, E = ctx.kplan, x_pad.dtype, w_gate.shape[0]
         dout_pad = F.pad(dout_TD.to(io).contiguous(), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = ctx.kernels.backward(
-            kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.plan_args(), kplan.slot_of_assignment,
-            w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
-            _transposed(w_gate, io), _transposed(w_up, io))
-        return (kplan.tokens(dx), d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate.to(w_gate.dtype),
-                dw_up.to(w_up.dtype), dw_down.to(w_down.dtype), None, None)
+            kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.backward_tables(),
+            kplan.slot_of_assignment, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
+            w_up.to(io).contiguous())
+        return (kplan.tokens(dx), d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate[:E].to(w_gate.dtype),
+                dw_up[:E].to(w_up.dtype), dw_down[:E].to(w_down.dtype), None, None)
 
 
 def _transposed(w, dtype):
@@ -251,35 +368,42 @@ def neuron_moe_op():
 
     @nki_op("workbench::moe_blockwise_fwd", mutates_args={})
     def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
-                seg_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-        io = x_pad.dtype
+                seg_count: Tensor, fill_rows: Tensor, fill_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
+                zero_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
+                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        io = x_pad.dtype  # sub_table, zero_rows, zero_count: taken here only to be saved for the backward
         return nki_moe.moe_blockwise_fwd[lnc](
-            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, _transposed(w_gate, io),
-            _transposed(w_up, io), _transposed(w_down, io))
+            x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count, slot_of_assignment,
+            _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
     def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
-                piece: Tensor, seg_table: Tensor, seg_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor,
+                piece: Tensor, seg_table: Tensor, seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
+                zero_count: Tensor, slot_of_assignment: Tensor, g_saved: Tensor, u_saved: Tensor, w_gate: Tensor,
                 w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_bwd[lnc](
-            x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
-            w_gate.to(io).contiguous(), w_up.to(io).contiguous(), w_down.to(io).contiguous(),
-            _transposed(w_gate, io), _transposed(w_up, io))
+            x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows, zero_count,
+            slot_of_assignment, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
+            w_up.to(io).contiguous())
 
     def setup_context(ctx, inputs, output):
         ctx.lnc = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_backward(*inputs[1:], output[1], output[2])  # + the forward's saved gT, uT
 
-    def backward(ctx, dout):
-        x_pad, *plan, w_gate, w_up, w_down = ctx.saved_tensors
-        T = x_pad.shape[0] - 1  # rows past T of out are padded tokens: their grads are dropped, row T is zero
+    def backward(ctx, dout, *_):  # no gradient flows into the saved gT, uT outputs
+        x_pad, token_index, slot_weight, *tables, soa, w_gate, w_up, w_down, g_saved, u_saved = ctx.saved_tensors
+        piece, seg_table, seg_count, _, _, sub_table, zero_rows, zero_count = tables
+        T, E = x_pad.shape[0] - 1, w_gate.shape[0]  # rows past T of out are padded tokens: their grads are dropped
         dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
-        dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(ctx.lnc, x_pad, dout_pad, *plan, w_gate, w_up, w_down)
-        grads = [None] * 11
+        dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(
+            ctx.lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows,
+            zero_count, soa, g_saved, u_saved, w_gate, w_up, w_down)
+        grads = [None] * 16
         grads[1] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
         grads[3] = d_slot
-        grads[8], grads[9], grads[10] = dw_gate.to(w_gate.dtype), dw_up.to(w_up.dtype), dw_down.to(w_down.dtype)
+        grads[13], grads[14], grads[15] = (dw_gate[:E].to(w_gate.dtype), dw_up[:E].to(w_up.dtype),
+                                           dw_down[:E].to(w_down.dtype))
         return tuple(grads)
 
     moe_fwd.register_autograd(backward, setup_context=setup_context)
@@ -311,13 +435,14 @@ HOST_KERNELS = Kernels(_on_host(nki_moe.moe_blockwise_fwd), _on_host(nki_moe.moe
 def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
     """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator), launched on
     the configured logical NeuronCore count (`workbench.device.logical_nc_config()`, the compiler's LNC)."""
-    _, _, E, _, _ = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config())
+    _, _, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
+    tiles = tiles_per_sub(kernel_block_size(block_size), D, F_, x_TD.dtype)
+    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config(), tiles)
     slot_w = kplan.slot_weights(slot_weights(topk_weights_TK, plan))
     if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
         out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
-                              slot_w.float().view(kplan.token_index.shape), *kplan.plan_args(),
-                              kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)
+                              slot_w.float().view(kplan.token_index.shape), *kplan.tables(),
+                              kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)[0]
         return kplan.tokens(out).to(x_TD.dtype)
     return BlockwiseMoEFunction.apply(x_TD, slot_w, w_gate_EFD, w_up_EFD, w_down_EDF, kplan, HOST_KERNELS)
 

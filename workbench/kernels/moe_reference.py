@@ -44,16 +44,17 @@ def route(router_logits_TE: torch.Tensor, top_k: int, *, norm_topk_prob: bool = 
     return weights_TK, ids_TK
 
 
-def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
-    """Static upper bound on blocks: m + (T*K - m) // block_size with m = min(E, T*K) non-empty experts.
+def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_size: int, min_blocks: int = 1) -> int:
+    """Static upper bound on blocks: m * min_blocks + (T*K - m) // block_size with m = min(E, T*K) non-empty
+    experts.
 
-    Each non-empty expert with n rows needs ceil(n / bs) = 1 + (n - 1) // bs blocks; summing, the floors add to at
-    most (T*K - m) // bs, and the total grows with m, so m = min(E, T*K) is the worst case. Never more than
-    ceil(T*K / bs) + E.
+    Each non-empty expert with n rows needs max(min_blocks, ceil(n / bs)) <= min_blocks + (n - 1) // bs blocks;
+    summing, the floors add to at most (T*K - m) // bs, and the total grows with m, so m = min(E, T*K) is the worst
+    case. With min_blocks 1: never more than ceil(T*K / bs) + E.
     """
     assignments = num_tokens * top_k
     nonempty = min(num_experts, assignments)
-    return nonempty + (assignments - nonempty) // block_size
+    return nonempty * min_blocks + (assignments - nonempty) // block_size
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ class BlockPlan:
         return self.token_index_N.numel()
 
 
-def plan_blocks(topk_ids_TK: torch.Tensor, num_experts: int, block_size: int) -> BlockPlan:
-    """Sort assignments by expert and pad each expert's group to whole blocks; no host sync, static shapes.
+def plan_blocks(topk_ids_TK: torch.Tensor, num_experts: int, block_size: int, min_blocks: int = 1) -> BlockPlan:
+    """Sort assignments by expert and pad each expert's group to whole blocks, at least `min_blocks` for an expert
+    with any rows (the NKI backward needs one full 128-slot tile per expert); no host sync, static shapes.
 
     Expert ids must lie in [0, num_experts) (not checked: that would need a device->host sync).
     """
@@ -103,13 +105,14 @@ def plan_blocks(topk_ids_TK: torch.Tensor, num_experts: int, block_size: int) ->
     # largest id), so the block plan also traces under fake tensors (workbench.plan).
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=device).index_add_(0, flat, torch.ones_like(flat))
     blocks_E = (counts_E + block_size - 1) // block_size
+    blocks_E = torch.where(counts_E > 0, blocks_E.clamp(min=min_blocks), 0)
     block_end_E = torch.cumsum(blocks_E, 0)
     sorted_e = flat[order]
     # rank of each sorted assignment inside its expert group -> slot = first slot of the expert's blocks + rank
     rank = torch.arange(T * K, device=device) - (torch.cumsum(counts_E, 0) - counts_E)[sorted_e]
     slot = (block_end_E - blocks_E)[sorted_e] * block_size + rank
 
-    num_b = max_blocks(T, K, num_experts, block_size)
+    num_b = max_blocks(T, K, num_experts, block_size, min_blocks)
     assignment_of_slot = torch.full((num_b * block_size,), T * K, dtype=torch.long, device=device)
     assignment_of_slot[slot] = order
     slot_of_assignment = torch.empty(T * K, dtype=torch.long, device=device)

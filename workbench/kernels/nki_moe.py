@@ -1,47 +1,54 @@
 """NKI kernels for the blockwise Qwen3-MoE experts (forward and backward), standalone NKI API, LNC 1 or 2.
 
 Same algorithm as `moe_reference.blockwise_moe`; the host (`autograd.py`) builds the block plan and hands the
-kernels int32 tables (design, cost numbers and the block-size sweep: docs/nki_kernels.md). Per block of KB slots:
+kernels int32 tables (design, cost numbers, the trn2 time model and the block-size sweep: docs/nki_kernels.md).
+Per piece of kb slots of one expert:
 
     forward   gather x rows -> xT (features on partitions) -> gT, uT = W_gate/up[e] @ xT   (fp32 PSUM)
+              gT, uT saved to HBM (io dtype) for the backward
               hT = silu(gT) * uT -> y = h @ W_down[e]^T -> y * affinity -> y_slots rows
               then out[t] = sum_k y_slots[slot_of_assignment[t, k]]
-    backward  recompute gT, uT, hT; dh = (dy @ W_down[e])^T; d_affinity = sum_f h * dh;
-              dh *= affinity; du = dh * silu(g); dg = dh * u * silu'(g);
-              dx_slots = dg @ W_gate[e] + du @ W_up[e]; dW[e] += (per-slot grads)^T @ (block inputs);
-              then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
+    backward  load the saved gT, uT; hT = silu(gT) * uT; dh = (dy @ W_down[e])^T; d_affinity = sum_f h * dh;
+              dh *= affinity; du = dh * silu(g); dg = dh * u * silu'(g); dx_slots = dg @ W_gate[e] + du @ W_up[e];
+              x, affinity * dy and the token-major dg, du, h stay resident in SBUF, one 128-slot tile each;
+              after the expert's last piece: dW[e] = sum over its tiles of (per-slot grads)^T @ (inputs),
+              accumulated in PSUM and written once (io dtype); then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
 
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-loops.html), NKI 0.7.0 (Neuron SDK 2.33):
 
-* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 only (the host plan); the
-  expert's slot groups run as full blocks of KB slots, then its tail as at most one piece each of KB/2, ..., G
-  slots (the binary digits of the leftover group count). One segment per non-empty expert, on one core (an
-  expert never spans two cores, so the fp32 dW read-modify-write of an expert has one writer). Core
-  `nl.program_id(0)` runs `nl.fori_loop(0, n_positions, segment)` -> load the expert's weights once (a few DMAs of
-  >= 2 KiB per partition) -> per piece class k (KB >> k slots) `nl.fori_loop(begin_k, end_k, piece)` over the
-  segment's rows of `piece`. All are compiled loops: each body is traced once (one body per piece class), so the
-  program size does not grow with T. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF
-  [1, 1] tile>)`.
+* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 (and to at least one 128-slot
+  tile, the backward's first); the expert's slot groups run as full blocks of KB slots, then its tail as at most
+  one piece each of KB/2, ..., G slots (the binary digits of the leftover group count). One segment per non-empty
+  expert, on one core (an expert never spans two cores: one writer of its dW). Core `nl.program_id(0)` runs
+  `nl.fori_loop(0, n_positions, segment)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
+  -> per piece class k (KB >> k slots) `nl.fori_loop(begin_k, end_k, piece)` over the segment's rows of `piece`.
+  All are compiled loops: each body is traced once (one body per piece class), so the program size does not grow
+  with T. Runtime addresses use `.ap(scalar_offset=<loop register or int32 SBUF [1, 1] tile>)`.
 * **The same trip counts on every core** (LNC page: control flow that differs between the cores is undefined).
   Both cores run the same number of segment positions and, at each position, the same number of pieces of each
   class; where a core has fewer real pieces than the other it runs no-op pieces (zero rows of x, slot weight 0,
-  its own scratch slot rows: they add exact zeros to its expert's dW). The host deals experts to cores sorted by
-  group count, so the two experts of a position mostly have equal piece counts (30B-A3B layer: 6 no-op pieces
-  beside 212 real ones at KB 256; why this and not AWS's shared-count-with-barriers pattern: docs/nki_kernels.md).
-  The zero fill splits every expert's rows, the combine a tile count padded to a multiple of the LNC.
-* **F chunks.** When an expert's resident matrices exceed RESIDENT_WEIGHT_BYTES per partition (D = 4096), the
-  weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
+  its own scratch slot rows: they contribute exact zeros). The host deals experts to cores sorted by group count,
+  so the two experts of a position mostly have equal piece counts (why this and not AWS's shared-count-with-barriers
+  pattern: docs/nki_kernels.md). The zero fill and the combine run the same trip count on both cores.
+* **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (`nt` tiles of
+  128 slots for full blocks and the 128-slot tail, one buffer per smaller tail class) at the tile index the host
+  wrote into `piece`. After the segment's pieces, each group of `DW_BANKS` output bands [<=128, <=512] of dW_gate,
+  dW_up, dW_down accumulates over all of the expert's tiles in PSUM (tile 0 opens the group, a compiled loop adds
+  tiles 1..n-1, 0/1-trip loops the tail buffers), is evicted once and written once to dW[e] in the io dtype: no
+  fp32 read-modify-write of dW and no zero fill of it (only of empty experts). An expert with more tiles than fit
+  SBUF is split by the host into *sub-segments* run one after the other by the same core; sub-segments after the
+  first add into dW[e] with `nisa.dma_compute` (`cont` in `sub_table`). Each core has a dummy dW row (E + core)
+  that absorbs the writes of its no-op and spare sub-segments; the host drops those rows.
+* **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
+  the weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
   d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
   disjoint.
 * **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`workbench.device.logical_nc_config()`); shared HBM
   scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
-  scratch but needs a DMA read-modify-write whose two writers (cores, or two k of one token in flight) race; the
-  io-dtype scratch halves the old fp32 round trip.
-* Weight gradients accumulate across an expert's blocks with a read-modify-write of fp32 HBM rows: one expert's
-  dW (3 x D x F fp32, 18 MiB at 30B-A3B) fits neither PSUM nor SBUF next to the resident weights.
+  scratch but needs a DMA read-modify-write whose two writers (cores, or two k of one token in flight) race.
 
 Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html): the
 matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
@@ -61,6 +68,14 @@ P = nl.tile_size.pmax  # 128 partitions
 MOVING_FMAX = nl.tile_size.gemm_moving_fmax  # 512: moving free size, also one fp32 PSUM bank
 F32 = nl.float32
 I32 = nl.int32
+# SBUF bytes per partition on NeuronCore-v3 (28 MiB = 128 x 224 KiB; Trainium2 Architecture Guide for NKI)
+SBUF_BYTES = 224 * 1024
+# kept free in the backward's budget for the small tiles a block allocates on top of its workspace (int32 [1, 1]
+# table entries and slot-index / affinity columns: < 100 bytes per partition)
+SMALL_TILES_BYTES = 1024
+# PSUM banks the backward's weight-gradient phase accumulates in: 8 banks, 3 held by the pieces' pool
+DW_BANKS = 5
+DW_ROW_BANKS = 4  # a weight-gradient output row is written in segments of at most this many banks (2048 columns)
 
 
 def _ntiles(n, size):
@@ -122,9 +137,8 @@ def _expert_window(w, e, r0, rows, c0, cols):
     return w.ap(pattern=[[Ct, rows], [1, cols]], offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0)
 
 
-# -- F chunks: how much of an expert's weights is resident at once ---------------------------------------------------
-# SBUF is 224 KiB per partition (trn2). The resident expert weights get at most this much; the rest holds one
-# block's workspace (x / dy token tiles, xT, the fp32 dW row band, ...: <= 80 KiB at D = 4096, KB = 256).
+# -- F chunks and SBUF budgets: how much of an expert's weights (and, backward, tiles) is resident at once ---------
+# The forward's resident weights get at most this much; the rest holds one block's workspace (x tiles, xT, ...).
 RESIDENT_WEIGHT_BYTES = 144 * 1024
 
 
@@ -134,7 +148,7 @@ def _resident_bytes(D, fc, itemsize, n_mats):
 
 
 def _f_chunk(D, F, itemsize, n_mats):
-    """Width of the F chunk a kernel keeps resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES, else the
+    """Forward: width of the F chunk kept resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES, else the
     widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert segment;
     the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks (docs/nki_kernels.md)."""
     if _resident_bytes(D, F, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES or F <= P:
@@ -146,10 +160,111 @@ def _f_chunk(D, F, itemsize, n_mats):
     return fc
 
 
+def tile_slots(kb):
+    """Slots per resident backward tile: 128, or the whole block when blocks are smaller."""
+    return min(P, kb)
+
+
+def piece_widths(kb, n_classes):
+    """Slots per piece of each piece class: KB, KB/2, ..., KB >> (n_classes - 1)."""
+    widths = []
+    for k in range(n_classes):
+        widths.append(kb >> k)
+    return widths
+
+
+def _tail_widths(widths):
+    """The piece classes narrower than a resident tile (each has its own one-tile buffer)."""
+    tails = []
+    for w in widths:
+        if w < tile_slots(widths[0]):
+            tails.append(w)
+    return tails
+
+
+def tiles_needed(widths):
+    """Resident tiles a sub-segment needs at least: one full block and the main-buffer tail classes' tiles."""
+    ts = tile_slots(widths[0])
+    n = 0
+    for w in widths:
+        if w >= ts:
+            n += w // ts
+    return n
+
+
+def _res_tile_bytes(D, fc, itemsize):
+    """Bytes/partition of one resident tile: x and affinity * dy (D wide), dg, du and h (fc wide)."""
+    return (2 * D + 3 * fc) * itemsize
+
+
+def _bwd_workspace_shapes(kb, D, fc, io_dtype, slot_dtype, chunked):
+    """name -> (shape, dtype) of the backward's per-block SBUF workspace (one source for the allocation and the
+    SBUF budget of `backward_layout`)."""
+    dp, fp, nD, nF = min(P, D), min(P, fc), _ntiles(D, P), _ntiles(fc, P)
+    feature = ((fp, nF, kb), io_dtype)  # elementwise math in the io dtype, as the torch reference does it
+    shapes = {
+        "dyT": ((dp, nD, kb), io_dtype),
+        "g": feature, "u": feature,  # the saved gT, uT
+        "dh": feature, "silu": feature, "dsilu": feature, "h": feature, "dg": feature, "du": feature,
+        "tmp1": ((fp, kb), io_dtype), "aff_b": ((fp, kb), io_dtype),
+        "row": ((1, kb), F32), "row2": ((1, kb), F32), "row_io": ((1, kb), io_dtype),
+        "chunk": ((P, D), slot_dtype), "ones": ((P, P), io_dtype),
+        "stage": ((P, DW_BANKS * MOVING_FMAX), io_dtype),  # weight-gradient bands on their way to HBM
+    }
+    if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
+        shapes["prev"] = ((P, D), F32)
+    return shapes
+
+
+def _shape_bytes(shapes):
+    total = 0
+    for name in shapes:
+        shape, dtype = shapes[name]
+        n = dtype.itemsize
+        for d in shape[1:]:
+            n *= d
+        total += n
+    return total
+
+
+def _fit_backward(D, F, io_dtype, widths):
+    """(fc, nt) of the backward, (0, 0) when nothing fits (see `backward_layout`)."""
+    kb = widths[0]
+    need = tiles_needed(widths)
+    tails = len(_tail_widths(widths))
+    chunks = [F]
+    for n in range(F // P, 0, -1):
+        if n * P < F:
+            chunks.append(n * P)
+    for fc in chunks:
+        ws = _bwd_workspace_shapes(kb, D, fc, io_dtype, F32 if fc < F else io_dtype, fc < F)
+        free = SBUF_BYTES - SMALL_TILES_BYTES - _resident_bytes(D, fc, io_dtype.itemsize, 3) - _shape_bytes(ws)
+        nt = free // _res_tile_bytes(D, fc, io_dtype.itemsize) - tails
+        if nt >= need:
+            return fc, nt
+    return 0, 0
+
+
+def backward_layout(D, F, io_dtype, widths):
+    """(fc, nt) of the backward: the F chunk kept resident (F itself when it fits) and how many resident 128-slot
+    tiles an expert sub-segment may fill, so that the three resident matrices of a chunk, the block workspace, the
+    tail buffers and nt tiles fit SBUF_BYTES per partition (widest chunk first). The host splits experts with more
+    tiles into sub-segments (`autograd.KernelPlan`).
+
+    Raises:
+        ValueError: not even the narrowest chunk fits with one sub-segment's tiles.
+    """
+    fc, nt = _fit_backward(D, F, io_dtype, widths)
+    if nt == 0:
+        raise ValueError(f"the NKI MoE backward does not fit SBUF at D={D}, F={F}, {widths[0]}-slot blocks in "
+                         f"{io_dtype}: use a smaller model.moe_block_size")
+    return fc, nt
+
+
 # -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ----------------
 # A compiled loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
-# the working tiles up front and reusing them across phases (xT then dyT, gT then dhT, ...) is what keeps the
-# backward's resident weights plus one block inside SBUF, and the PSUM tiles inside 3 of the 8 banks.
+# the working tiles up front and reusing them is what keeps the resident weights (and, backward, the resident tiles)
+# plus one block inside SBUF, and the PSUM tiles inside the 8 banks.
 def _psum_pool(io_dtype):
     return {
         "t": nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"),
@@ -166,69 +281,79 @@ def _block_tiles(kb, width, dtype, name):
     return tiles
 
 
-def _workspace(kb, D, F, io_dtype, backward, slot_dtype, chunked):
+def _fwd_workspace(kb, D, F, io_dtype, slot_dtype, chunked):
     """F: the F-chunk width; chunked: F is split (partial sums accumulate in the slot scratch, then fp32)."""
     dp, fp, nD, nF = min(P, D), min(P, F), _ntiles(D, P), _ntiles(F, P)
     ws = {
         "x": _block_tiles(kb, D, io_dtype, "x_tok"),
-        "xT": nl.ndarray((dp, nD, kb), dtype=io_dtype, buffer=nl.sbuf, name="xT"),  # backward: then dyT
-        "g": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="gT"),  # backward: then dhT
-        "u": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="uT"),
-        "sig": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="sigT"),
-        "silu": nl.ndarray((fp, nF, kb), dtype=F32, buffer=nl.sbuf, name="siluT"),
+        "xT": nl.ndarray((dp, nD, kb), dtype=io_dtype, buffer=nl.sbuf, name="xT"),
+        "g": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="gT"),
+        "u": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="uT"),
+        "silu": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="siluT"),
         "h": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
-        "chunk": nl.ndarray((P, MOVING_FMAX), dtype=slot_dtype, buffer=nl.sbuf, name="out_chunk"),
+        "chunk": nl.ndarray((P, D), dtype=slot_dtype, buffer=nl.sbuf, name="out_rows"),
     }
     if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
-        ws["prev"] = nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.sbuf, name="partial_sum")
-    if backward:
-        ws["dy"] = _block_tiles(kb, D, io_dtype, "dy_tok")
-        ws["dg"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="dgT")
-        ws["du"] = nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="duT")
-        ws["tmp1"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp1")
-        ws["tmp2"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="tmp2")
-        ws["aff_b"] = nl.ndarray((fp, kb), dtype=F32, buffer=nl.sbuf, name="affinity_bcast")
-        ws["row"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row")
-        ws["row2"] = nl.ndarray((1, kb), dtype=F32, buffer=nl.sbuf, name="row_partial")
-        ws["tok"] = _block_tiles(kb, F, io_dtype, "grad_tok")  # dg, then du, then h, token-major
-        ws["band"] = nl.ndarray((P, max(D, F)), dtype=F32, buffer=nl.sbuf, name="dw_band")
-        ws["ones"] = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="ones")
-        nisa.memset(dst=ws["ones"], value=1.0)
+        ws["prev"] = nl.ndarray((P, D), dtype=F32, buffer=nl.sbuf, name="partial_sum")
     return ws
+
+
+def _bwd_workspace(kb, D, fc, io_dtype, slot_dtype, chunked):
+    shapes = _bwd_workspace_shapes(kb, D, fc, io_dtype, slot_dtype, chunked)
+    ws = {}
+    for name in shapes:
+        shape, dtype = shapes[name]
+        ws[name] = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, name=name)
+    nisa.memset(dst=ws["ones"], value=1.0)
+    return ws
+
+
+def _resident(parts, nt, D, fc, io_dtype):
+    """One backward buffer set: nt tiles of `parts` slots (tokens on partitions) of x and affinity * dy ([parts,
+    nt, D]) and of dg, du, h ([parts, nt, fc]), filled by an expert's pieces, read by its weight-gradient phase."""
+    return {
+        "x": nl.ndarray((parts, nt, D), dtype=io_dtype, buffer=nl.sbuf, name="x_res"),
+        "dy": nl.ndarray((parts, nt, D), dtype=io_dtype, buffer=nl.sbuf, name="dy_res"),
+        "dg": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="dg_res"),
+        "du": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="du_res"),
+        "h": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="h_res"),
+    }
+
+
+PER_SLOT_3D = ("xT", "g", "u", "silu", "dsilu", "h", "dyT", "dh", "dg", "du")  # [parts, tiles, kb] feature-major
+PER_SLOT_2D = ("tmp1", "aff_b", "row", "row2", "row_io")  # [parts, kb]
 
 
 def _ws_view(ws, kb):
     """The workspace cut to a kb-slot piece (kb <= the workspace's block): every per-slot tile sliced to kb."""
     v = {}
-    for key in ("x", "dy", "tok"):
-        if key in ws:
+    for key in ws:
+        t = ws[key]
+        if isinstance(t, list):  # token-major sub-tiles
             tiles = []
             for s in range(_ntiles(kb, P)):
-                t = ws[key][s]
-                tiles.append(t[0:_width(kb, P, s), 0:t.shape[1]])
+                tiles.append(t[s][0:_width(kb, P, s), 0:t[s].shape[1]])
             v[key] = tiles
-    for key in ("xT", "g", "u", "sig", "silu", "h", "dg", "du"):
-        if key in ws:
-            t = ws[key]
+        elif key in PER_SLOT_3D:
             v[key] = t[0:t.shape[0], 0:t.shape[1], 0:kb]
-    for key in ("tmp1", "tmp2", "aff_b", "row", "row2"):
-        if key in ws:
-            v[key] = ws[key][0:ws[key].shape[0], 0:kb]
-    for key in ("chunk", "prev", "band", "ones"):
-        if key in ws:
-            v[key] = ws[key]
+        elif key in PER_SLOT_2D:
+            v[key] = t[0:t.shape[0], 0:kb]
+        else:
+            v[key] = t
     return v
 
 
-def _piece_widths(token_index, seg_table):
-    """Slots per piece of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column
-    pair of seg_table after the expert column)."""
-    G = token_index.shape[1]
-    L = (seg_table.shape[1] - 1) // 2
-    widths = []
-    for k in range(L):
-        widths.append(G * 2 ** (L - 1 - k))
-    return widths
+def _tok(tiles, tile, s, parts, c0, cols):
+    """[parts, cols] at columns c0.. of token sub-tile s of a block: a workspace tile (`tiles` a list) or a resident
+    tile of a buffer [TS, nt, width]: tile (tile + s), `tile` an int32 SBUF [1, 1] tile or loop register holding the
+    runtime tile index, or None (tile s)."""
+    if isinstance(tiles, list):
+        return tiles[s][0:parts, c0:c0 + cols]
+    if tile is None:
+        return tiles[0:parts, s, c0:c0 + cols]
+    nt, width = tiles.shape[1], tiles.shape[2]
+    return tiles.ap(pattern=[[nt * width, parts], [1, cols]], offset=s * width + c0, scalar_offset=tile,
+                    indirect_dim=1)
 
 
 # -- layout changes (Tensor Engine transposes through PSUM) ------------------------------------------------------------
@@ -240,22 +365,22 @@ def _transpose_into(dst, src, ps):
     nisa.tensor_copy(dst=dst, src=staged)
 
 
-def _feature_major(out, tok, kb, width, ps):
-    """out [min(P, width), n_tiles, kb] <- the block's token-major [sl, width] tiles, features on partitions."""
+def _feature_major(out, tok, tile, kb, width, ps):
+    """out [min(P, width), n_tiles, kb] <- the block's token-major tiles (`_tok`), features on partitions."""
     for j in range(_ntiles(width, P)):
         fl = _width(width, P, j)
-        for s in range(len(tok)):
+        for s in range(_ntiles(kb, P)):
             sl = _width(kb, P, s)
-            _transpose_into(out[0:fl, j, s * P:s * P + sl], tok[s][0:sl, j * P:j * P + fl], ps)
+            _transpose_into(out[0:fl, j, s * P:s * P + sl], _tok(tok, tile, s, sl, j * P, fl), ps)
 
 
-def _token_major(tiles, feature, kb, width, ps):
-    """Inverse of `_feature_major`: fill one [sl, width] tile per token sub-tile."""
-    for s in range(len(tiles)):
+def _token_major(tok, tile, feature, kb, width, ps):
+    """Inverse of `_feature_major`: fill the block's token-major tiles from a feature-major one."""
+    for s in range(_ntiles(kb, P)):
         sl = _width(kb, P, s)
         for j in range(_ntiles(width, P)):
             fl = _width(width, P, j)
-            _transpose_into(tiles[s][0:sl, j * P:j * P + fl], feature[0:fl, j, s * P:s * P + sl], ps)
+            _transpose_into(_tok(tok, tile, s, sl, j * P, fl), feature[0:fl, j, s * P:s * P + sl], ps)
 
 
 # -- expert MLP pieces -------------------------------------------------------------------------------------------------
@@ -266,12 +391,14 @@ def _gather_into(dst, src, index):
                                       indirect_dim=0))
 
 
-def _load_block(dsts, srcs, token_index, b, kb):
-    """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` (padding slots read the zero row T)."""
+def _load_block(dsts, tile, srcs, token_index, b, kb):
+    """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` into its token-major tiles in `dsts` (see
+    `_tok`; padding slots read the zero row T)."""
     for s in range(_ntiles(kb, P)):
-        index = _block_column(token_index, b, s * P, _width(kb, P, s), I32)
+        sl = _width(kb, P, s)
+        index = _block_column(token_index, b, s * P, sl, I32)
         for i in range(len(srcs)):
-            _gather_into(dsts[i][s], srcs[i], index)
+            _gather_into(_tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], index)
 
 
 def _affinities(slot_weight, b, kb):
@@ -282,7 +409,8 @@ def _affinities(slot_weight, b, kb):
 
 
 def _project(out, w_res, xT, kb, D, n_out, ps):
-    """out (fp32 [min(P, n_out), n_tiles, kb]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]."""
+    """out ([min(P, n_out), n_tiles, kb]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]. Evicted
+    from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
         acc = ps["acc"][0:fl, 0:kb]
@@ -290,24 +418,53 @@ def _project(out, w_res, xT, kb, D, n_out, ps):
             dl = _width(D, P, j)
             nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:kb],
                            accumulate=j > 0)
-        nisa.tensor_copy(dst=out[0:fl, i, 0:kb], src=acc)
+        nisa.tensor_copy(dst=out[0:fl, i, 0:kb], src=acc, engine=nisa.engine.scalar)
 
 
 def _swiglu(ws, F, kb):
-    """sig = sigmoid(g), silu = g * sig (fp32) and hT = silu * u (io dtype: it feeds the matmuls)."""
+    """silu = silu(g) (Scalar Engine), hT = silu * u; backward (ws has "dsilu") also silu'(g). All in the io dtype,
+    as the torch reference computes them (bf16 operands give the Vector Engine its performance mode)."""
     for i in range(_ntiles(F, P)):
         fl = _width(F, P, i)
-        g, sig, silu = ws["g"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb]
-        nisa.activation(dst=sig, op=nl.sigmoid, data=g)
-        nisa.tensor_tensor(dst=silu, data1=g, data2=sig, op=nl.multiply)
+        g, silu = ws["g"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb]
+        nisa.activation(dst=silu, op=nl.silu, data=g)
+        if "dsilu" in ws:
+            nisa.activation(dst=ws["dsilu"][0:fl, i, 0:kb], op=nl.silu_dx, data=g)
         nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:kb], data1=silu, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
 
 
-def _recompute(ws, w_gate_res, w_up_res, kb, D, F, ps):
-    _feature_major(ws["xT"], ws["x"], kb, D, ps)
-    _project(ws["g"], w_gate_res, ws["xT"], kb, D, F, ps)
-    _project(ws["u"], w_up_res, ws["xT"], kb, D, F, ps)
-    _swiglu(ws, F, kb)
+def _saved_columns(saved, f0, fl, row0, kb):
+    """HBM view saved[f0 : f0 + fl, row0 : row0 + kb] of an [F, slots] tensor (row0 an int32 SBUF [1, 1] tile)."""
+    NS = saved.shape[1]
+    return saved.ap(pattern=[[NS, fl], [1, kb]], offset=f0 * NS, scalar_offset=row0, indirect_dim=1)
+
+
+def _saved_tiles(saved, tiles, f0, F, row0, kb):
+    """[(HBM view, tile view)] pairs covering saved[f0 : f0 + F, row0 : row0 + kb] of an [F, slots] tensor and the
+    feature-major tile [min(P, F), n_tiles, kb]: one pair for all whole 128-row tiles, one for a remainder."""
+    NS = saved.shape[1]
+    fp = min(P, F)
+    nfull = F // fp
+    if nfull > 1:
+        pairs = [(saved.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, kb]], offset=f0 * NS, scalar_offset=row0,
+                           indirect_dim=1), tiles[0:fp, 0:nfull, 0:kb])]
+    else:
+        pairs = [(_saved_columns(saved, f0, fp, row0, kb), tiles[0:fp, 0, 0:kb])]
+    rem = F - nfull * fp
+    if rem > 0:
+        pairs.append((_saved_columns(saved, f0 + nfull * fp, rem, row0, kb), tiles[0:rem, nfull, 0:kb]))
+    return pairs
+
+
+def _save_feature_major(saved, tiles, f0, F, row0, kb):
+    """saved[f0 : f0 + F, slots of the block] <- feature-major tiles [min(P, F), n_tiles, kb]."""
+    for pair in _saved_tiles(saved, tiles, f0, F, row0, kb):
+        nisa.dma_copy(dst=pair[0], src=pair[1])
+
+
+def _load_feature_major(tiles, saved, f0, F, row0, kb):
+    for pair in _saved_tiles(saved, tiles, f0, F, row0, kb):
+        nisa.dma_copy(dst=pair[1], src=pair[0])
 
 
 def _combine(out, slots, slot_of_assignment, pid, lnc):
@@ -340,18 +497,29 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
     nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
 
 
-def _class_bounds(seg_table, row0, k, s):
-    """(first, end) piece-table rows of class k of segment s of this core, as loop registers."""
-    begin = _register(_load_entry(seg_table, row0, 1 + 2 * k, s))
-    end = _register(_load_entry(seg_table, row0, 2 + 2 * k, s))
+def _bounds(table, row0, col, reg):
+    """(begin, end) registers from columns col, col + 1 of row row0 + reg of an int32 HBM table."""
+    begin = _register(_load_entry(table, row0, col, reg))
+    end = _register(_load_entry(table, row0, col + 1, reg))
     return begin, end
 
 
-def _segment_count(seg_count):
-    """The number of segment positions, one count shared by every core (a register)."""
+def _count(count):
+    """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=seg_count[0:1, 0:1])
+    nisa.dma_copy(dst=tile, src=count[0:1, 0:1])
     return _register(tile)
+
+
+def _listed(table, count, pid, body):
+    """Compiled loop over the first `count` entries of this core's column of a per-core [lnc * U, 1] int32 table:
+    body(entry as an int32 SBUF [1, 1] tile)."""
+    U = table.shape[0] // nl.num_programs(0)
+
+    def each(i):
+        body(_load_entry(table, pid * U, 0, i))
+
+    nl.fori_loop(0, _count(count), each)
 
 
 def _slot_window(slots, row0, s0, sl, c0, cl):
@@ -360,29 +528,59 @@ def _slot_window(slots, row0, s0, sl, c0, cl):
     return slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0, indirect_dim=0)
 
 
-def _emit(dst_slots, acc, scale, ws, row0, s0, sl, c0, cl, first):
-    """Slot rows [s0, s0 + sl) x columns [c0, c0 + cl) of the block: = acc * scale (scale None: acc) for the first
-    F chunk, += for later chunks (read-modify-write of the fp32 scratch; the rows belong to this core's block)."""
-    chunk = ws["chunk"][0:sl, 0:cl]
+def _evict_rows(ws, acc, scale, sl, c0, cl):
+    """ws["chunk"][0:sl, c0:c0 + cl] = acc * scale (scale None: acc), evicted from PSUM by the Scalar Engine."""
+    chunk = ws["chunk"][0:sl, c0:c0 + cl]
     if scale is None:
-        nisa.tensor_copy(dst=chunk, src=acc)
+        nisa.tensor_copy(dst=chunk, src=acc, engine=nisa.engine.scalar)
     else:
-        nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=scale)
+        nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
+
+
+def _write_rows(dst_slots, ws, row0, s0, sl, first):
+    """Slot rows [s0, s0 + sl) of the block <- ws["chunk"][0:sl, :] in one DMA for the first F chunk; later chunks
+    add to the partial sums (read-modify-write of the fp32 scratch; the rows belong to this core's block)."""
+    D = dst_slots.shape[1]
+    chunk = ws["chunk"][0:sl, 0:D]
     if not first:
-        prev = ws["prev"][0:sl, 0:cl]
-        nisa.dma_copy(dst=prev, src=_slot_window(dst_slots, row0, s0, sl, c0, cl))
+        prev = ws["prev"][0:sl, 0:D]
+        nisa.dma_copy(dst=prev, src=_slot_window(dst_slots, row0, s0, sl, 0, D))
         nisa.tensor_tensor(dst=chunk, data1=chunk, data2=prev, op=nl.add)
-    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, c0, cl), src=chunk)
+    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, 0, D), src=chunk)
+
+
+def _piece_classes(token_index, seg_table, first_class_col):
+    """Slots per piece of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column pair
+    of seg_table from `first_class_col` on)."""
+    L = (seg_table.shape[1] - first_class_col) // 2
+    return piece_widths(token_index.shape[1] * 2 ** (L - 1), L)
+
+
+def _load_weights(mats, row_chunked, e, f0, fl, D):
+    """The F chunk [f0, f0 + fl) of expert e of each matrix, resident: [E, F, D] matrices by rows
+    (`row_chunked`), [E, D, F] ones by columns."""
+    w = []
+    for i in range(len(mats)):
+        if row_chunked[i]:  # [min(P, fl), nF, D]: rows [f0, f0 + fl) of the [F, D] matrix
+            w.append(_load_expert_matrix(mats[i], e, f0, fl, 0, D))
+        else:  # [min(P, D), nD, fl]: columns [f0, f0 + fl) of the [D, F] matrix
+            w.append(_load_expert_matrix(mats[i], e, 0, D, f0, fl))
+    return w
 
 
 # -- forward -----------------------------------------------------------------------------------------------------------
-def _forward_block(grp, row0, hbm, w, ws, ps, kb, first):
+def _forward_block(grp, row0, hbm, w, ws, ps, kb, f0, first):
     """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables) against one F
-    chunk (w: W_gate^T, W_up^T and W_down^T of that chunk, resident)."""
+    chunk [f0, f0 + F) (w: W_gate^T, W_up^T and W_down^T of that chunk, resident)."""
     D, F = hbm["x"].shape[1], w[0].shape[2]
-    _load_block([ws["x"]], [hbm["x"]], hbm["index"], grp, kb)
+    _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], grp, kb)
     affinity = _affinities(hbm["weight"], grp, kb)
-    _recompute(ws, w[0], w[1], kb, D, F, ps)
+    _feature_major(ws["xT"], ws["x"], None, kb, D, ps)
+    _project(ws["g"], w[0], ws["xT"], kb, D, F, ps)
+    _project(ws["u"], w[1], ws["xT"], kb, D, F, ps)
+    _save_feature_major(hbm["g_saved"], ws["g"], f0, F, row0, kb)  # for the backward: no recompute there
+    _save_feature_major(hbm["u_saved"], ws["u"], f0, F, row0, kb)
+    _swiglu(ws, F, kb)
     for s in range(len(ws["x"])):
         sl = _width(kb, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
@@ -392,87 +590,106 @@ def _forward_block(grp, row0, hbm, w, ws, ps, kb, first):
                 fl = _width(F, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
                                moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
-            _emit(hbm["slots"], acc, affinity[s], ws, row0, s * P, sl, c0, cl, first)
+            _evict_rows(ws, acc, affinity[s], sl, c0, cl)
+        _write_rows(hbm["slots"], ws, row0, s * P, sl, first)
 
 
-def _pieces(piece, begin, end, e, hbm, w, ws, ps, kb, f0, first, backward):
-    """Rows [begin, end) of `piece` (registers), all of one width class kb, against the resident F chunk `w` of
-    expert e: a compiled loop whose body (one kb-slot block, forward or backward) is traced once."""
+def _pieces(piece, begin, end, hbm, w, ws, res, ps, kb, f0, first):
+    """Rows [begin, end) of `piece` (registers), all of one width class kb, against the resident F chunk `w` of the
+    segment's expert: a compiled loop whose body (one kb-slot block) is traced once. `res` None: the forward block;
+    else the backward's buffer set for this class ("tile" True: the main tiles, indexed by piece column 2)."""
 
     def body(j):
         grp = _load_entry(piece, 0, 0, j)
         row0 = _load_entry(piece, 0, 1, j)
-        if backward:
-            _backward_block(grp, row0, e, hbm, w, ws, ps, kb, f0, first)
+        if res is None:
+            _forward_block(grp, row0, hbm, w, ws, ps, kb, f0, first)
         else:
-            _forward_block(grp, row0, hbm, w, ws, ps, kb, first)
+            tile = _load_entry(piece, 0, 2, j) if res["tile"] else None
+            _backward_block(grp, row0, tile, hbm, w, ws, res, ps, kb, f0, first)
 
     nl.fori_loop(begin, end, body)
 
 
-def _expert_segments(pid, S, hbm, piece, seg_table, seg_count, mats, row_chunked, backward):
-    """This core's expert segments, forward or backward (its own function so the workspace is freed before the
-    combine). Per segment position (one expert) and F chunk: load the chunk of each matrix in `mats` once
-    (resident in SBUF, reused by every piece of the segment), then run the segment's full KB blocks and its tail's
-    KB/2, ..., G pieces (0 or 1 each, plus the position's no-op pieces), each class a compiled loop over its rows
-    of `piece`.
-
-    Args:
-        hbm: the kernel's HBM tensors by role ("x", "index", "weight", "slots"; backward also "dout", "d_slot",
-            "grads").
-        mats: [E, D, F] or [E, F, D] expert matrices; `row_chunked[i]`: mats[i] is [E, F, D] (chunked by rows)
-            rather than [E, D, F] (by columns). F is mats[0].shape[2].
-        backward: a specialization-time flag: which block body the pieces run.
-    """
+def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, mats):
+    """This core's expert segments (its own function so the workspace is freed before the combine). Per segment
+    position (one expert) and F chunk: load the chunk of W_gate^T, W_up^T, W_down^T once (resident, reused by every
+    piece of the segment), then run the segment's full KB blocks and its tail's KB/2, ..., G pieces (0 or 1 each,
+    plus the position's no-op pieces), each class a compiled loop over its rows of `piece`."""
     x_pad = hbm["x"]
     D, F = x_pad.shape[1], mats[0].shape[2]
-    widths = _piece_widths(hbm["index"], seg_table)
+    widths = _piece_classes(hbm["index"], seg_table, 3)
     fc = _f_chunk(D, F, x_pad.dtype.itemsize, len(mats))
-    ws = _workspace(widths[0], D, fc, x_pad.dtype, backward, hbm["slots"].dtype, fc < F)
+    ws = _fwd_workspace(widths[0], D, fc, x_pad.dtype, hbm["slots"].dtype, fc < F)
     ps = _psum_pool(x_pad.dtype)
 
     def segment(s):
         e = _load_entry(seg_table, pid * S, 0, s)
         for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices do not fit SBUF
             f0, fl = c * fc, _width(F, fc, c)
-            w = []
-            for i in range(len(mats)):
-                if row_chunked[i]:  # [min(P, fl), nF, D]: rows [f0, f0 + fl) of the [F, D] matrix
-                    w.append(_load_expert_matrix(mats[i], e, f0, fl, 0, D))
-                else:  # [min(P, D), nD, fl]: columns [f0, f0 + fl) of the [D, F] matrix
-                    w.append(_load_expert_matrix(mats[i], e, 0, D, f0, fl))
+            w = _load_weights(mats, (False, False, True), e, f0, fl, D)  # W^T[:, chunk] x 2, W_down^T[chunk, :]
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
-                view = _ws_view(ws, widths[k])
-                begin, end = _class_bounds(seg_table, pid * S, k, s)
-                _pieces(piece, begin, end, e, hbm, w, view, ps, widths[k], f0, c == 0, backward)
+                begin, end = _bounds(seg_table, pid * S, 3 + 2 * k, s)
+                _pieces(piece, begin, end, hbm, w, _ws_view(ws, widths[k]), None, ps, widths[k], f0, c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
-    nl.fori_loop(0, _segment_count(seg_count), segment)
+    nl.fori_loop(0, _count(seg_count), segment)
+
+
+def _zero_saved(saved, G, fill_rows, fill_count, pid):
+    """Zero G slot columns from each slot row listed for this core in `fill_rows`, in every [F, slots] tensor of
+    `saved` (the slot groups no piece computes: the unused ones and the core's no-op area; the kernel returns these
+    tensors, so every element gets written). One DMA per group and tensor covers all whole 128-row tiles of F."""
+    F = saved[0].shape[0]
+    fp, nfull = min(P, F), F // min(P, F)
+    rem = F - nfull * fp
+    zeros = nl.ndarray((fp, nfull, G), dtype=saved[0].dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+
+    def group(row):
+        for t in saved:
+            NS = t.shape[1]
+            nisa.dma_copy(dst=t.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, G]], offset=0, scalar_offset=row,
+                                   indirect_dim=1), src=zeros)
+            if rem > 0:
+                nisa.dma_copy(dst=t.ap(pattern=[[NS, rem], [1, G]], offset=nfull * fp * NS, scalar_offset=row,
+                                       indirect_dim=1), src=zeros[0:rem, 0, 0:G])
+
+    _listed(fill_rows, fill_count, pid, group)
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
-                      w_up_t, w_down_t):
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count,
+                      slot_of_assignment, w_gate_t, w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
 
-    Slots come in groups of G (each expert's slots padded to a multiple of G); an expert's groups are computed as
-    full blocks of KB = G * 2^(L-1) slots, then its tail as at most one piece each of KB/2, ..., G slots.
+    Slots come in groups of G (each expert's slots padded to a multiple of G, and to at least one 128-slot tile);
+    an expert's groups are computed as full blocks of KB = G * 2^(L-1) slots, then its tail as at most one piece
+    each of KB/2, ..., G slots.
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M, 2] int32, per piece its first slot group and first slot row (group * G); rows grouped by class.
-        seg_table: [lnc * S, 1 + 2L] int32; core c's segment position s at row c * S + s: its expert, then per
-            piece class k (KB >> k slots) the [begin, end) rows of `piece` (the same count on every core).
+        piece: [M, 3] int32, per piece its first slot group, first slot row (group * G) and, in the backward,
+            first resident tile; rows grouped by class.
+        seg_table: [lnc * S, 3 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
+            [begin, end) rows of the backward's `sub_table`, then per piece class k (KB >> k slots) the [begin, end)
+            rows of `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
+        fill_rows: [lnc * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
+            no-op area, its share of the unused groups; padded with its no-op area), zero-filled in g_saved, u_saved.
+        fill_count: [1, 1] int32, groups zero-filled per core (the same on every core).
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
             LNC (padded tokens point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
 
     Returns:
-        out: [nT, TT, D] io dtype, sum over k of affinity * expert_mlp(x).
+        out: [nT, TT, D] io dtype, sum over k of affinity * expert_mlp(x);
+        g_saved, u_saved: [F, NG * G] io dtype, gT = W_gate x and uT = W_up x of every slot (feature-major; zeros
+            on padding and no-op slots and on the groups no piece computes): saved for the backward, which then
+            needs neither the gate/up recompute nor the transposed gate/up weights. Live from forward to backward.
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
@@ -483,46 +700,45 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     F = w_gate_t.shape[2]
     chunked = _f_chunk(D, F, x_pad.dtype.itemsize, 3) < F
     y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
-    hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots}
-    _expert_segments(pid, S, hbm, piece, seg_table, seg_count, (w_gate_t, w_up_t, w_down_t),  # W^T[:, chunk] x 2,
-                     (False, False, True), False)  # W_down^T[chunk, :]
+    g_saved = nl.ndarray((F, ng * G), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="g_saved")
+    u_saved = nl.ndarray((F, ng * G), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="u_saved")
+    hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots, "g_saved": g_saved,
+           "u_saved": u_saved}
+    _zero_saved((g_saved, u_saved), G, fill_rows, fill_count, pid)
+    _forward_segments(pid, S, hbm, piece, seg_table, seg_count, (w_gate_t, w_up_t, w_down_t))
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
     _combine(out, y_slots, slot_of_assignment, pid, lnc)
-    return out
+    return out, g_saved, u_saved
 
 
 # -- backward ----------------------------------------------------------------------------------------------------------
 def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
-    """ws["aff_b"] [parts, kb] fp32, every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
-    nisa.dma_copy(dst=ws["row"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
-                                                    indirect_dim=0))
+    """ws["aff_b"] [parts, kb], every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
+    nisa.dma_copy(dst=ws["row_io"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
+                                                       indirect_dim=0))
     acc = ps["acc"][0:parts, 0:kb]
-    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["row"], accumulate=False)
+    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["row_io"], accumulate=False)
     nisa.tensor_copy(dst=ws["aff_b"], src=acc)
 
 
 def _swiglu_backward(ws, d_slot, b, kb, F, ps, first):
-    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (in ws["g"]); writes the affinity grads d_slot[b, :].
+    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads d_slot[b, :].
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
-    then dh *= affinity, du = dh * silu(g), dg = dh * u * (sig + silu * (1 - sig)).
+    then dh *= affinity, du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's silu_dx).
     """
     d_aff = ps["aff"][0:1, 0:kb]
     for i in range(_ntiles(F, P)):
         fl = _width(F, P, i)
-        dh, silu, sig = ws["g"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb], ws["sig"][0:fl, i, 0:kb]
-        t1, t2 = ws["tmp1"][0:fl, 0:kb], ws["tmp2"][0:fl, 0:kb]
+        dh, dg, t1 = ws["dh"][0:fl, i, 0:kb], ws["dg"][0:fl, i, 0:kb], ws["tmp1"][0:fl, 0:kb]
         nisa.tensor_tensor(dst=t1, data1=ws["h"][0:fl, i, 0:kb], data2=dh, op=nl.multiply)
         nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=t1, accumulate=i > 0)
-        nisa.tensor_tensor(dst=t1, data1=dh, data2=ws["aff_b"][0:fl, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:kb], data1=t1, data2=silu, op=nl.multiply)
-        nisa.tensor_tensor(dst=t2, data1=silu, data2=sig, op=nl.multiply)
-        nisa.tensor_tensor(dst=t2, data1=silu, data2=t2, op=nl.subtract)
-        nisa.tensor_tensor(dst=t2, data1=sig, data2=t2, op=nl.add)
-        nisa.tensor_tensor(dst=t2, data1=t2, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=ws["dg"][0:fl, i, 0:kb], data1=t1, data2=t2, op=nl.multiply)
+        nisa.tensor_tensor(dst=dh, data1=dh, data2=ws["aff_b"][0:fl, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:kb], data1=dh, data2=ws["silu"][0:fl, i, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=dg, data1=dh, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=ws["dsilu"][0:fl, i, 0:kb], op=nl.multiply)
     nisa.tensor_copy(dst=ws["row"], src=d_aff)
     if not first:  # later F chunks add their partial sum over f
         nisa.dma_copy(dst=ws["row2"], src=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
@@ -545,69 +761,192 @@ def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps, first):
                                moving=wg[0:fl, i, c0:c0 + cl], accumulate=i > 0)
                 nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
                                moving=wu[0:fl, i, c0:c0 + cl], accumulate=True)
-            _emit(dx_slots, acc, None, ws, row0, s * P, sl, c0, cl, first)
+            _evict_rows(ws, acc, None, sl, c0, cl)
+        _write_rows(dx_slots, ws, row0, s * P, sl, first)
 
 
-def _accumulate_weight_grad(dw, e, lhs_tok, rhs_tok, band, ps, r_base, R, c_base, C):
-    """dw[e, r_base:r_base+R, c_base:c_base+C] += sum_s lhs_tok[s][:, :R]^T @ rhs_tok[s][:, :C] (tokens on
-    partitions; dw an [E, *, *] fp32 HBM accumulator).
-
-    Read-modify-write one [<=128, C] row band at a time (C * 4 bytes per partition per DMA).
-    """
-    for r in range(_ntiles(R, P)):
-        r0, rl = r * P, _width(R, P, r)
-        total = band[0:rl, 0:C]
-        nisa.dma_copy(dst=total, src=_expert_window(dw, e, r_base + r0, rl, c_base, C))
-        for c in range(_ntiles(C, MOVING_FMAX)):
-            c0, cl = c * MOVING_FMAX, _width(C, MOVING_FMAX, c)
-            acc = ps["acc"][0:rl, 0:cl]
-            for s in range(len(lhs_tok)):
-                sl = lhs_tok[s].shape[0]
-                nisa.nc_matmul(dst=acc, stationary=lhs_tok[s][0:sl, r0:r0 + rl], moving=rhs_tok[s][0:sl, c0:c0 + cl],
-                               accumulate=s > 0)
-            nisa.tensor_tensor(dst=band[0:rl, c0:c0 + cl], data1=band[0:rl, c0:c0 + cl], data2=acc, op=nl.add)
-        nisa.dma_copy(dst=_expert_window(dw, e, r_base + r0, rl, c_base, C), src=total)
-
-
-def _backward_block(b, row0, e, hbm, w, ws, ps, kb, f0, first):
-    """One kb-slot piece (slot group b, slot row row0) against one F chunk [f0, f0 + F) of expert e (w: that
-    chunk's five resident matrices)."""
+def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, kb, f0, first):
+    """One kb-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + F) of the segment's expert
+    (w: that chunk's W_down columns and W_gate, W_up rows, resident). Leaves x, affinity * dy and the token-major
+    dg, du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them)."""
     D, F = hbm["x"].shape[1], w[0].shape[2]
-    slot_weight, d_slot, grads = hbm["weight"], hbm["d_slot"], hbm["grads"]
-    _load_block([ws["x"], ws["dy"]], [hbm["x"], hbm["dout"]], hbm["index"], b, kb)
-    affinity = _affinities(slot_weight, b, kb)
-    _recompute(ws, w[0], w[1], kb, D, F, ps)
-    _feature_major(ws["xT"], ws["dy"], kb, D, ps)  # dyT (xT is no longer needed)
-    _project(ws["g"], w[2], ws["xT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T (gT is no longer needed)
-    _broadcast_row(ws, slot_weight, b, ws["aff_b"].shape[0], kb, ps)
-    _swiglu_backward(ws, d_slot, b, kb, F, ps, first)
-    _dx_block(hbm["slots"], ws, w[3], w[4], row0, kb, D, F, ps, first)
-    # weight grads contract over the block's tokens: token-major operands
-    for s in range(len(ws["dy"])):
-        nisa.tensor_scalar(dst=ws["dy"][s], data=ws["dy"][s], op0=nl.multiply, operand0=affinity[s])
-    _token_major(ws["tok"], ws["dg"], kb, F, ps)
-    _accumulate_weight_grad(grads[0], e, ws["tok"], ws["x"], ws["band"], ps, f0, F, 0, D)  # dW_gate[e, chunk, :]
-    _token_major(ws["tok"], ws["du"], kb, F, ps)
-    _accumulate_weight_grad(grads[1], e, ws["tok"], ws["x"], ws["band"], ps, f0, F, 0, D)  # dW_up[e, chunk, :]
-    _token_major(ws["tok"], ws["h"], kb, F, ps)
-    _accumulate_weight_grad(grads[2], e, ws["dy"], ws["tok"], ws["band"], ps, 0, D, f0, F)  # dW_down[e, :, chunk]
+    _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, kb)
+    affinity = _affinities(hbm["weight"], grp, kb)
+    _load_feature_major(ws["g"], hbm["g_saved"], f0, F, row0, kb)
+    _load_feature_major(ws["u"], hbm["u_saved"], f0, F, row0, kb)
+    _swiglu(ws, F, kb)
+    _feature_major(ws["dyT"], res["dy"], tile, kb, D, ps)
+    _project(ws["dh"], w[0], ws["dyT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T
+    _broadcast_row(ws, hbm["weight"], grp, ws["aff_b"].shape[0], kb, ps)
+    _swiglu_backward(ws, hbm["d_slot"], grp, kb, F, ps, first)
+    _dx_block(hbm["slots"], ws, w[1], w[2], row0, kb, D, F, ps, first)
+    for s in range(_ntiles(kb, P)):  # dW_down contracts affinity * dy
+        dy = _tok(res["dy"], tile, s, _width(kb, P, s), 0, D)
+        nisa.tensor_scalar(dst=dy, data=dy, op0=nl.multiply, operand0=affinity[s])
+    _token_major(res["dg"], tile, ws["dg"], kb, F, ps)
+    _token_major(res["du"], tile, ws["du"], kb, F, ps)
+    _token_major(res["h"], tile, ws["h"], kb, F, ps)
 
 
-def _zero_fill(t, zeros, pid, lnc):
-    """Zero this core's share of an [E, R, C] fp32 HBM tensor: rows [pid * R / lnc, (pid + 1) * R / lnc) of every
-    expert, one expert per iteration (a row split, so every core runs the same E iterations)."""
-    E, R, C = t.shape
-    per = _ntiles(R, lnc)
-    lo = min(R, pid * per)
-    hi = min(R, lo + per)
+def _dw_rows(D, fc):
+    """The output rows of one F chunk's weight gradients as (gradient, lhs, lhs column, rows, rhs, rhs column,
+    width, row, column): dW_gate / dW_up [fc, D] in rows of <= 128 (lhs dg / du, rhs x), dW_down [D, fc] (lhs
+    affinity * dy, rhs h); a row wider than DW_ROW_BANKS PSUM banks is split into segments of that many. Row and
+    column are relative to the chunk's window of the gradient."""
+    seg = DW_ROW_BANKS * MOVING_FMAX
+    rows = []
+    for grad in range(2):
+        for i in range(_ntiles(fc, P)):
+            for c0 in range(0, D, seg):
+                rows.append((grad, "dg" if grad == 0 else "du", i * P, _width(fc, P, i), "x", c0, min(seg, D - c0),
+                             i * P, c0))
+    for j in range(_ntiles(D, P)):
+        for c0 in range(0, fc, seg):
+            rows.append((2, "dy", j * P, _width(D, P, j), "h", c0, min(seg, fc - c0), j * P, c0))
+    return rows
 
-    def expert(e):
-        for r0 in range(lo, hi, P):
-            rl = min(P, hi - r0)
-            nisa.dma_copy(dst=t.ap(pattern=[[C, rl], [1, C]], offset=r0 * C, scalar_offset=e, indirect_dim=0),
-                          src=zeros[0:rl, 0:C])
 
-    nl.fori_loop(0, E, expert)
+def _dw_groups(rows):
+    """Consecutive rows packed into groups of at most DW_BANKS PSUM banks (one bank per 512 columns)."""
+    groups, group, banks = [], [], 0
+    for row in rows:
+        n = _ntiles(row[6], MOVING_FMAX)
+        if banks + n > DW_BANKS:
+            groups.append(group)
+            group, banks = [], 0
+        group.append(row)
+        banks += n
+    groups.append(group)
+    return groups
+
+
+def _contract(group, res, tile, ps_dw, accumulate):
+    """Each row of `group` (one PSUM bank per 512 columns) += lhs^T @ rhs over one resident tile of `res` (tokens on
+    partitions)."""
+    parts = res["x"].shape[0]
+    bank = 0
+    for row in group:
+        grad, lk, lc, lw, rk, rc, width, r, c = row
+        lhs = _tok(res[lk], tile, 0, parts, lc, lw)
+        for b in range(_ntiles(width, MOVING_FMAX)):
+            bw = _width(width, MOVING_FMAX, b)
+            nisa.nc_matmul(dst=ps_dw[bank][0:lw, 0:bw], stationary=lhs,
+                           moving=_tok(res[rk], tile, 0, parts, rc + b * MOVING_FMAX, bw), accumulate=accumulate)
+            bank += 1
+
+
+def _dw_window(dw, row, grad, f0, r, rows, c, cols):
+    """HBM view of a window of dW[row] (row an int32 SBUF [1, 1] tile): gate/up [F, D] chunk rows start at f0, down
+    [D, F] chunk columns."""
+    if grad < 2:
+        return _expert_window(dw, row, f0 + r, rows, c, cols)
+    return _expert_window(dw, row, r, rows, f0 + c, cols)
+
+
+def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, fl):
+    """dW of the sub-segment's expert over the F chunk [f0, f0 + fl): per group of rows (<= DW_BANKS PSUM banks),
+    main tile 0 opens the PSUM accumulation, a compiled loop adds tiles 1 .. n_tiles - 1, a 0/1-trip loop each tail
+    buffer (the sub-segment's tail pieces); then each row is evicted once (Scalar Engine), written to dW[write_row]
+    in one DMA and, in a continuation sub-segment (`cont` 1), added into dW[acc_row] by the DMA engines (the host
+    points unused rows at this core's dummy)."""
+    for group in _dw_groups(_dw_rows(res["x"].shape[2], fl)):
+        _contract(group, res, None, ps_dw, False)
+        _contract_loop(group, res, True, 1, n_tiles, ps_dw)
+        for k in range(len(tails)):
+            _contract_loop(group, tails[k], False, tail_bounds[k][0], tail_bounds[k][1], ps_dw)
+        bank = 0
+        for row in group:
+            grad, lk, lc, lw, rk, rc, width, r, c = row
+            for b in range(_ntiles(width, MOVING_FMAX)):
+                bw = _width(width, MOVING_FMAX, b)
+                nisa.tensor_copy(dst=ws["stage"][0:lw, (bank + b) * MOVING_FMAX:(bank + b) * MOVING_FMAX + bw],
+                                 src=ps_dw[bank + b][0:lw, 0:bw], engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=_dw_window(grads[grad], write_row, grad, f0, r, lw, c, width),
+                          src=ws["stage"][0:lw, bank * MOVING_FMAX:bank * MOVING_FMAX + width])
+            bank += _ntiles(width, MOVING_FMAX)
+        _add_into(grads, group, acc_row, cont, ws, f0)
+
+
+def _contract_loop(group, res, main, begin, end, ps_dw):
+    """Compiled loop over [begin, end): main tiles (iteration value = tile index) or a tail buffer (0/1 trips)."""
+
+    def body(t):
+        _contract(group, res, t if main else None, ps_dw, True)
+
+    nl.fori_loop(begin, end, body)
+
+
+def _add_into(grads, group, acc_row, cont, ws, f0):
+    """`cont` (0 or 1) times: dW[acc_row] row += the staged row, in the DMA engines (`nisa.dma_compute`)."""
+
+    def body(j):
+        bank = 0
+        for row in group:
+            grad, lk, lc, lw, rk, rc, width, r, c = row
+            window = _dw_window(grads[grad], acc_row, grad, f0, r, lw, c, width)
+            staged = ws["stage"][0:lw, bank * MOVING_FMAX:bank * MOVING_FMAX + width]
+            nisa.dma_compute(dst=window, srcs=[window, staged], reduce_op=nl.add)
+            bank += _ntiles(width, MOVING_FMAX)
+
+    nl.fori_loop(0, cont, body)
+
+
+def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first):
+    """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
+    its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase."""
+    ts = tile_slots(widths[0])
+
+    def sub(j):
+        write_row = _load_entry(sub_table, 0, 0, j)
+        acc_row = _load_entry(sub_table, 0, 1, j)
+        cont = _register(_load_entry(sub_table, 0, 2, j))
+        n_tiles = _register(_load_entry(sub_table, 0, 3, j))
+        tail_bounds = []
+        for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
+            p_begin, p_end = _bounds(sub_table, 0, 4 + 2 * k, j)
+            target = res
+            if widths[k] < ts:
+                target = tails[len(tail_bounds)]
+                tail_bounds.append((p_begin, p_end))
+            _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, ps, widths[k], f0, first)
+        _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0,
+                      w[0].shape[2])
+
+    nl.fori_loop(begin, end, sub)
+
+
+def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, mats, grads):
+    """This core's expert segments, backward. Per segment position (one expert) and F chunk: load the chunk of
+    W_down, W_gate, W_up once, then run the position's sub-segments (one unless the expert has more tiles than fit
+    SBUF)."""
+    x_pad = hbm["x"]
+    io, D, F = x_pad.dtype, x_pad.shape[1], mats[0].shape[2]
+    widths = _piece_classes(hbm["index"], seg_table, 3)
+    fc, nt = _fit_backward(D, F, io, widths)
+    ws = _bwd_workspace(widths[0], D, fc, io, hbm["slots"].dtype, fc < F)
+    res = _resident(tile_slots(widths[0]), nt, D, fc, io)
+    res["tile"] = True
+    tails = []
+    for w in _tail_widths(widths):
+        tail = _resident(w, 1, D, fc, io)
+        tail["tile"] = False
+        tails.append(tail)
+    ps = _psum_pool(io)
+    ps_dw = []
+    for _ in range(DW_BANKS):
+        ps_dw.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_dw"))
+
+    def segment(s):
+        e = _load_entry(seg_table, pid * S, 0, s)
+        sub_begin, sub_end = _bounds(seg_table, pid * S, 1, s)
+        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices and tiles do not fit SBUF
+            f0, fl = c * fc, _width(F, fc, c)
+            w = _load_weights(mats, (False, True, True), e, f0, fl, D)  # W_down[:, chunk], W_gate/up[chunk, :]
+            _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0,
+                          c == 0)
+            w = None
+
+    nl.fori_loop(0, _count(seg_count), segment)
 
 
 def _zero_rows(t, zeros, pid, lnc):
@@ -621,31 +960,46 @@ def _zero_rows(t, zeros, pid, lnc):
         nisa.dma_copy(dst=t[r0:r0 + rl, 0:C], src=zeros[0:rl, 0:C])
 
 
-def _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc):
-    """Zero this core's share of the gradient outputs; padding blocks and experts without tokens keep the zeros,
-    the segment owners overwrite (d_slot) or accumulate into (dW) the rest after the barrier."""
-    width = max(d_slot.shape[1], dw_gate.shape[2], dw_down.shape[2])
-    zeros = nl.ndarray((P, width), dtype=F32, buffer=nl.sbuf)
+def _zero_experts(grads, zero_rows, zero_count, pid):
+    """Zero dW[e] of every gradient for the rows e this core lists in `zero_rows` (its empty experts and its dummy
+    row; the same trip count on every core, padded with the dummy)."""
+    width = 1
+    for dw in grads:
+        width = max(width, dw.shape[2])
+    zeros = nl.ndarray((P, width), dtype=grads[0].dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
-    _zero_rows(d_slot, zeros, pid, lnc)
-    _zero_fill(dw_gate, zeros, pid, lnc)
-    _zero_fill(dw_up, zeros, pid, lnc)
-    _zero_fill(dw_down, zeros, pid, lnc)
+
+    def expert(e):
+        for dw in grads:
+            R, C = dw.shape[1], dw.shape[2]
+            for r0 in range(0, R, P):
+                rl = min(P, R - r0)
+                nisa.dma_copy(dst=dw.ap(pattern=[[C, rl], [1, C]], offset=r0 * C, scalar_offset=e, indirect_dim=0),
+                              src=zeros[0:rl, 0:C])
+
+    _listed(zero_rows, zero_count, pid, expert)
 
 
 @nki.jit
-def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
-                      w_gate, w_up, w_down, w_gate_t, w_up_t):
-    """Blockwise expert MLP backward (recomputes the forward activations per block); launch as `[lnc]`.
+def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows,
+                      zero_count, slot_of_assignment, g_saved, u_saved, w_down, w_gate, w_up):
+    """Blockwise expert MLP backward (from the forward's saved gT, uT: no recompute); launch as `[lnc]`.
 
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
         token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
-        w_gate, w_up: [E, F, D]; w_down: [E, D, F] (torchtitan layouts); w_gate_t, w_up_t: [E, D, F].
+        sub_table: [R, 4 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the core's dummy
+            E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment, else the
+            dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its resident
+            tile count (the same on both cores), then per piece class the [begin, end) rows of `piece`.
+        zero_rows: [lnc * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
+        zero_count: [1, 1] int32, rows zero-filled per core (the same on every core).
+        g_saved, u_saved: [F, NG * G] from `moe_blockwise_fwd`.
+        w_down: [E, D, F]; w_gate, w_up: [E, F, D] (torchtitan layouts, io dtype).
 
     Returns:
-        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E, F, D], dw_up [E, F, D],
-        dw_down [E, D, F] (fp32).
+        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E + lnc, F, D], dw_up [E + lnc, F, D],
+        dw_down [E + lnc, D, F] (io dtype; rows E.. are the cores' dummies: the host drops them).
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
@@ -654,23 +1008,25 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
     io = x_pad.dtype
-    chunked = _f_chunk(D, w_gate.shape[1], io.itemsize, 5) < w_gate.shape[1]
-    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="dx_slots")
+    E, F = w_gate.shape[0], w_gate.shape[1]
+    L = (seg_table.shape[1] - 3) // 2
+    fc = _fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
+    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if fc < F else io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
-    dw_gate = nl.ndarray(w_gate.shape, dtype=F32, buffer=nl.shared_hbm)
-    dw_up = nl.ndarray(w_up.shape, dtype=F32, buffer=nl.shared_hbm)
-    dw_down = nl.ndarray(w_down.shape, dtype=F32, buffer=nl.shared_hbm)
-    _zero_outputs(d_slot, dw_gate, dw_up, dw_down, pid, lnc)
+    dw_gate = nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm)
+    dw_up = nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm)
+    dw_down = nl.ndarray((E + lnc, D, F), dtype=io, buffer=nl.shared_hbm)
+    grads = (dw_gate, dw_up, dw_down)
+    zeros = nl.ndarray((P, G), dtype=F32, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    _zero_rows(d_slot, zeros, pid, lnc)  # padding slots keep the zeros, the segment owners overwrite the rest
+    zeros = None
+    _zero_experts(grads, zero_rows, zero_count, pid)
     if lnc > 1:
         nisa.core_barrier(data=d_slot, cores=(0, 1))
-        nisa.core_barrier(data=dw_gate, cores=(0, 1))
-        nisa.core_barrier(data=dw_up, cores=(0, 1))
-        nisa.core_barrier(data=dw_down, cores=(0, 1))
     hbm = {"x": x_pad, "dout": dout_pad, "index": token_index, "weight": slot_weight, "slots": dx_slots,
-          "d_slot": d_slot, "grads": (dw_gate, dw_up, dw_down)}
-    _expert_segments(pid, S, hbm, piece, seg_table, seg_count,
-                     (w_gate_t, w_up_t, w_down, w_gate, w_up),  # W_gate^T, W_up^T, natural W_down: [:, chunk];
-                     (False, False, False, True, True), True)  # natural W_gate, W_up: [chunk, :]
+           "d_slot": d_slot, "g_saved": g_saved, "u_saved": u_saved}
+    _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, (w_down, w_gate, w_up), grads)
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)

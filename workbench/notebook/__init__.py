@@ -24,7 +24,7 @@ _EXPORTS = {
     "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
     "param_counts": "reports", "profile_report": "reports", "performance_table": "reports",
     "plot_breakdown": "reports", "comparison_summary": "reports", "largest_differences": "reports",
-    "parity_facts": "reports", "bench_table": "reports", "wrapped": "reports",
+    "parity_facts": "reports", "bench_table": "reports", "wrapped": "reports", "trn2_model_table": "reports",
     # dashboard
     "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
     "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard", "transient_progress": "dashboard",

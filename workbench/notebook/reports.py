@@ -373,14 +373,15 @@ def parity_facts(cmp, logits_tol: float = 1e-4) -> dict[str, Any]:
 
 
 BENCH_SHOWN = ["backend", "status", "tokens_per_s", "step_time_median_s", "step_time_p90_s", "mfu",
-               "peak_memory_gib", "first_step_s", "time_to_first_step_s", "final_loss", "speed_vs_native", "error"]
+               "peak_memory_gib", "first_step_s", "time_to_first_step_s", "final_loss", "speed_vs_native",
+               "trn2_moe_layer_model_ms", "error"]
 
 
 # Short headers with units, so the table fits a 1600 px window (bench.csv keeps the full names and precision).
 BENCH_HEADERS = {"tokens_per_s": "tok/s", "step_time_median_s": "step median (s)", "step_time_p90_s": "step p90 (s)",
                  "mfu": "MFU (%)", "peak_memory_gib": "peak mem (GiB)", "first_step_s": "1st step (s)",
                  "time_to_first_step_s": "to 1st step (s)", "final_loss": "final loss",
-                 "speed_vs_native": "× native"}
+                 "speed_vs_native": "× native", "trn2_moe_layer_model_ms": "trn2 MoE layer, model (ms)"}
 
 
 def significant(x: Any, digits: int = 4) -> Any:
@@ -400,6 +401,31 @@ def bench_table(df: pd.DataFrame) -> pd.DataFrame:
         if pd.api.types.is_float_dtype(shown[col]):
             shown[col] = shown[col].map(significant)
     return shown.rename(columns=BENCH_HEADERS)
+
+
+def trn2_model_table(job: JobConfig, metrics: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The modeled trn2 time of one rank's MoE layer at the job's shapes (`workbench.kernels.moe_cost.trn2_moe_layer`:
+    the NKI kernels' emulator counters through the time model) beside the step time measured here (`metrics`, a
+    `metrics_frame`), each row labelled measured or model. Empty for a dense flavor."""
+    from workbench.kernels.moe_cost import trn2_moe_layer
+
+    model = trn2_moe_layer(job)
+    rows = []
+    if metrics is not None and len(metrics):
+        rows.append(("step time, median (s)", significant(float(metrics["step_time_s"].median())),
+                     "measured on this machine, whole training step"))
+    if model is not None:
+        shapes = (f"{model['tokens']} tokens/rank, {model['experts']} experts, top-{model['top_k']}, "
+                  f"D {model['hidden']}, F {model['ffn']}, block {model['block_size']}; bf16, LNC 2")
+        rows += [
+            ("trn2 MoE layer fwd+bwd, engines overlapped (ms)", model["model_ms_overlap"], "model: " + shapes),
+            ("trn2 MoE layer fwd+bwd, no overlap (ms)", model["model_ms_serial"], "model"),
+            ("trn2 MoE layer roofline (ms)", model["roofline_ms"], "model: max(PE floor, HBM floor)"),
+            ("model / roofline", model["roofline_ratio"], "model"),
+            ("busiest engine", model["bound"], "model"),
+            ("MoE layers in the model", model["moe_layers"], "config"),
+        ]
+    return pd.DataFrame(rows, columns=["quantity", "value", "source"]).set_index("quantity")
 
 
 def wrapped(df: pd.DataFrame, *columns: str):

@@ -65,7 +65,9 @@ class Counters:
     gathered_rows: source tensor name -> rows read by indirect row gathers (`vector_offset` DMAs);
     padding_rows: source name -> those of them that were entirely zero. "Padding slots computed" is
     padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
-    (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan).
+    (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan);
+    work: (core, engine, op, work descriptor) -> instructions executed; the descriptor (timing.Matmul, Transpose,
+    Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time.
     """
 
     static: dict = field(default_factory=dict)
@@ -82,6 +84,7 @@ class Counters:
     psum_peak: int = 0
     gathered_rows: dict = field(default_factory=dict)
     padding_rows: dict = field(default_factory=dict)
+    work: dict = field(default_factory=dict)
 
     @property
     def static_total(self) -> int:
@@ -214,10 +217,11 @@ class Launch:
         self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
 
     # instructions ----------------------------------------------------------------------------------------------
-    def emit(self, engine: str, op: str, run, site: str) -> None:
-        """Trace one instruction; run it now, or record it into the compiled loop being traced."""
+    def emit(self, engine: str, op: str, run, site: str, work=None) -> None:
+        """Trace one instruction; run it now, or record it into the compiled loop being traced. `work`: its
+        static work descriptor for the time model (nki_emulator.timing), counted per core when it executes."""
         _bump(self.static[self.core], engine)
-        node = (engine, op, run, site)
+        node = (engine, op, run, site, work)
         stack = self.trace[self.core]
         if stack:
             _detach_closure(run)
@@ -226,11 +230,12 @@ class Launch:
             self.execute(node)
 
     def execute(self, node) -> None:
-        engine, op, run, site = node
+        engine, op, run, site, work = node
         if engine == "control":
             run()  # a loop: counts as one instruction per iteration's branch, below
             return
         _bump(self.stats.executed, engine)
+        _bump(self.stats.work, (self.core, engine, op, work))
         self.current = f"core {self.core}: {op} at {site}"
         run()
 
@@ -338,7 +343,8 @@ def _detach_item(v):
     if hasattr(v, "detached"):
         return v.detached()
     if isinstance(v, tuple):
-        return tuple(_detach_item(x) for x in v)
+        items = tuple(_detach_item(x) for x in v)
+        return type(v)(*items) if hasattr(v, "_fields") else items  # keeps work descriptors (NamedTuples)
     return v
 
 
@@ -374,10 +380,11 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
-def emit(engine: str, op: str, run) -> None:
-    """Issue an instruction of `engine` (run immediately, or record into the dynamic loop being traced)."""
+def emit(engine: str, op: str, run, work=None) -> None:
+    """Issue an instruction of `engine` (run immediately, or record into the dynamic loop being traced); `work`:
+    its work descriptor for the time model (nki_emulator.timing)."""
     launch = require(f"nisa.{op}", URL_PROGRAM_ID)
-    launch.emit(engine, op, run, call_site())
+    launch.emit(engine, op, run, call_site(), work)
 
 
 # -- running the cores -------------------------------------------------------------------------------------------------
@@ -407,7 +414,8 @@ def run_launch(lnc: int, body):
 
 def _merge(into: Counters, add: Counters) -> None:
     for d_into, d_add in ((into.static, add.static), (into.executed, add.executed), (into.loop_trips, add.loop_trips),
-                          (into.gathered_rows, add.gathered_rows), (into.padding_rows, add.padding_rows)):
+                          (into.gathered_rows, add.gathered_rows), (into.padding_rows, add.padding_rows),
+                          (into.work, add.work)):
         for k, v in d_add.items():
             _bump(d_into, k, v)
     for site, trips in add.loop_trips_per_core.items():

@@ -36,6 +36,7 @@ from ._core import (
 from ._runtime import VirtualRegister, core_barrier, current  # noqa: F401 - core_barrier is nisa.*
 from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
 from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
+from .timing import dma_work, elementwise_work, matmul_work, transpose_work
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
 URL_MATMUL = f"{API}/nki.isa.nc_matmul.html"
@@ -62,10 +63,11 @@ def get_nc_version() -> nc_version:
     return nc_version.gen3
 
 
-def emit(engine_name: str, op: str, run) -> None:
-    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (_runtime.emit)."""
+def emit(engine_name: str, op: str, run, work=None) -> None:
+    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (_runtime.emit) with
+    its work descriptor for the time model (`timing.py`; None: not modelled, counted as such)."""
     note_uses(run)
-    _runtime.emit(engine_name, op, run)
+    _runtime.emit(engine_name, op, run, work)
 
 
 # -- shared checks ---------------------------------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         dst.write(result, by_matmul=True)
         current().stats.pe_flops += 2 * k_s * m * n
 
-    emit("tensor", op, run)
+    emit("tensor", op, run, matmul_work(stationary, moving))
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -231,7 +233,8 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
             stats.pe_flops += 2 * p * p * f
             stats.pe_transpose_flops += 2 * p * p * f
 
-    emit("tensor" if on_pe else "vector", op, run)
+    emit("tensor" if on_pe else "vector", op, run,
+         transpose_work(data) if on_pe else elementwise_work(dst, data))
 
 
 # -- DMA ---------------------------------------------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def dma_copy(dst, src, dst_rmw_op=None, oob_mode=None, dge_mode=None, engine=Non
         if getattr(src, "vector_offset", None) is not None:
             _count_gather(src, value, keep)
 
-    emit("dma", op, run)
+    emit("dma", op, run, dma_work(dst, src))
 
 
 def _dma_elements(op: str, url: str, **sides) -> None:
@@ -357,7 +360,7 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
         stats.dma_bytes += nbytes
         stats.dma_sizes.append((nbytes, nbytes // side.shape[0], _name(srcs[-1]), _name(dst)))
 
-    emit("dma", op, run)
+    emit("dma", op, run, dma_work(dst, *srcs))
 
 
 # -- Vector / Scalar / GpSimd engines ----------------------------------------------------------------------------------
@@ -373,7 +376,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         value = value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else value.float()
         dst.write(value, init=init)
 
-    emit(_engine(engine, "vector"), op, run)
+    emit(_engine(engine, "vector"), op, run, elementwise_work(dst, src))
 
 
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
@@ -387,7 +390,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
                         url)
     _same_layout(name_, url, dst=dst, data1=data1, data2=data2)
     emit(_engine(engine, "vector"), name_,
-         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))))
+         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))),
+         elementwise_work(dst, data1, data2))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -414,7 +418,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             result = fn(value, result) if reverse else fn(result, value)
         dst.write(result)
 
-    emit(_engine(engine, "vector"), name_, run)
+    emit(_engine(engine, "vector"), name_, run, elementwise_work(dst, data))
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,  # noqa: F811
@@ -441,7 +445,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
             x = x + _operand(bias, data)
         dst.write(op.fn(x))
 
-    emit("scalar", name_, run)
+    emit("scalar", name_, run, elementwise_work(dst, data))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -449,7 +453,8 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _on_chip(dst, "dst", "memset", URL_MEMSET)
     if not isinstance(value, (int, float)):
         raise TypeError(f"memset value must be a compile-time constant number, got {value!r}")
-    emit(_engine(engine, "vector"), "memset", lambda: dst.write(torch.full(dst.shape, float(value))))
+    emit(_engine(engine, "vector"), "memset", lambda: dst.write(torch.full(dst.shape, float(value))),
+         elementwise_work(dst))
 
 
 # -- registers (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.register_alloc.html)
@@ -528,7 +533,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         b = _float(operand1).reshape(dst.shape)
         dst.write(fn1(b, x) if reverse1 else fn1(x, b))
 
-    emit(_engine(engine, "vector"), op, run)
+    emit(_engine(engine, "vector"), op, run, elementwise_work(dst, data, operand1))
 
 
 def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engine.unknown, name=None):
@@ -544,7 +549,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engin
         value = src.read().reshape(dst.shape)
         dst.write(torch.where(take, value.to(dst.dtype), dst.read() if bool(take.logical_not().any()) else value))
 
-    emit(_engine(engine, "vector"), op, run)
+    emit(_engine(engine, "vector"), op, run, elementwise_work(dst, src, predicate))
 
 
 def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
@@ -577,7 +582,7 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
                 out[p], out_init[p] = value[32 * (p // 32) + mask[p % 32]], init[32 * (p // 32) + mask[p % 32]]
         dst.write(out, init=out_init)
 
-    emit("vector", op, run)
+    emit("vector", op, run, elementwise_work(dst, src))
 
 
 _REDUCE = {"add": lambda x, dims: x.sum(dims), "maximum": lambda x, dims: x.amax(dims),
@@ -611,7 +616,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, engine=engi
         result = _REDUCE[op.name](_float(data), axes)
         dst.write(-result if negate else result)
 
-    emit(_engine(engine, "vector"), name_, run)
+    emit(_engine(engine, "vector"), name_, run, elementwise_work(data, data))  # streams every input element
 
 
 def reciprocal(dst, data, engine=engine.unknown, name=None):
@@ -620,7 +625,8 @@ def reciprocal(dst, data, engine=engine.unknown, name=None):
     _on_chip(data, "data", op, url)
     _on_chip(dst, "dst", op, url)
     _same_layout(op, url, dst=dst, data=data)
-    emit(_engine(engine, "vector"), op, lambda: dst.write(torch.reciprocal(_float(data)).reshape(dst.shape)))
+    emit(_engine(engine, "vector"), op, lambda: dst.write(torch.reciprocal(_float(data)).reshape(dst.shape)),
+         elementwise_work(dst, data))
 
 
 URL_DMA_TRANSPOSE = f"{DOCS}/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html"
@@ -658,7 +664,7 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):
                   init=init.reshape(src.shape).permute(axes).contiguous())
         _count_dma(dst, src)
 
-    emit("dma", op, run)
+    emit("dma", op, run, dma_work(dst, src))
 
 
 URL_SCAN = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_tensor_scan.html"
@@ -681,7 +687,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
         value = _affine(dst.shape[0], pattern, offset, channel_multiplier)
         dst.write(value.to(torch.float64) if dst.dtype in dtypes.FLOAT else value)
 
-    emit("gpsimd", op, run)
+    emit("gpsimd", op, run, elementwise_work(dst))
 
 
 def _affine(partitions: int, pattern, offset, channel_multiplier) -> torch.Tensor:
@@ -719,7 +725,7 @@ def affine_select(dst, pattern, on_true_tile, on_false_value, offset=0, channel_
         value = _float(on_true_tile).reshape(dst.shape[0], -1)
         dst.write(torch.where(keep, value, torch.tensor(float(on_false_value))))
 
-    emit("gpsimd", op, run)
+    emit("gpsimd", op, run, elementwise_work(dst, on_true_tile))
 
 
 def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
@@ -750,7 +756,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
             out[row], init[row] = line.to(out.dtype), True
         dst.write(out, init=init)
 
-    emit("gpsimd", op, run)
+    emit("gpsimd", op, run, elementwise_work(src, src))
 URL_MAX8 = f"{DOCS}/v2.33.0/nki/api/generated/nki.isa.max8.html"
 URL_FIND8 = f"{DOCS}/v2.32.0/nki/api/generated/nki.isa.nc_find_index8.html"
 
@@ -778,7 +784,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
             prev = out[:, i] = fn1(b[:, i], x) if reverse1 else fn1(x, b[:, i])
         dst.write(out)
 
-    emit("vector", op, run)
+    emit("vector", op, run, elementwise_work(dst, data0, data1))
 
 
 def _eight_per_partition(op: str, url: str, src, dst) -> None:
@@ -795,7 +801,8 @@ def max8(dst, src, name=None):
     _on_chip(src, "src", op, url)
     _on_chip(dst, "dst", op, url)
     _eight_per_partition(op, url, src, dst)
-    emit("vector", op, lambda: dst.write(_float(src).reshape(src.shape[0], -1).topk(8, dim=1).values))
+    emit("vector", op, lambda: dst.write(_float(src).reshape(src.shape[0], -1).topk(8, dim=1).values),
+         elementwise_work(src, src))
 
 
 def nc_find_index8(dst, data, vals, name=None):
@@ -817,7 +824,7 @@ def nc_find_index8(dst, data, vals, name=None):
         first = hit.int().argmax(dim=2).to(torch.int64)
         dst.write(torch.where(hit.any(dim=2), first, torch.iinfo(dst.dtype).max))
 
-    emit("vector", op, run)
+    emit("vector", op, run, elementwise_work(data, data))
 
 
 URL_SENDRECV = f"{DOCS}/v2.29.1/nki/api/generated/nki.isa.sendrecv.html"
@@ -848,7 +855,7 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=0, dma_engine=None,
     mail[core].append(_read_moved(src)[:2])
     launch.wait_barrier(core)  # both cores arrive before either proceeds
     value, init = mail[1 - core][len(mail[core]) - 1]
-    emit("dma", op, lambda: dst.write(value, init=init))
+    emit("dma", op, lambda: dst.write(value, init=init), dma_work(dst, src))
 
 
 def _unemulated(name: str):

@@ -108,7 +108,8 @@ multiply = _Op("multiply", torch.mul)
 maximum = _Op("maximum", torch.maximum)
 ARITHMETIC = (add, subtract, multiply, maximum)
 
-# Activation functions for nisa.activation.
+# Activation functions for nisa.activation ("Supported Activation Functions for NKI ISA", evaluated exactly here:
+# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/api/nki.api.shared.html).
 sigmoid = _Op("sigmoid", torch.sigmoid)
 ACTIVATIONS = (sigmoid,)
 

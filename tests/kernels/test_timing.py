@@ -1,0 +1,149 @@
+"""The trn2 time model over the emulator's counters (nki_emulator.timing) and the MoE layer's roofline (moe_cost).
+
+Each instruction's modeled cost is checked against the cited rate written out by hand; the model's bounds, per-core
+split and refusals on kernels whose counters are known exactly.
+"""
+
+import numpy as np
+import pytest
+
+from workbench.kernels import nki_emulator as nki
+from workbench.kernels.nki_emulator import counters, timing
+from workbench.kernels.nki_emulator.timing import TRN2, Dma, Elementwise, Matmul, Transpose, instruction_seconds, model
+
+nl, nisa = nki.language, nki.isa
+
+
+def test_tensor_engine_cost_is_moving_columns_at_2_4_ghz():
+    # a full [128 x 128] x [128 x 512] bf16 matmul: 512 cycles, i.e. 2*128*128*512 FLOPs at 78.6 TFLOPS
+    full = instruction_seconds("tensor", "nc_matmul", Matmul(128, 128, 512, False))
+    assert full == pytest.approx(512 / 2.4e9)
+    assert 2 * 128 * 128 * 512 / full == pytest.approx(78.64e12, rel=1e-3)
+    # under-filled arrays cost the same columns; short moving tiles the 64-cycle initiation interval; fp32 4x
+    assert instruction_seconds("tensor", "nc_matmul", Matmul(32, 16, 512, False)) == full
+    assert instruction_seconds("tensor", "nc_matmul", Matmul(128, 128, 32, False)) == pytest.approx(64 / 2.4e9)
+    assert instruction_seconds("tensor", "nc_matmul", Matmul(128, 128, 512, True)) == pytest.approx(4 * full)
+    # a PE transpose of [p, f] streams the [p, p] identity: p columns (fp32: x2, the v3 transpose mode)
+    assert instruction_seconds("tensor", "nc_transpose", Transpose(128, 96, False)) == pytest.approx(128 / 2.4e9)
+    assert instruction_seconds("tensor", "nc_transpose", Transpose(128, 96, True)) == pytest.approx(256 / 2.4e9)
+
+
+def test_vector_scalar_and_dma_costs():
+    fp32_tt = Elementwise(inputs=2, partitions=128, free=256, bf16=False, psum=0, contiguous=True, sbuf_inputs=2)
+    assert instruction_seconds("vector", "tensor_tensor", fp32_tt) == pytest.approx((2 * 256 + 60) / 0.96e9)
+    bf16_tt = fp32_tt._replace(bf16=True)  # both inputs bf16 in SBUF: 2x
+    assert instruction_seconds("vector", "tensor_tensor", bf16_tt) == pytest.approx((256 + 60) / 0.96e9)
+    copy = Elementwise(1, 128, 512, True, 0, True, 1)  # bf16 SBUF -> SBUF contiguous: 4x
+    assert instruction_seconds("vector", "tensor_copy", copy) == pytest.approx((128 + 60) / 0.96e9)
+    assert instruction_seconds("vector", "tensor_copy", copy._replace(psum=1)) == pytest.approx((256 + 60) / 0.96e9)
+    assert instruction_seconds("scalar", "activation", copy) == pytest.approx((512 + 60) / 1.2e9)  # no perf modes
+    # 128 partitions use all 16 DMA engines: a fixed cost on each plus the bytes at 16 x 27.2 GB/s
+    dma = Dma(nbytes=128 * 4096, hbm_bytes=128 * 4096, partitions=128)
+    assert instruction_seconds("dma", "dma_copy", dma) == pytest.approx((16 * 0.21e-6 + 128 * 4096 / 27.2e9) / 16)
+    assert instruction_seconds("dma", "dma_copy", dma._replace(partitions=1)) == pytest.approx(
+        (0.21e-6 + 128 * 4096 / 27.2e9) / 16)
+
+
+def test_instruction_without_a_descriptor_is_refused():
+    with pytest.raises(TypeError, match="no time model for nc_matmul on tensor"):
+        instruction_seconds("tensor", "nc_matmul", (128, 128, 512))
+
+
+def test_every_rate_names_its_source():
+    for name in ("tensor_hz", "matmul_min_cycles", "vector_hz", "scalar_hz", "gpsimd_hz", "hbm_bytes_per_s_chip",
+                 "dma_engines", "dma_engine_bytes_per_s", "dma_fixed_s", "access_overhead_cycles", "pe_bf16_flops"):
+        url, what = timing.SOURCES[name]
+        assert url.startswith("https://awsdocs-neuron.readthedocs-hosted.com/") and what
+    assumptions = [k for k, (_, what) in timing.SOURCES.items() if "assumption" in what]
+    assert {"matmul_min_cycles", "gpsimd_hz", "access_overhead_cycles", "cores_per_chip", "dma_fixed_s"} <= set(
+        assumptions)
+
+
+def _kernel(lnc_work):
+    """Core c: lnc_work[c] matmuls [128x128]x[128x512] bf16 and one [128, 1024] bf16 HBM -> SBUF load."""
+
+    @nki.jit
+    def kernel(a, w):
+        pid = nl.program_id(0)
+        st = nl.ndarray((128, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+        mv = nl.ndarray((128, 1024), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st, src=w)
+        nisa.dma_copy(dst=mv, src=a)
+        acc = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        for _ in range(lnc_work[pid]):
+            nisa.nc_matmul(dst=acc, stationary=st, moving=mv[0:128, 0:512], accumulate=False)
+        res = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=res, src=acc)
+        out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.shared_hbm)
+        if pid == 0:
+            nisa.dma_copy(dst=out, src=res)
+        return out
+
+    return kernel
+
+
+def test_model_over_a_kernel_per_core_bounds(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with counters() as c:
+        _kernel((3, 1))[2](torch.ones(128, 1024, dtype=torch.bfloat16), torch.ones(128, 128, dtype=torch.bfloat16))
+    t = model(c)
+    assert len(t.per_core) == 2
+    mm = 512 / 2.4e9
+    assert t.per_core[0]["tensor"] == pytest.approx(3 * mm) and t.per_core[1]["tensor"] == pytest.approx(mm)
+    evict = (512 + 60) / 0.96e9  # PSUM fp32 -> SBUF fp32: one input, no performance mode
+    assert t.per_core[0]["vector"] == pytest.approx(evict) == t.per_core[1]["vector"]
+    # HBM bytes per core: 256 KiB + 32 KiB loaded by each, 256 KiB stored by core 0
+    loads = 128 * 1024 * 2 + 128 * 128 * 2
+    assert t.hbm_bytes == 2 * loads + 128 * 512 * 4
+    assert t.hbm_s[0] == pytest.approx((loads + 128 * 512 * 4) / (2.9e12 / 8))
+    assert t.per_core[0]["dma"] == max(t.hbm_s[0], t.dma_queue_s[0])
+    assert t.engines["tensor"] == pytest.approx(3 * mm)  # the busiest core
+    assert t.overlap_s == max(t.engines.values())
+    assert t.serial_s == pytest.approx(max(sum(core.values()) for core in t.per_core))
+    assert t.serial_s > t.overlap_s and t.bound in ("tensor", "dma", "dma-queues")
+    assert t.unmodeled == {}
+
+
+def _noop():
+    pass
+
+
+def test_instructions_without_work_are_counted_unmodeled(monkeypatch):
+    from workbench.kernels.nki_emulator import _runtime
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+
+    def custom_op():  # an instruction added to the emulator without a work descriptor
+        _runtime.emit("gpsimd", "custom_op", _noop)
+
+    @nki.jit
+    def kernel(x):
+        custom_op()
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    with counters() as c:
+        kernel(np.ones((4, 8), np.float32))
+    t = model(c)
+    assert t.unmodeled == {("gpsimd", "custom_op"): 1} and t.per_core[0]["gpsimd"] == 0.0
+
+
+def test_moe_roofline_at_qwen3_30b_a3b():
+    from workbench.kernels.moe_cost import roofline
+
+    r = roofline(tokens=4096, top_k=8, experts=128, hidden=2048, ffn=768, lnc=2, io_bytes=2)
+    assert r.pe_flops == 9 * 2 * 4096 * 8 * 2048 * 768  # 927.7 GFLOP
+    assert r.pe_s == pytest.approx(927.7e9 / 158e12, rel=1e-3)  # 5.87 ms at 2 x 79 TFLOPS
+    weights = 128 * 2048 * 768 * 3  # elements of the three matrices
+    # bf16 weights read forward and backward, fp32 dW written once, 5 token rows of 2048 bf16
+    assert r.hbm_bytes == 2 * 2 * weights + 4 * weights + 5 * 4096 * 2048 * 2  # ~4.92 GB: the issue's ~5 GB
+    assert r.hbm_s == pytest.approx(r.hbm_bytes / 0.725e12) and r.hbm_s * 1e3 == pytest.approx(6.78, abs=0.01)
+    assert r.seconds == r.hbm_s and r.bound == "hbm"
+    assert TRN2.hbm_bytes_per_s * 2 == pytest.approx(0.725e12)
+    io = roofline(tokens=4096, top_k=8, experts=128, hidden=2048, ffn=768, lnc=2, io_bytes=2, grad_bytes=2)
+    assert io.hbm_bytes == r.hbm_bytes - 2 * weights and io.seconds == io.pe_s and io.bound == "pe"
