@@ -185,6 +185,8 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "") -> Tensor:
     storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
+    if not buffer.on_chip:
+        launch.hbm.append(storage)
     claim = None
     if buffer.on_chip:
         claim = launch.budgets[launch.core].claim(storage, math.prod(shape[1:]) * itemsize)
