@@ -19,8 +19,8 @@ def test_article_config_loads_with_its_field_names():
     assert cfg.parallelism.dp_shard == 64  # job.model_parallel_size
     assert cfg.checkpoint.enable is True  # job.enable_checkpoint
     assert cfg.checkpoint.folder == "checkpoint"  # job.checkpoint_folder
-    assert cfg.training.local_batch_size == 4  # training.batch_size
-    assert cfg.training.gradient_accumulation_steps == 2
+    assert cfg.training.local_batch_size == 2  # training.batch_size (article: 4; see the file's header)
+    assert cfg.training.gradient_accumulation_steps == 8
     assert cfg.model.flavor == "30B-A3B" and cfg.model.norm_type == "RMSNorm"
 
 

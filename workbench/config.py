@@ -56,6 +56,9 @@ class Job:
     """The TOML this config was read from (set by --job.config_file)."""
     memory_check: bool = True
     """cuda/neuron: plan per-rank memory before launch (`python -m workbench.plan`) and exit 2 if it will not fit."""
+    memory_measure: Literal["auto", "always", "never"] = "auto"
+    """After steps 1 and 2, each rank's measured peak vs the memory plan (<run>/memory_check.json + a progress line).
+    auto: on cuda/neuron when memory_check plans the launch; always: also on CPU (plans first); never."""
 
 
 @dataclass

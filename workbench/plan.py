@@ -1,7 +1,7 @@
 """Per-rank memory plan of one training step, traced from the real model without the hardware.
 
     python -m workbench.plan --job.config_file configs/X.toml [--nproc N] [--nnodes M]
-                             [--device trn2|h100|h200|cpu] [--json] [--section.key value ...]
+                             [--device trn2|h100|h200|cpu] [--reserve-gib G] [--json] [--section.key value ...]
 
 What is traced is what `train.py` builds: the backend's real model (its torchtitan `ModelSpec`, built on the meta
 device), wrapped by the backend's real `parallelize_fn` (FSDP2 / activation checkpointing / TP as configured), the
@@ -17,16 +17,26 @@ counted twice. Each category is validated against real runs by `benchmarks/plan_
 
 Categories (bytes per rank at the step's peak): sharded parameters, gradients, optimizer state, all-gathered
 parameters (FSDP's unsharded copies + all-gather buffers), activations (what the AC mode keeps for backward),
-logits and loss (every tensor whose last dim is the local vocabulary: logits, their fp32 copies, softmax and
-gradients), other temporaries (backward temporaries, reduce-scatter buffers, nki_moe's block buffers, inputs).
+attention scores (tensors ending in [seq, seq]: only SDPA's math path makes them), logits and loss (every tensor
+whose last dim is the local vocabulary: logits, their fp32 copies, softmax and gradients), nki kernel buffers
+(on trn2, everything the nki_moe experts allocate per call: the kernels' own HBM tensors and the autograd glue's
+copies), other temporaries (backward temporaries, reduce-scatter buffers, inputs), and device runtime (HBM the
+device's runtime holds outside the tensors: `TRN2_RUNTIME`, `CUDA_RUNTIME`).
 
-The target device only changes the dtypes (`training.dtype = auto`: bf16 compute on cuda/neuron, fp32 on CPU)
-and the capacity; the trace itself runs on this host's CPU.
+The target device changes more than the dtypes (`training.dtype = auto`: bf16 compute on cuda/neuron, fp32 on
+CPU) and the capacity; the trace itself runs on this host's CPU, so what would run differently there is put in:
+* trn2 (neuron): the nki_moe experts run the NKI kernels (`kernels.autograd.BlockwiseMoEFunction` with kernels
+  that allocate exactly the HBM tensors `kernels.buffers.hbm_allocations` lists; tests/test_plan.py checks that
+  list against the real kernels in the emulator) instead of the torch reference that runs on CPU/CUDA;
+* attention: where no fused SDPA kernel is known to exist on the device (`FUSED_SDPA`; neuron), SDPA is traced on
+  its math path, whose S x S scores then show in "attention scores". The plan records the SDPA kernel it traced.
+* the device runtime's reserve (`Device.runtime`, each figure with its source; `--reserve-gib` overrides).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -40,20 +50,65 @@ import time
 from pathlib import Path
 
 from workbench.config import ConfigError, JobConfig, load_config, validate
+from workbench.device import LNC_ENV
 
 GiB = 1024**3
+MiB = 1024**2
+DEVICE_MEMORY_DOC = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/neuron-runtime/explore/"
+                     "device-memory.html")
+NO_DOCUMENTED_SIZE = "no size on the page (Neuron device memory deep dive, v2.33.0)"
 
-DEVICES: dict[str, tuple[str, float]] = {
-    # name: (device kind it trains on, bytes per rank; None = host RAM / ranks)
-    "trn2": ("neuron", 24 * GiB),  # trn2.48xlarge at LNC=2: 96 GiB per chip / 4 logical cores
-    "h100": ("cuda", 80e9),
-    "h200": ("cuda", 141e9),
-    "cpu": ("cpu", 0.0),
+TRN2_RUNTIME = (  # (what, bytes per rank, source): HBM the Neuron runtime holds outside the traced tensors
+    ("microcode", 2 * 96 * MiB, f"{DEVICE_MEMORY_DOC}, Overview, model code: 'a micro-code overhead of 96MB per "
+     "physical Neuron Core'; an LNC=2 rank is 2 physical cores"),
+    ("NEFF code and constants", 740 * MiB, "assumption: the same page's OOM example shows 932 MB of model code "
+     "on one HBM (24 GiB: one LNC=2 rank's), the 2 x 96 MB microcode included; the rest depends on the graphs"),
+    ("shared scratchpad", 512 * MiB, "assumption: one page. The page (Scratchpad): the runtime allocates the "
+     "shared scratchpad in pages of NEURON_SCRATCHPAD_PAGE_SIZE, 512 MB by default; how many pages a model "
+     "needs is known only after compiling"),
+    ("DMA rings", 64 * MiB, f"assumption, {NO_DOCUMENTED_SIZE}: IO, spill, collectives and runtime rings; its "
+     "OOM example shows < 1 MB per NEFF"),
+    ("collectives", 256 * MiB, f"assumption, {NO_DOCUMENTED_SIZE}: 'memory overhead used to orchestrate "
+     "collective communication'"),
+)
+"""A device profile adds 'around 2 GB' of profile buffers (same page, Profile Buffers): plan it with --reserve-gib."""
+CUDA_RUNTIME = (
+    ("CUDA context, library workspaces, NCCL buffers", 1 * GiB, "assumption: outside the caching allocator that "
+     "torch.cuda.max_memory_allocated reports; no documented size (driver, cuBLAS/cuDNN and NCCL versions)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A --device choice: the device kind whose rules apply, the memory of one rank (0: host RAM / ranks), the
+    runtime's share of it (what, bytes, source) and the logical core count the NKI kernels launch with there."""
+
+    kind: str
+    capacity: float
+    runtime: tuple[tuple[str, int, str], ...] = ()
+    lnc: int = 1
+
+
+DEVICES: dict[str, Device] = {
+    "trn2": Device("neuron", 24 * GiB, TRN2_RUNTIME, lnc=2),  # trn2.48xlarge at LNC=2: 96 GiB per chip / 4
+    "h100": Device("cuda", 80e9, CUDA_RUNTIME),
+    "h200": Device("cuda", 141e9, CUDA_RUNTIME),
+    "cpu": Device("cpu", 0.0),
 }
-"""--device choices: the device kind whose dtype rules apply, and the memory of one rank."""
+
+FUSED_SDPA: dict[str, str | None] = {
+    # device kind -> the fused SDPA kernel known to exist there (its memory is what the CPU trace's fused kernel
+    # takes: no S x S scores), or None: SDPA is traced on its math path.
+    "cpu": "aten._scaled_dot_product_flash_attention_for_cpu",
+    "cuda": "flash / cuDNN attention (traced as the CPU flash kernel: O(S) memory, no S x S scores)",
+    "neuron": None,
+}
+NO_FUSED_SDPA = ("no fused SDPA kernel is known on the neuron device: TorchNeuron documents none, and "
+                 "neuron.sdpa_overrideable only lets one dispatch through SDPBackend.OVERRIDEABLE "
+                 "(trn2-readiness.md section 2); planned as SDPA's math path (fp32 S x S scores)")
 
 CATEGORIES = ("sharded parameters", "gradients", "optimizer state", "all-gathered parameters", "activations",
-              "logits and loss", "other temporaries")
+              "attention scores", "logits and loss", "nki kernel buffers", "other temporaries", "device runtime")
 HEADROOM = 0.10
 """Suggestions aim for a peak with at least this fraction of the capacity left free."""
 
@@ -62,9 +117,19 @@ def capacity(device: str, ranks_per_host: int) -> float:
     """Bytes of memory one rank has on `device` (CPU: the host's RAM shared by its ranks)."""
     if device not in DEVICES:
         raise ConfigError(f"Unknown --device {device!r}; choose one of {', '.join(DEVICES)}.")
-    if device == "cpu":
+    if DEVICES[device].capacity == 0:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_per_host, 1)
-    return DEVICES[device][1]
+    return DEVICES[device].capacity
+
+
+def runtime_reserve(device: str, reserve_gib: float | None = None) -> list[dict]:
+    """The device runtime's share of a rank's memory, item by item with its source (`Device.runtime`);
+    `reserve_gib` replaces the table with one figure."""
+    if reserve_gib is not None:
+        if reserve_gib < 0:
+            raise ConfigError(f"--reserve-gib {reserve_gib}: give the device runtime's share in GiB, >= 0.")
+        return [{"what": "device runtime", "bytes": int(reserve_gib * GiB), "source": "--reserve-gib"}]
+    return [{"what": w, "bytes": b, "source": src} for w, b, src in DEVICES[device].runtime]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,18 +137,34 @@ def capacity(device: str, ranks_per_host: int) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def _tracker_class(vocab_local: int):
-    """FSDPMemTracker that files tensors with the vocabulary as last dim under 'logits and loss'."""
+_NKI_SCOPE: list[str] = []
+""""forward" / "backward" on top while the nki_moe experts' glue and kernels run in the trace: what they allocate
+is filed under "nki kernel buffers" (`_nki_kernels_planned`). Activation checkpointing recomputes a block's
+forward when the experts' backward first reads its saved tensors, i.e. inside their "backward" scope: every
+module forward started there pushes "recompute", so what the recompute allocates is not filed as theirs."""
+
+
+def _tracker_class(vocab_local: int, seq_len: int):
+    """FSDPMemTracker that files tensors by what they are: the vocabulary as last dim -> 'logits and loss',
+    [.., seq, seq] -> 'attention scores', allocated by the nki_moe kernels or glue -> 'nki kernel buffers'; and
+    that records the SDPA kernels the step dispatched (`sdpa_ops`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
     # A str enum with the tracker's own values plus ours: its snapshot dicts are keyed by value (str equality),
     # so the tracker's internal `_FSDPRefType.X` lookups and ours hit the same entries.
-    ref = enum.Enum("PlanRefType", {**{m.name: m.value for m in _FSDPRefType}, "LOGITS": "Logits"}, type=str)
+    ref = enum.Enum("PlanRefType", {**{m.name: m.value for m in _FSDPRefType}, "LOGITS": "Logits",
+                                    "SCORES": "Attention scores", "NKI": "NKI kernels"}, type=str)
 
     class Tracker(FSDPMemTracker):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._ref_class = ref
+            self.sdpa_ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+                self.sdpa_ops.add(f"aten.{func.__name__.split('.')[0]}")
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
             # A chunked loss calls the FSDP-wrapped lm_head once per chunk; the tracker refuses a module's second
@@ -99,8 +180,13 @@ def _tracker_class(vocab_local: int):
             return pre_forward
 
         def _track(self, reftype, t):
-            if reftype in (_FSDPRefType.ACT, _FSDPRefType.TEMP) and t.dim() >= 2 and t.shape[-1] == vocab_local:
-                reftype = ref.LOGITS
+            if reftype in (_FSDPRefType.ACT, _FSDPRefType.TEMP):
+                if _NKI_SCOPE and _NKI_SCOPE[-1] != "recompute":
+                    reftype = ref.NKI
+                elif t.dim() >= 2 and t.shape[-1] == vocab_local:
+                    reftype = ref.LOGITS
+                elif t.dim() >= 2 and tuple(t.shape[-2:]) == (seq_len, seq_len):
+                    reftype = ref.SCORES
             return super()._track(reftype, t)
 
     return Tracker
@@ -115,7 +201,9 @@ def _categories(snap: dict) -> dict[str, int]:
         "optimizer state": g("OptState"),
         "all-gathered parameters": g("Unsharded Param", "All Gather"),
         "activations": g("Activation"),
+        "attention scores": g("Attention scores"),
         "logits and loss": g("Logits"),
+        "nki kernel buffers": g("NKI kernels"),
         "other temporaries": g("Temp", "Unsharded Grad", "Reduce Scatter", "Inputs"),
     }
 
@@ -198,11 +286,168 @@ def parallel_dims_for(job: JobConfig, device_kind: str, world_size: int):
     return pd
 
 
+def _moe_function_node(grad_fn):
+    """The `BlockwiseMoEFunction` node behind the experts' output (a few view nodes up), or None."""
+    frontier = [grad_fn]
+    for _ in range(4):
+        frontier = [n for n in frontier if n is not None]
+        for node in frontier:
+            if type(node).__name__ == "BlockwiseMoEFunctionBackward":
+                return node
+        frontier = [nxt for node in frontier for nxt, _ in node.next_functions]
+    return None
+
+
+def _planned_kernel(kernel, calls: list):
+    """Stands in for `kernel` in the trace: allocates the HBM tensors one call of it allocates
+    (`kernels.buffers.hbm_allocations`), returns the outputs and drops the scratch when the call returns."""
+    import torch
+
+    from workbench.kernels import buffers
+
+    def run(lnc, *args):
+        allocations = buffers.hbm_allocations(kernel, lnc, args)
+        calls.append((kernel.__name__, allocations))
+        tensors = [torch.empty(a.shape, dtype=a.dtype) for a in allocations]  # in the kernel's order
+        outs = sorted((a.output, t) for t, a in zip(tensors, allocations, strict=True) if a.output is not None)
+        return tuple(t for _, t in outs) if len(outs) > 1 else outs[0][1]
+
+    return run
+
+
+def _fake_like(obj):
+    """A copy of a dataclass whose tensors are replaced by new (fake) tensors of their shapes and dtypes."""
+    import torch
+
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return dataclasses.replace(obj, **{name: torch.empty(t.shape, dtype=t.dtype) for name, t in fields.items()
+                                       if isinstance(t, torch.Tensor)})
+
+
+def _kernel_plan_by_shape(build):
+    """`KernelPlan.build` for fake tensors. Its shapes depend on (T, K, E, block size, lnc) only, but at LNC 2 it
+    indexes a tensor with a 0-d tensor (a read of a value), which fake tensors cannot answer: it runs on real
+    zero ids of the routing's shape, and fake tensors of its results' shapes are allocated in their place."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def by_shape(topk_ids_TK, num_experts: int, block_size: int, lnc: int, tiles: int | None = None):
+        with unset_fake_temporarily():
+            plan, kplan = build(torch.zeros(topk_ids_TK.shape, dtype=topk_ids_TK.dtype), num_experts, block_size, lnc,
+                                tiles)
+        return _fake_like(plan), _fake_like(kplan)
+
+    return by_shape
+
+
+@contextlib.contextmanager
+def _nki_kernels_planned(lnc: int, calls: list):
+    """The nki_moe experts as on a Neuron device: `kernels.autograd.blockwise_moe_nki` (host-side plan, the glue's
+    copies, `BlockwiseMoEFunction`) with `_planned_kernel`s in place of the kernels, and everything allocated in
+    its forward and backward filed under "nki kernel buffers". `calls` collects every kernel call's allocations.
+    The glue on the device (`autograd.neuron_moe_op`) makes the same copies plus one transient [T+1, D] pad of dx
+    in its backward (16 MiB at 30B-A3B with 4096 tokens per rank), which this does not count."""
+    import torch
+
+    from workbench.backends import nki_moe as backend
+    from workbench.kernels import autograd, nki_moe
+
+    def experts(*args, block_size):
+        _NKI_SCOPE.append("forward")
+        try:
+            out = autograd.blockwise_moe_nki(*args, block_size=block_size)
+        finally:
+            _NKI_SCOPE.pop()
+        node = _moe_function_node(out.grad_fn)
+        if node is not None:  # the backward's allocations too: from entering the node until its grads are out
+            node.register_prehook(enter)
+            node.register_hook(leave)
+        return out
+
+    def enter(grad_outputs):
+        _NKI_SCOPE.append("backward")
+
+    def leave(grad_inputs, grad_outputs):
+        _NKI_SCOPE.pop()
+
+    def module_enters(module, args):
+        if _NKI_SCOPE:
+            _NKI_SCOPE.append("recompute")
+
+    def module_leaves(module, args, output):
+        if _NKI_SCOPE and _NKI_SCOPE[-1] == "recompute":
+            _NKI_SCOPE.pop()
+
+    saved = backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.__dict__["build"]
+    saved_lnc = os.environ.get(LNC_ENV)
+    os.environ[LNC_ENV] = str(lnc)  # the kernels launch on the compiler's LNC (workbench.device.logical_nc_config)
+    backend.blockwise_moe_auto = experts
+    autograd.HOST_KERNELS = autograd.Kernels(_planned_kernel(nki_moe.moe_blockwise_fwd, calls),
+                                             _planned_kernel(nki_moe.moe_blockwise_bwd, calls))
+    autograd.KernelPlan.build = _kernel_plan_by_shape(autograd.KernelPlan.build)
+    hooks = (torch.nn.modules.module.register_module_forward_pre_hook(module_enters),
+             torch.nn.modules.module.register_module_forward_hook(module_leaves))
+    try:
+        yield
+    finally:
+        backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.build = saved
+        if saved_lnc is None:
+            os.environ.pop(LNC_ENV, None)
+        else:
+            os.environ[LNC_ENV] = saved_lnc
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def _math_sdpa():
+    """SDPA on its math path for every backend: torchtitan's attention keeps its own backend list (set before the
+    model is built), transformers' follows the sdpa_kernel context."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    saved = ScaledDotProductAttention.sdpa_backends
+    ScaledDotProductAttention.sdpa_backends = [SDPBackend.MATH]
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        ScaledDotProductAttention.sdpa_backends = saved
+
+
+@contextlib.contextmanager
+def _as_on(device: str, job: JobConfig, calls: list):
+    """What runs on `device` but not in a CPU trace: SDPA without a fused kernel, the NKI kernels of nki_moe."""
+    kind = DEVICES[device].kind
+    with contextlib.ExitStack() as stack:
+        if FUSED_SDPA[kind] is None:
+            stack.enter_context(_math_sdpa())
+        if kind == "neuron" and job.model.backend == "nki_moe":
+            stack.enter_context(_nki_kernels_planned(DEVICES[device].lnc, calls))
+        yield
+
+
+def _kernel_calls(calls: list) -> dict:
+    """{kernel: {"calls", "hbm_bytes_per_call", "allocations": [[name, shape, dtype, output], ...]}} (the
+    allocations of the largest call; output: the kernel's output position, None for scratch)."""
+    out: dict = {}
+    for name, allocations in calls:
+        nbytes = sum(a.nbytes for a in allocations)
+        entry = out.setdefault(name, {"calls": 0, "hbm_bytes_per_call": -1})
+        entry["calls"] += 1
+        if nbytes > entry["hbm_bytes_per_call"]:
+            entry["hbm_bytes_per_call"] = nbytes
+            entry["allocations"] = [[a.name, list(a.shape), str(a.dtype).removeprefix("torch."), a.output]
+                                    for a in allocations]
+    return out
+
+
 def trace(job: JobConfig, device: str, world_size: int) -> dict:
     """Per-rank peak memory of one steady-state training step of `job` on `world_size` ranks (fake tensors).
 
     Returns:
-        {"peak_bytes", "categories": {name: bytes}, "trace_seconds", "checkpoint_bytes"}.
+        {"peak_bytes", "categories": {name: bytes}, "trace_seconds", "checkpoint_bytes", "sdpa": {"kernel",
+        "note"}, "nki_kernels": `_kernel_calls`}. The device runtime is not in it (see `plan`).
     """
     import torch
     import torch.distributed as dist
@@ -211,22 +456,23 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
 
     from workbench import device as wb_device
 
-    device_kind = DEVICES[device][0]
+    device_kind = DEVICES[device].kind
     wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
     t0 = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    calls: list = []
     try:
         pd = parallel_dims_for(job, device_kind, world_size)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _as_on(device, job, calls):
             b = build(job, device_kind, world_size, pd)
             warm_optimizer(b, job.training.gradient_accumulation_steps)
             ckpt = checkpoint_bytes(b)
             t = job.training
             tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
-            tracker = _tracker_class(b.vocab_local)(b.model, b.optimizers.optimizers[0]
-                                                    if hasattr(b.optimizers, "optimizers") else b.optimizers)
+            tracker = _tracker_class(b.vocab_local, t.seq_len)(
+                b.model, b.optimizers.optimizers[0] if hasattr(b.optimizers, "optimizers") else b.optimizers)
             tracker.track_inputs((tokens,))
             with tracker:
                 training_step(b, tokens, tokens.clone())
@@ -236,22 +482,32 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
     finally:
         dist.destroy_process_group()
     cats = _categories(snap)
+    fused = FUSED_SDPA[device_kind]
+    sdpa = {"kernel": ", ".join(sorted(tracker.sdpa_ops)) or "math (decomposed: fp32 S x S scores)",
+            "note": f"the device's fused kernel: {fused}" if fused else NO_FUSED_SDPA}
     return {"peak_bytes": sum(cats.values()), "categories": cats, "trace_seconds": time.perf_counter() - t0,
-            "checkpoint_bytes": ckpt}
+            "checkpoint_bytes": ckpt, "sdpa": sdpa, "nki_kernels": _kernel_calls(calls)}
 
 
-def trace_in_subprocess(job: JobConfig, device: str, world_size: int) -> dict:
-    """`trace` in a fresh interpreter: torch's meshes and fake process groups are process-global, and a trace
-    after another one of a different layout (TP after FSDP-only, another world size) can trip over them."""
+def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bool = False,
+                       reserve_gib: float | None = None) -> dict:
+    """`plan` in a fresh interpreter: torch's meshes and fake process groups are process-global, and a trace
+    after another one of a different layout (TP after FSDP-only, another world size) can trip over them; a
+    training process also keeps its own process group.
+
+    Raises:
+        RuntimeError: the planner failed (its stderr's tail).
+    """
     import subprocess
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(job.to_toml())
+    cmd = [sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc", str(world_size),
+           "--device", device, "--json", *([] if suggest else ["--no-suggest"]),
+           *([] if reserve_gib is None else ["--reserve-gib", str(reserve_gib)])]
     try:
-        proc = subprocess.run([sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc",
-                               str(world_size), "--device", device, "--json", "--no-suggest"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         os.unlink(f.name)
     if proc.returncode not in (0, 1):
@@ -339,26 +595,32 @@ def candidates(job: JobConfig, world_size: int, categories: dict[str, int], cap:
 
 
 def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, suggest: bool = True,
-         max_replans: int = 3) -> dict:
-    """The memory plan of `job` on `nproc` x `nnodes` ranks of `device` (see module doc); JSON-serialisable."""
+         max_replans: int = 3, reserve_gib: float | None = None) -> dict:
+    """The memory plan of `job` on `nproc` x `nnodes` ranks of `device` (see module doc); JSON-serialisable.
+
+    The peak is the traced step's plus the device runtime's share (`runtime_reserve`; `reserve_gib` replaces it).
+    """
     world_size = nproc * nnodes
     cap = capacity(device, nproc)
+    runtime = runtime_reserve(device, reserve_gib)
     validate(job, world_size)
     traced = trace(job, device, world_size)
     print(f"workbench.plan: traced in {traced['trace_seconds']:.0f} s", file=sys.stderr, flush=True)
-    peak = traced["peak_bytes"]
+    categories = {**traced["categories"], "device runtime": sum(r["bytes"] for r in runtime)}
+    peak = sum(categories.values())
     result = {
         "config": job.job.config_file, "backend": job.model.backend, "flavor": job.model.flavor,
         "device": device, "world_size": world_size, "fits": peak <= cap, "peak_bytes": peak,
-        "capacity_bytes": int(cap), "headroom": 1 - peak / cap, "categories": traced["categories"],
+        "capacity_bytes": int(cap), "headroom": 1 - peak / cap, "categories": categories,
+        "device_runtime": runtime, "sdpa": traced["sdpa"], "nki_kernels": traced["nki_kernels"],
         "suggestions": [], "checkpoint_bytes": traced["checkpoint_bytes"], "trace_seconds": traced["trace_seconds"],
     }
     result.update(_disk(job, traced["checkpoint_bytes"]))
     if suggest and peak > (1 - HEADROOM) * cap:
-        for flag, change, world in candidates(job, world_size, traced["categories"], cap):
+        for flag, change, world in candidates(job, world_size, categories, cap):
             if len(result["suggestions"]) >= max_replans:
                 break
-            p = trace_in_subprocess(_with(job, world, **change), device, world)["peak_bytes"]
+            p = plan_in_subprocess(_with(job, world, **change), device, world, reserve_gib=reserve_gib)["peak_bytes"]
             print(f"workbench.plan: re-planned {flag}: {p / GiB:.2f} GiB", file=sys.stderr, flush=True)
             result["suggestions"].append({"change": flag, "world_size": world, "peak_bytes": p, "fits": p <= cap,
                                           "headroom": 1 - p / cap})
@@ -388,7 +650,7 @@ def _disk(job: JobConfig, ckpt: int) -> dict:
 
 
 def render(p: dict) -> str:
-    """The plan as a table with the verdict, suggestions and checkpoint line."""
+    """The plan as a table with the verdict, what the device adds, suggestions and the checkpoint line."""
     gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
     lines = [f"memory plan: {p['flavor']} {p['backend']} on {p['world_size']} rank(s) of {p['device']} "
              f"({p['config'] or 'defaults'})", f"  {'category':<26}{'per rank':>12}"]
@@ -396,6 +658,13 @@ def render(p: dict) -> str:
     lines.append(f"  {'peak':<26}{gib(p['peak_bytes'])}   of {gib(p['capacity_bytes']).strip()} per rank")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}, headroom {100 * p['headroom']:.1f}%")
+    lines.append(f"  attention: {p['sdpa']['kernel']}; {p['sdpa']['note']}")
+    for name, k in p["nki_kernels"].items():
+        lines.append(f"  NKI kernel {name}: {k['calls']} call(s) in the step, {k['hbm_bytes_per_call'] / GiB:.2f} GiB "
+                     "of HBM tensors per call (kernels.buffers)")
+    if p["device_runtime"]:
+        items = ", ".join(f"{r['what']} {r['bytes'] / GiB:.2f}" for r in p["device_runtime"])
+        lines.append(f"  device runtime: {items} GiB (sources: --json device_runtime; override: --reserve-gib)")
     for s in p["suggestions"]:
         mark = "fits" if s["fits"] else "still over"
         lines.append(f"  re-planned {s['change']}: peak {s['peak_bytes'] / GiB:.2f} GiB ({mark}, "
@@ -414,8 +683,9 @@ def render(p: dict) -> str:
 
 
 SHORT = {"sharded parameters": "params", "gradients": "grads", "optimizer state": "optimizer",
-         "all-gathered parameters": "all-gathered", "activations": "activations", "logits and loss": "logits+loss",
-         "other temporaries": "other"}
+         "all-gathered parameters": "all-gathered", "activations": "activations", "attention scores": "attention",
+         "logits and loss": "logits+loss", "nki kernel buffers": "nki kernels", "other temporaries": "other",
+         "device runtime": "runtime"}
 
 
 def quote(p: dict, backend: str) -> str:
@@ -429,9 +699,9 @@ def quoted_plans(config: str | os.PathLike) -> dict[str, dict]:
     """{backend: {"peak_bytes", "categories"}} from the `# PLAN ...` lines of a config's comment."""
     import re
 
+    short = {v: k for k, v in SHORT.items()}
     out = {}
     for m in re.finditer(r"# PLAN (\w+): peak ([\d.]+) GiB[^:]*: (.*) GiB", Path(config).read_text()):
-        short = {v: k for k, v in SHORT.items()}
         cats = {short[name]: int(float(v) * GiB) for name, v in (c.rsplit(" ", 1) for c in m.group(3).split(", "))}
         out[m.group(1)] = {"peak_bytes": int(float(m.group(2)) * GiB), "categories": cats}
     return out
@@ -458,19 +728,36 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Preflight (train.py) and CLI
+# Preflight (train.py), the first-launch check (trainer.py) and CLI
 # ------------------------------------------------------------------------------------------------
 
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
 
 
-def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
-    """Plans `job` before launch on cuda/neuron (cached by a hash of the resolved config and world size).
+def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict:
+    """The plan of a launch of `job` on `world_size` ranks of `device_kind` (with suggestions), from a subprocess,
+    cached by a hash of the resolved config, world size and device. On cuda the capacity is an H100's, on neuron
+    a trn2 rank's.
 
-    The plan runs in a subprocess (it needs a fake process group and pins torchtitan to the CPU). On cuda the
-    capacity is taken as an H100's; on neuron a trn2 rank's. On CPU only a model whose parameters alone take over
-    1/8 of the host RAM per rank is planned (the tiny CPU runs are not slowed by a plan), and a plan over the
-    host's RAM only warns.
+    Raises:
+        RuntimeError: the planner failed.
+    """
+    device = DEVICE_OF_KIND.get(device_kind, "cpu")
+    key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
+    cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    p = plan_in_subprocess(job, device, world_size, suggest=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(p))
+    return p
+
+
+def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
+    """Plans `job` before launch on cuda/neuron (`launch_plan`).
+
+    On CPU only a model whose parameters alone take over 1/8 of the host RAM per rank is planned (the tiny CPU
+    runs are not slowed by a plan), and a plan over the host's RAM only warns.
 
     Raises:
         ConfigError: the plan does not fit, with the table and the suggested changes (exit code 2).
@@ -479,36 +766,185 @@ def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path
 
     if not job.job.memory_check:
         return None
-    device = DEVICE_OF_KIND.get(device_kind, "cpu")
-    if device == "cpu":
-        if 4 * flavors.count_params(job.shape)["total"] < capacity("cpu", world_size) / 8:
-            return None
-    key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
-    cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
-    if cache.is_file():
-        p = json.loads(cache.read_text())
-    else:
-        import subprocess
-        import tempfile
-
-        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-            f.write(job.to_toml())
-        cmd = [sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc", str(world_size),
-               "--device", device, "--json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        os.unlink(f.name)
-        if proc.returncode not in (0, 1):
-            print(f"workbench: memory plan failed, launching anyway:\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return None
-        p = json.loads(proc.stdout)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(p))
+    if device_kind == "cpu" and 4 * flavors.count_params(job.shape)["total"] < capacity("cpu", world_size) / 8:
+        return None
+    try:
+        p = launch_plan(job, world_size, device_kind, cache_dir)
+    except RuntimeError as e:
+        print(f"workbench: {e}\nworkbench: launching anyway", file=sys.stderr)
+        return None
     if not p["fits"]:
-        if device == "cpu":
+        if device_kind == "cpu":
             print("workbench: warning, the memory plan exceeds this host's RAM:\n" + render(p), file=sys.stderr)
         else:
             raise ConfigError("the memory plan does not fit (skip with --job.memory_check false):\n" + render(p))
     return p
+
+
+CHECK_STEPS = 2
+"""The first-launch check measures this launch's first steps: step 1 (AdamW creates its state in it) and step 2
+(steady state, what the plan traces)."""
+
+
+ALLOCATOR_API = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated")
+"""What `AllocatorPeak` calls on torch.cuda / torch.neuron (the check is skipped, saying so, where one is missing)."""
+
+
+class AllocatorPeak:
+    """Peak bytes of the tensors this rank holds during a window, from the device's own allocator.
+
+    cuda / neuron: the caching allocator's peak (`torch.cuda` / `torch.neuron`: `max_memory_allocated` after
+    `synchronize()`, peak reset at the window's start). The Neuron allocator is asynchronous: its memory-profiling
+    guide says to synchronize before reading any statistic
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/memory-profiling-guide.html).
+    cpu: there are no allocator statistics, so the c10 CPU allocator's own allocation events (torch.profiler with
+    profile_memory: the bytes of every allocation and free while it records) are summed in order on top of the
+    tensors alive at the start (parameters, buffers, gradients, optimizer state).
+    """
+
+    def __init__(self, kind: str, model_parts, optimizers):
+        import torch
+
+        self.kind, self.model_parts, self.optimizers = kind, model_parts, optimizers
+        self.module = None if kind == "cpu" else getattr(torch, kind, None)  # torch.neuron: once torch_neuronx imports
+        self.profiler = None
+        self.base = 0
+
+    @property
+    def source(self) -> str:
+        if self.module is None:
+            return "c10 CPU allocator events (torch.profiler profile_memory) + live parameters/optimizer state"
+        return f"torch.{self.kind}.max_memory_allocated() after torch.{self.kind}.synchronize()"
+
+    def start(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+            self.module.reset_peak_memory_stats()
+            return
+        import torch
+
+        self.base = self._live_bytes()
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+
+    def stop(self) -> int:
+        """The window's peak (bytes)."""
+        if self.module is not None:
+            self.module.synchronize()
+            return int(self.module.max_memory_allocated())
+        self.profiler.__exit__(None, None, None)
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        level = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            level += e.nbytes()
+            peak = max(peak, level)
+        self.profiler = None
+        return self.base + peak
+
+    def _live_bytes(self) -> int:
+        """Bytes of the distinct storages behind the parameters, buffers, gradients and optimizer state."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        tensors = [t for m in self.model_parts for t in (*m.parameters(), *m.buffers())]
+        tensors += [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
+        for opt in getattr(self.optimizers, "optimizers", [self.optimizers]):  # torchtitan's container holds several
+            tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        storages = {}
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return sum(storages.values())
+
+
+def measures_on_launch(job: JobConfig, device_kind: str) -> bool:
+    """Whether a launch compares the plan with the measured peaks (`job.memory_measure`)."""
+    measure = job.job.memory_measure
+    return measure == "always" or (measure == "auto" and device_kind != "cpu" and job.job.memory_check)
+
+
+def check_on_launch(trainer) -> None:
+    """The first-launch check: after steps 1 and 2 of this launch, every rank's peak (`AllocatorPeak`) against the
+    plan, in `<run>/memory_check.json` and a progress line (`job.memory_measure`; `WorkbenchTrainer` calls this
+    before its first step).
+
+    A step's window opens at the model's forward (after torchtitan's zero_grad and the data) and closes after the
+    optimizer step (before the metrics log, which resets the peak statistics). The plan's tensors (its peak less
+    the device runtime, which no allocator sees) are compared with the largest rank's peak. Rank 0 plans
+    (`launch_plan`: the preflight's cached plan on cuda/neuron).
+    """
+    import torch
+    import torch.distributed as dist
+
+    job, kind = trainer.job, trainer.device.type
+    if not measures_on_launch(job, kind):
+        return
+    from workbench.trainer import say
+
+    if kind == "cpu" and job.profiling.enable:
+        say("memory check: skipped on CPU while [profiling] is on (one torch.profiler at a time)")
+        return
+    meter = AllocatorPeak(kind, trainer.model_parts, trainer.optimizers)
+    if kind != "cpu" and not all(hasattr(meter.module, f) for f in ALLOCATOR_API):
+        say(f"memory check: skipped, torch.{kind} lacks one of {', '.join(ALLOCATOR_API)}")
+        return
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    planned = None
+    if rank == 0:
+        try:
+            planned = launch_plan(job, world, kind)
+        except RuntimeError as e:
+            print(f"workbench: memory check without a plan: {e}", file=sys.stderr)
+    steps = list(range(trainer.step, min(trainer.step + CHECK_STEPS, job.training.steps + 1)))
+    report = {"device": kind, "world_size": world, "source": meter.source, "steps": []}
+    if planned is not None:
+        runtime = planned["categories"].get("device runtime", 0)
+        report["plan"] = {"peak_bytes": planned["peak_bytes"], "tensor_bytes": planned["peak_bytes"] - runtime,
+                          "device_runtime_bytes": runtime, "capacity_bytes": planned["capacity_bytes"],
+                          "device": planned["device"], "sdpa": planned.get("sdpa", {}).get("kernel")}
+    open_window = [False]
+
+    def before_forward(*_):
+        if steps and not open_window[0] and trainer.step == steps[0]:
+            meter.start()
+            open_window[0] = True
+
+    def after_optimizer_step(*_):
+        if not open_window[0]:
+            return
+        open_window[0] = False
+        step = steps.pop(0)
+        # MiB as fp32: a dtype every backend's all_gather takes (a byte count needs int64 or fp64)
+        mine = torch.tensor([meter.stop() / MiB], dtype=torch.float32, device=trainer.device)
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        if rank == 0:
+            _report_step(report, step, [int(float(t) * MiB) for t in every], Path(trainer.config.dump_folder))
+
+    trainer.model_parts[0].register_forward_pre_hook(before_forward, prepend=True)  # before FSDP's all-gather
+    trainer.optimizers.register_step_post_hook(after_optimizer_step)
+
+
+def _report_step(report: dict, step: int, measured: list[int], run_dir: Path) -> None:
+    """Rank 0: add one step's per-rank peaks to the report, rewrite memory_check.json, print the line."""
+    from workbench.trainer import say
+
+    top = max(range(len(measured)), key=measured.__getitem__)
+    entry = {"step": step, "measured_bytes": measured, "max_bytes": measured[top], "max_rank": top}
+    line = f"memory step {step}: measured peak {measured[top] / GiB:.2f} GiB (rank {top} of {len(measured)})"
+    if "plan" in report:
+        plan_ = report["plan"]
+        entry["measured_over_plan"] = measured[top] / plan_["tensor_bytes"]
+        line += (f", plan {plan_['tensor_bytes'] / GiB:.2f} GiB of tensors ({plan_['device']}): measured/plan "
+                 f"{entry['measured_over_plan']:.3f}; the plan's peak with the device runtime "
+                 f"{plan_['peak_bytes'] / GiB:.2f} of {plan_['capacity_bytes'] / GiB:.0f} GiB")
+    report["steps"].append(entry)
+    (run_dir / "memory_check.json").write_text(json.dumps(report, indent=1))
+    say(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,6 +953,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="ranks per node (torchrun --nproc_per_node)")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--device", default="trn2", help=f"one of {', '.join(DEVICES)}")
+    ap.add_argument("--reserve-gib", type=float, default=None,
+                    help="the device runtime's share of a rank in GiB (default: the device's table, see --json)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--no-suggest", action="store_true", help="do not re-plan when it does not fit")
     args, rest = ap.parse_known_args(argv)
@@ -526,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc <= 0 or args.nnodes <= 0:
             raise ConfigError("--nproc and --nnodes must be positive.")
         job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
-        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest)
+        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib)
     except ConfigError as e:
         print(f"workbench: config error: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data, neuron_adjustments, profiling
+from workbench import data, neuron_adjustments, plan, profiling
 from workbench.checkpoint import WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
 from workbench.dist_utils import StopRequest, broadcast
@@ -263,6 +263,7 @@ class WorkbenchTrainer(Trainer):
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
+        plan.check_on_launch(self)  # measured peak per rank vs the memory plan after steps 1 and 2 (memory_measure)
         self._start_step = self.step - 1  # the loop increments step before calling train_step; 0 = fresh run
         # torchtitan starts the first step's clock when it builds the metrics processor; restart it so step 1
         # measures the step (with warm-up/compile), not init and checkpoint loading.

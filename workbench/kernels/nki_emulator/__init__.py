@@ -8,7 +8,8 @@ to make a kernel pass. Coverage, rules and known differences from `nki.simulate`
 
 from . import isa, language, version
 from ._core import NkiRuleError, jit, simulate
-from ._runtime import Counters, counters
+from ._runtime import Counters, HbmAllocation, counters
 from .dtypes import dtype
 
-__all__ = ["Counters", "NkiRuleError", "counters", "dtype", "isa", "jit", "language", "simulate", "version"]
+__all__ = ["Counters", "HbmAllocation", "NkiRuleError", "counters", "dtype", "isa", "jit", "language", "simulate",
+           "version"]

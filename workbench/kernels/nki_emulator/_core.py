@@ -218,6 +218,8 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tens
     storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
+    if not buffer.on_chip:
+        launch.hbm.append(storage)
     if buffer.on_chip:
         launch.budgets[launch.core].allocate(storage, math.prod(shape[1:]) * itemsize, address)
     return Tensor(storage, storage.data, storage.init, storage.mm, root=True)

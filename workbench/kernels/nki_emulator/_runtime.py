@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import math
 import sys
 import threading
 import warnings
@@ -49,6 +50,22 @@ def _violation(rule, detail, url):
 
 
 # -- counters ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HbmAllocation:
+    """One HBM tensor a kernel call allocated (`nl.ndarray` in nl.hbm / nl.shared_hbm). output: its position among
+    the kernel's outputs (it outlives the call), or None: scratch, freed when the call ends."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    buffer: str
+    output: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
 @dataclass
 class Counters:
     """What the kernels launched inside `with counters() as c:` did (all launches summed).
@@ -63,6 +80,8 @@ class Counters:
     are a loop whose trip counts diverged between the cores: the `lnc-divergent-control` rule stops such a launch);
     sbuf_peak / psum_peak: the most on-chip bytes per partition live at once on any core (max over launches);
     gathered_rows: source tensor name -> rows read by indirect row gathers (`vector_offset` DMAs);
+    hbm_allocations: every HBM tensor the launches allocated, in order (`HbmAllocation`; a shared_hbm tensor once,
+    an nl.hbm one per core that allocates it);
     padding_rows: source name -> those of them that were entirely zero. "Padding slots computed" is
     padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
     (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan);
@@ -85,6 +104,7 @@ class Counters:
     gathered_rows: dict = field(default_factory=dict)
     padding_rows: dict = field(default_factory=dict)
     work: dict = field(default_factory=dict)
+    hbm_allocations: list = field(default_factory=list)
 
     @property
     def static_total(self) -> int:
@@ -204,6 +224,7 @@ class Launch:
         self.core = 0
         self.budgets = [_Budget() for _ in range(lnc)]
         self.shared: list = []  # the n-th nl.shared_hbm allocation, shared by all cores
+        self.hbm: list = []  # every HBM storage the kernel allocated (Counters.hbm_allocations)
         self.shared_next = [0] * lnc
         self.trace: list[list] = [[] for _ in range(lnc)]  # stack of compiled-loop bodies being traced, per core
         self.control: list[list] = [[] for _ in range(lnc)]  # per core, (loop, site, trips) of each loop run
@@ -405,6 +426,10 @@ def run_launch(lnc: int, body):
         launch.stats.launches = 1
         launch.stats.sbuf_peak = max(b.peak["sbuf"] for b in launch.budgets)
         launch.stats.psum_peak = max(b.peak["psum"] for b in launch.budgets)
+        outs = results[0] if isinstance(results[0], tuple) else (results[0],)
+        position = {id(getattr(o, "_storage", None)): i for i, o in enumerate(outs)}
+        launch.stats.hbm_allocations = [HbmAllocation(s.name, tuple(s.data.shape), s.data.dtype, s.buffer.name,
+                                                      position.get(id(s))) for s in launch.hbm]
         for c in _active_counters:
             _merge(c, launch.stats)
         return results
@@ -426,6 +451,7 @@ def _merge(into: Counters, add: Counters) -> None:
     into.dma_count += add.dma_count
     into.dma_bytes += add.dma_bytes
     into.dma_sizes.extend(add.dma_sizes)
+    into.hbm_allocations.extend(add.hbm_allocations)
     into.pe_flops += add.pe_flops
     into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
