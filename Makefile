@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine (Python 3.12, pip; no GPU/Trainium needed):
 #   make demo   creates .venv, installs, trains the tiny Qwen3 on the bundled corpus (2 CPU ranks), prints a summary
 #   make test   creates .venv if needed, installs, lints (ruff, configured in pyproject.toml), runs the whole test suite
+#               on PYTEST_WORKERS pytest-xdist workers (default 2: launches and kernels are single-threaded)
+#   make test-quick   lint + the tests that start no torchrun, no notebook kernel, no long emulator run (inner loop)
 #   make lint   ruff only
 # On a trn2 instance use `make setup-neuron` instead (installs into the active Neuron venv, never touches its torch).
 #
@@ -13,8 +15,11 @@ TORCH  ?= torch==2.14.0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
+PYTEST_WORKERS ?= 2
+# --dist loadfile: one file's tests on one worker (nbval runs a notebook's cells in order in one kernel).
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: setup setup-neuron demo test lint clean
+.PHONY: setup setup-neuron demo test test-quick lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found (install python3.12, or pass PYTHON=/path/to/python3.12)"; exit 2; }
@@ -42,7 +47,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+test-quick: setup lint
+	$(PYTEST) tests -m "not slow and not browser"
 
 clean:
 	rm -rf outputs runs .pytest_cache

@@ -7,6 +7,7 @@ ambiguous.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,35 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# One CPU code path for every test process and everything it launches (the repository's conftest.py applies it
+# before anything imports torch; children inherit it), so stored numbers hold on every x86-64 machine.
+# fp32 CPU results depend on the path the libraries pick for the CPU: ATen's vector kernels
+# (ATEN_CPU_CAPABILITY default / avx2 / avx512), MKL's GEMM branch (MKL_CBWR), oneDNN's ISA (ONEDNN_MAX_CPU_ISA)
+# and the intra-op thread count (reduction order). The 2-rank MoE golden curves amplify a last-bit difference
+# through the router's top-k: forcing another path on one AVX-512 machine moved them by up to ~1e-3 by step 8
+# (`python tests/test_golden_losses.py spread`). The pin is the baseline every x86-64 CPU has: ATen's default
+# kernels, MKL's conditional-numerical-reproducibility branch COMPATIBLE (the same results on Intel and AMD
+# CPUs, per MKL's CNR documentation), oneDNN capped at SSE4.1, one intra-op thread. It overrides the caller's
+# environment on purpose (`ATEN_CPU_CAPABILITY=avx2 make test` passes too). Not pinned, because it cannot be
+# from here: the C library's math functions (glibc's expf/logf: one implementation on every x86-64 CPU with FMA).
+PINNED_CPU_PATH = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                   "OMP_NUM_THREADS": "1"}
+PINNED_ACTIVE = {"aten": "DEFAULT", "mkl_cbwr": "COMPATIBLE", "threads": 1}  # what active_cpu_path() then reads
+_MKL_CBWR_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE"}  # mkl_service.h (a refused branch reads as AUTO)
+
+
+def active_cpu_path() -> dict:
+    """The code path this process runs: ATen's CPU capability, MKL's CNR branch, intra-op threads."""
+    import ctypes
+
+    import torch
+
+    torch.ones(2, 2) @ torch.ones(2, 2)  # MKL reads MKL_CBWR when it first runs
+    mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))  # MKL linked in
+    branch = mkl.mkl_serv_cbwr_get(1)  # MKL_CBWR_BRANCH
+    return {"aten": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": _MKL_CBWR_BRANCHES.get(branch, branch),
+            "threads": torch.get_num_threads()}
+
 
 def train_cmd(config: str, *args: str, nproc: int = 1, extra_torchrun: tuple[str, ...] = ()) -> list[str]:
     """The article's launch line (torchrun ... train.py --job.config_file ...) for this interpreter."""
@@ -25,12 +55,13 @@ def train_cmd(config: str, *args: str, nproc: int = 1, extra_torchrun: tuple[str
 
 
 def run_train(config: str, *args: str, nproc: int = 1, timeout: int = 600, check: bool = True,
-              extra_torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Runs a training job to completion; on failure the assertion shows its output."""
+              extra_torchrun: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs a training job to completion (in `env`, default this process's); on failure the assertion shows its
+    output."""
     if "--master_port" not in " ".join(extra_torchrun) and "--rdzv" not in " ".join(extra_torchrun):
         extra_torchrun = (*extra_torchrun, f"--master_port={free_port()}")
     proc = subprocess.run(train_cmd(config, *args, nproc=nproc, extra_torchrun=extra_torchrun), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if check:
         assert proc.returncode == 0, (f"training failed (rc={proc.returncode}):\n{proc.stdout[-6000:]}\n"
                                       f"{proc.stderr[-6000:]}")
@@ -80,12 +111,31 @@ def free_port() -> int:
 _SESSION_RUNS: dict[tuple, tuple[Path, str]] = {}
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """A folder of this pytest session that every xdist worker sees (the workers' base folders share a parent,
+    unique to the session); without xdist, the session's own base folder."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tuple[Path, str]:
-    """Runs a training job once per test session; returns (run folder, rank-0 stdout), shared by several tests."""
+    """Runs a training job once per test session, whichever xdist worker asks first; returns (run folder, rank-0
+    stdout), shared by several tests. A worker that asks while another is launching it waits for that launch."""
+    import hashlib
+
+    from filelock import FileLock
+
     key = (config, args, nproc)
     if key not in _SESSION_RUNS:
-        out = tmp_path_factory.mktemp("shared_run")
-        proc = run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc)
-        (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-        _SESSION_RUNS[key] = (run_dir, proc.stdout)
+        slot = session_dir(tmp_path_factory) / "shared_runs" / hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+        slot.mkdir(parents=True, exist_ok=True)
+        with FileLock(slot / "lock"):
+            stdout = slot / "stdout.txt"  # written last: its presence means the launch succeeded
+            if not stdout.exists():
+                out = slot / "out"
+                shutil.rmtree(out, ignore_errors=True)  # a failed launch of another worker
+                out.mkdir()
+                stdout.write_text(run_train(config, *args, "--job.dump_folder", str(out), nproc=nproc).stdout)
+        (run_dir,) = [p for p in (slot / "out").iterdir() if p.is_dir()]
+        _SESSION_RUNS[key] = (run_dir, stdout.read_text())
     return _SESSION_RUNS[key]

@@ -2,7 +2,15 @@
 
 "The loss fell by 1.0" cannot see a change that shifts every backend equally (an init, the data order, the lr
 schedule, a torchtitan upgrade); a stored curve can. Each case below is one launch; its first `GOLDEN_STEPS`
-losses must match `tests/assets/losses/<case>.json` to `ATOL` (fp32 on CPU repeats to ~1e-6).
+losses must match `tests/assets/losses/<case>.json` to `ATOL`.
+
+The numbers hold on every x86-64 CPU because the test session pins one CPU code path (`PINNED_CPU_PATH` in
+run_helpers.py, applied by the repository's conftest.py: ATen default kernels, MKL_CBWR=COMPATIBLE, oneDNN
+SSE4.1, one thread) and every launch inherits it.
+Without the pin, the code paths one AVX-512 machine can be forced to move the curves by up to ~1e-3 (2-rank MoE,
+step 8); `python tests/test_golden_losses.py spread` measures that again. Under the pin a run repeats to the
+last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a_small_change` shows that a
+small deliberate change (lr x 1.01, one token more per document, another seed) still fails the check.
 
 The 2-rank cases (and the 1-rank native ones) use exactly the arguments of runs other tests already make, so
 `cached_run` shares them within a pytest session; only the three 1-rank huggingface_v5/nki_moe cases are extra
@@ -10,30 +18,40 @@ launches, shortened to `GOLDEN_STEPS` steps.
 
 Regenerate deliberately, only after a change that is meant to move the curves (say which in the commit):
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python tests/test_golden_losses.py            # all cases
-    PYTHONPATH=. OMP_NUM_THREADS=1 python tests/test_golden_losses.py dense-native-1rank
+    PYTHONPATH=. python tests/test_golden_losses.py regenerate                      # all cases
+    PYTHONPATH=. python tests/test_golden_losses.py regenerate dense-native-1rank
 
 then review `git diff tests/assets/losses/`. Recorded with torch 2.14.0 / torchtitan 0.3.0 / transformers 5.23.0
-on an x86-64 CPU; the 1-rank curves repeat with 1 or 2 intra-op threads (2-rank runs use 1, torchrun's default).
-A different CPU family or library version may move the last digits: regenerate there and say so.
+under the pinned path; a different library version may move the last digits: regenerate and say so.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # run as a script too (regeneration)
-from run_helpers import cached_run, losses_by_step  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script too (regenerate, spread)
+from run_helpers import (  # noqa: E402
+    PINNED_ACTIVE,
+    PINNED_CPU_PATH,
+    ROOT,
+    cached_run,
+    losses_by_step,
+    run_train,
+)
 
 pytestmark = pytest.mark.slow
 ASSETS = Path(__file__).parent / "assets" / "losses"
 GOLDEN_STEPS = 8
-ATOL = 1e-5
+ATOL = 1e-6  # a pinned run repeats bit for bit; this only covers float -> JSON -> float
 SHORT = ("--training.steps", str(GOLDEN_STEPS))
 NATIVE, HF, NKI = ("--model.backend", "native"), ("--model.backend", "huggingface_v5"), \
     ("--model.backend", "nki_moe", "--model.moe_block_size", "32")
@@ -59,36 +77,79 @@ def golden_curve(run_dir: Path) -> dict[str, float]:
     return {str(s): losses[s] for s in range(1, GOLDEN_STEPS + 1)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_loss_curve_matches_golden(name, tmp_path_factory):
+def stored(name: str) -> dict[str, float]:
+    """The case's golden losses (step -> loss), after checking the file was recorded for this launch."""
     config, args, nproc = CASES[name]
     golden_file = ASSETS / f"{name}.json"
     golden = json.loads(golden_file.read_text())
     assert golden["config"] == config and golden["args"] == list(args) and golden["nproc"] == nproc, (
         f"{golden_file} was recorded for another launch; regenerate it (see this module's docstring)")
+    return golden["losses"]
+
+
+def moved(name: str, curve: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """Steps whose loss differs from the stored curve by more than ATOL: step -> (now, golden)."""
+    return {s: (curve[s], want) for s, want in stored(name).items() if abs(curve[s] - want) > ATOL}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_curve_matches_golden(name, tmp_path_factory):
+    config, args, nproc = CASES[name]
     run_dir, _ = cached_run(tmp_path_factory, config, *args, nproc=nproc)
     got = golden_curve(run_dir)
     assert all(math.isfinite(x) for x in got.values())
-    off = {s: (got[s], want) for s, want in golden["losses"].items() if abs(got[s] - want) > ATOL}
-    assert not off, (f"{name}: losses moved from {golden_file.name} (step: (now, golden)) {off}. A deliberate "
-                     "change? Regenerate as this module's docstring says and review the diff.")
+    off = moved(name, got)
+    assert not off, (f"{name}: losses moved from tests/assets/losses/{name}.json (step: (now, golden)) {off}. "
+                     "A deliberate change? Regenerate as this module's docstring says and review the diff.")
 
 
+def _one_more_token_per_document(folder: Path) -> tuple[str, ...]:
+    """The bundled plays, each with one `<|endoftext|>` token in front: every document shifts by one token."""
+    from workbench.data import bundled_corpus_dir
+
+    src = bundled_corpus_dir()
+    for play in sorted(src.rglob("*.md")):
+        dst = folder / play.relative_to(src)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text("<|endoftext|>" + play.read_text(encoding="utf-8"), encoding="utf-8")
+    return ("--training.dataset", str(folder))
+
+
+GUARD_CASE = "dense-huggingface_v5-1rank"  # the cheapest case: 1 rank, GOLDEN_STEPS steps
+CHANGES = {
+    "lr x 1.01": lambda tmp: ("--optimizer.lr", "0.00303"),
+    "one token more per document": _one_more_token_per_document,
+    "init seed 43": lambda tmp: ("--job.seed", "43"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_golden_check_catches_a_small_change(change, tmp_path):
+    """The check is sharp enough: a small deliberate change to the guard case moves its curve past ATOL."""
+    config, args, nproc = CASES[GUARD_CASE]
+    extra = CHANGES[change](tmp_path / "data")
+    run_train(config, *args, *extra, "--job.dump_folder", str(tmp_path / "out"), nproc=nproc)
+    (run_dir,) = (tmp_path / "out").iterdir()
+    off = moved(GUARD_CASE, golden_curve(run_dir))
+    biggest = max((abs(now - want) for now, want in off.values()), default=0.0)
+    assert biggest > 100 * ATOL, f"{change}: the golden check did not fail ({off})"
+
+
+def test_the_pinned_cpu_path_reaches_child_processes():
+    """What conftest.py pins is what a launched process (a torchrun rank, a notebook kernel) runs."""
+    code = "import json, run_helpers; print(json.dumps(run_helpers.active_cpu_path()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout) == PINNED_ACTIVE
+    assert all(os.environ[k] == v for k, v in PINNED_CPU_PATH.items())
+
+
+# -- maintenance: python tests/test_golden_losses.py regenerate|spread [case ...] ------------------------------------
 def regenerate(names: list[str]) -> None:
-    """Launches each case in a temporary folder and rewrites its JSON file."""
-    import tempfile
-
-    class _Factory:  # cached_run's tmp_path_factory, outside pytest
-        def __init__(self, root: str):
-            self.root, self.n = Path(root), 0
-
-        def mktemp(self, base: str) -> Path:
-            self.n += 1
-            (p := self.root / f"{base}{self.n}").mkdir()
-            return p
-
+    """Launches each case (under the pinned path) in a temporary folder and rewrites its JSON file."""
+    os.environ.update(PINNED_CPU_PATH)
     with tempfile.TemporaryDirectory() as tmp:
-        factory = _Factory(tmp)
+        factory = SimpleNamespace(getbasetemp=lambda: Path(tmp))  # what cached_run needs of tmp_path_factory
         for name in names:
             config, args, nproc = CASES[name]
             run_dir, _ = cached_run(factory, config, *args, nproc=nproc)
@@ -97,5 +158,39 @@ def regenerate(names: list[str]) -> None:
             print(name, record["losses"])
 
 
+# The CPU code paths this machine can be forced to, unpinned (the spread the pin removes), and knobs the pin must
+# make irrelevant (applied on top of it: the curve must not move at all).
+UNPINNED = {
+    "machine's own": {},
+    "aten avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "aten default": {"ATEN_CPU_CAPABILITY": "default"},
+    "aten avx2, mkl AVX2, onednn AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+                                         "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+ON_TOP_OF_THE_PIN = {
+    "pinned": {},
+    "pinned + MKL_ENABLE_INSTRUCTIONS=SSE4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def spread(names: list[str]) -> None:
+    """Prints, per case and code path, the largest |loss - golden| over the golden steps."""
+    base = {k: v for k, v in os.environ.items() if k not in PINNED_CPU_PATH}
+    settings = [(label, {**base, **env}) for label, env in UNPINNED.items()]
+    settings += [(label, {**base, **PINNED_CPU_PATH, **env}) for label, env in ON_TOP_OF_THE_PIN.items()]
+    print("case | " + " | ".join(label for label, _ in settings), flush=True)
+    for name in names:
+        config, args, nproc = CASES[name]
+        golden, row = stored(name), []
+        for _, env in settings:
+            with tempfile.TemporaryDirectory() as tmp:
+                run_train(config, *args, "--job.dump_folder", tmp, nproc=nproc, env=env)
+                (run_dir,) = Path(tmp).iterdir()
+                curve = golden_curve(run_dir)
+            row.append(max(abs(curve[s] - v) for s, v in golden.items()))
+        print(f"{name} | " + " | ".join(f"{d:.1e}" for d in row), flush=True)
+
+
 if __name__ == "__main__":
-    regenerate(sys.argv[1:] or list(CASES))
+    verb, cases = (sys.argv[1:2] or ["regenerate"])[0], sys.argv[2:] or list(CASES)
+    {"regenerate": regenerate, "spread": spread}[verb](cases)
