@@ -8,8 +8,8 @@ slots, columns, rows):
     T: tokens; K: experts per token (top-k); E: experts; D: hidden size
     F: the experts' full intermediate size; FC: the F chunk kept resident (F when it fits SBUF, else a multiple of
         128; F's last chunk may be narrower, so inside a block FC is that chunk's own width)
-    G: slot granule (32: each expert's slots are padded to a multiple of G); NG: slot groups of G (rows of the
-        [NG, G] slot tables, the cores' no-op areas last); NS = NG * G: slots
+    G: slot granule (each expert's slots are padded to a multiple of G: 32, or KB when KB is not 32 x 2^k)
+    NG: slot groups of G (rows of the [NG, G] slot tables, the cores' no-op areas last); NS = NG * G: slots
     KB: slots of a full kernel block, G * 2^(L-1); L: piece classes; B: slots of one piece (its class: KB >> k)
     TS: slots per resident backward tile, min(128, KB); NT: resident main tiles of a sub-segment
     S: segment positions per core; M: rows of `piece`; J: sub-segments per position (a static bound);
@@ -32,8 +32,8 @@ Per piece of B slots of one expert:
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-loops.html), NKI 0.7.0 (Neuron SDK 2.33):
 
-* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 (and to at least one 128-slot
-  tile, the backward's first); the expert's slot groups run as full blocks of KB slots, then its tail as at most
+* **Segments and pieces.** Each expert's slots are padded to a multiple of G (and to at least one TS-slot tile,
+  the backward's first); the expert's slot groups run as full blocks of KB slots, then its tail as at most
   one piece each of KB/2, ..., G slots (the binary digits of the leftover group count). One segment per non-empty
   expert, on one core (an expert never spans two cores: one writer of its dW). Core `nl.program_id(0)` runs
   `nl.fori_loop(0, n_positions, segment)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
@@ -741,11 +741,12 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     return L
 
 
-def _expect_per_core(rows, count, name, lnc):
-    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count."""
-    _expect(rows, name, "[LNC * n, 1]", (None, 1), I32)
-    assert rows.shape[0] % lnc == 0, f"{name} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}"
-    _expect(count, name.replace("rows", "count"), "[1, 1]", (1, 1), I32)
+def _expect_per_core(rows, count, names, lnc):
+    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count; `names`:
+    the two arguments' names."""
+    _expect(rows, names[0], "[LNC * n, 1]", (None, 1), I32)
+    assert rows.shape[0] % lnc == 0, f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}"
+    _expect(count, names[1], "[1, 1]", (1, 1), I32)
 
 
 @nki.jit
@@ -792,7 +793,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
-    _expect_per_core(fill_rows, fill_count, "fill_rows", lnc)
+    _expect_per_core(fill_rows, fill_count, ("fill_rows", "fill_count"), lnc)
     _expect(w_gate_t, "w_gate_t", "[E, D, F] (D of x_pad, io dtype)", (None, D, None), io)
     E, F = w_gate_t.shape[0], w_gate_t.shape[2]
     _expect(w_up_t, "w_up_t", "[E, D, F] (w_gate_t's shape)", (E, D, F), io)
@@ -1159,7 +1160,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
     L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
     _expect(sub_table, "sub_table", "[LNC * S * J, 4 + 2L] (L of seg_table)", (None, 4 + 2 * L), I32)
-    _expect_per_core(zero_rows, zero_count, "zero_rows", lnc)
+    _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
     _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
     E, F = w_gate.shape[0], w_gate.shape[1]
     _expect(w_up, "w_up", "[E, F, D] (w_gate's shape)", (E, F, D), io)
