@@ -9,8 +9,10 @@ pads x / dout with a zero row for padding slots, and hands the forward kernel tr
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,10 @@ class KernelPlan:
     goes to the core's dummy row E + core). Experts of equal group count have equal piece counts, so sorting makes
     most positions need none. Built with static-shaped tensor ops only (no host sync), so the kernels' input shapes
     depend on (T, K, E, block size, lnc, tiles per sub-segment) alone.
+
+    `from_plan` builds it in parts: full blocks and tail pieces per expert (`_pieces_per_expert`), the experts split
+    across the cores (`_deal_to_cores`), sub-segments and their piece counts (`_sub_segments`), then the tables
+    (`_piece_table`, `_segment_tables`, `_zero_fill`, `_fill_rows`, `_combine_table`). Letters as in `nki_moe`.
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
@@ -130,128 +136,60 @@ class KernelPlan:
     @classmethod
     def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int, kb: int | None = None,
                   tiles: int | None = None) -> "KernelPlan":
+        """The kernels' tables for a slot plan at granule G (`plan.block_size`).
+
+        Args:
+            plan: `plan_blocks` at granule G, each expert padded to one resident tile (`BlockPlan`).
+            num_experts: E.
+            lnc: logical cores the kernels launch on.
+            kb: KB, slots of a full kernel block: G times a power of two (None: G).
+            tiles: resident tiles the backward holds per sub-segment (`tiles_per_sub`; None: one sub-segment per
+                expert).
+
+        Raises:
+            ValueError: KB is not G times a power of two, fewer experts than cores, or `tiles` cannot hold one
+                full block and the tails.
+        """
         G = plan.block_size
         kb = G if kb is None else kb
-        r = kb // G
-        if kb % G or r & (r - 1):
+        per_block = kb // G  # slot groups per full block
+        if kb % G or per_block & (per_block - 1):
             raise ValueError(f"kernel block {kb} must be the slot granule {G} times a power of two")
         E = num_experts
         if lnc > E:
             raise ValueError(f"{E} experts on {lnc} logical cores: the NKI kernels give each core whole experts and "
                              f"need at least one per core; run at NEURON_LOGICAL_NC_CONFIG=1")
-        L = r.bit_length()
-        widths = nki_moe.piece_widths(kb, L)
-        ts = nki_moe.tile_slots(kb)
-        tiles_k = [w // ts if w >= ts else 0 for w in widths]  # resident main tiles per piece of each class
-        ng = plan.max_blocks
+        L = per_block.bit_length()
+        TS = nki_moe.tile_slots(kb)
+        # resident main tiles per piece of each class (0: a tail class narrower than a tile, with its own buffer)
+        tiles_k = [B // TS if B >= TS else 0 for B in nki_moe.piece_widths(kb, L)]
+        NG = plan.max_blocks
         # full blocks per sub-segment: the sub-segment's main tiles (its full blocks, the main tail classes) fit
-        per_sub = ng if tiles is None else (tiles - sum(tiles_k[1:])) // tiles_k[0]
-        if per_sub < 1:
+        blocks_per_sub = NG if tiles is None else (tiles - sum(tiles_k[1:])) // tiles_k[0]
+        if blocks_per_sub < 1:
             raise ValueError(f"{tiles} resident tiles per sub-segment cannot hold one {kb}-slot block and the tails: "
                              "use a smaller model.moe_block_size")
-        J = -(-max(1, ng // r) // per_sub)  # static bound on sub-segments per expert
-        dev = plan.block_to_expert_B.device
-        i32, i64 = torch.int32, torch.long
-        real = torch.arange(ng, device=dev) < plan.num_blocks
-        n_E = torch.zeros(E, dtype=i64, device=dev).index_add_(0, plan.block_to_expert_B, real.long())  # groups
-        gstart_E = n_E.cumsum(0) - n_E
-        full_E, rem_E = n_E // r, n_E % r
-        # per class k (KB >> k slots): pieces of each expert and the first slot group of its first one
-        count_kE = [full_E] + [((rem_E & (r >> k)) > 0).long() for k in range(1, L)]
-        first_kE = [gstart_E] + [gstart_E + r * full_E + (rem_E & ~(2 * (r >> k) - 1)) for k in range(1, L)]
-        nsub_E = ((full_E + per_sub - 1) // per_sub).clamp(min=1)
-        # positions: experts by group count (descending, empty ones last), dealt in rounds of lnc
-        order = torch.argsort(n_E, descending=True, stable=True)
-        nseg = (n_E > 0).sum()
-        S = -(-E // lnc)
-        s_cs = torch.arange(S, device=dev)[None, :].expand(lnc, S)
-        c_cs = torch.arange(lnc, device=dev)[:, None].expand(lnc, S)
-        rank = s_cs * lnc + (c_cs - s_cs) % lnc  # round s: core (j + s) % lnc takes its j-th largest expert
-        live = rank < nseg
-        own = order[rank.clamp(max=E - 1)]
-        # weights a core without an expert at a position loads: its own first expert, else an empty one
-        spare = torch.where(live[:, :1], own[:, :1], order[nseg.clamp(max=E - 1)])
-        expert_cs = torch.where(live, own, spare)
-        # real pieces per class, core, position, sub-segment: full blocks split per_sub at a time, the tails in the
-        # expert's last sub-segment
-        j_J = torch.arange(J, device=dev)
-        nsub_cs = torch.where(live, nsub_E[own], 0)
-        runs = [torch.where(live[..., None], (full_E[own][..., None] - per_sub * j_J).clamp(0, per_sub), 0)]
-        last = j_J == (nsub_cs[..., None] - 1)
-        runs += [torch.where(live[..., None] & last, cnt[own][..., None], 0) for cnt in count_kE[1:]]
-        nsub_s = nsub_cs.max(0).values.clamp(min=1)  # sub-segments every core runs at a position
-        m = [run.max(0).values for run in runs]  # [S, J] pieces every core runs: real ones, then no-ops
-        ntiles_sj = sum(mk * tk for mk, tk in zip(m, tiles_k, strict=True))
-        tile0_k = [ntiles_sj * 0]  # first main tile of each class inside its sub-segment
-        for k in range(1, L):
-            tile0_k.append(tile0_k[-1] + m[k - 1] * tiles_k[k - 1])
-        noop_group = ng + r * torch.arange(lnc, device=dev)  # each core's KB-slot no-op area
-        rows_k = [max(1, ng // r)] + [S * min(J, lnc)] * (L - 1)  # bounds on piece rows per class and core
-        groups, tile_col, sub_cols = [], [], []
-        base = 0
-        for k in range(L):
-            m_flat = m[k].reshape(-1)  # (position, sub-segment) in run order
-            end_q = m_flat.cumsum(0)
-            beg_q = end_q - m_flat
-            q = torch.arange(rows_k[k], device=dev)
-            sj = torch.searchsorted(end_q, q, right=True).clamp(max=S * J - 1)
-            s_q, j_q = sj // J, sj % J
-            t_q = q - beg_q[sj]  # index of the row's piece among those of its sub-segment
-            for c in range(lnc):
-                e_q = expert_cs[c, s_q]
-                is_real = live[c, s_q] & (t_q < runs[k][c, s_q, j_q])
-                offset = r * (j_q * per_sub + t_q) if k == 0 else 0
-                groups.append(torch.where(is_real, first_kE[k][e_q] + offset, noop_group[c]))
-                tile_col.append(tile0_k[k].reshape(-1)[sj] + t_q * tiles_k[k] if tiles_k[k] else torch.zeros_like(q))
-            cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
-            sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]  # [lnc, S * J]
-            base += lnc * rows_k[k]
-        group = torch.cat(groups)
-        dummy = E + torch.arange(lnc, device=dev)[:, None, None]
-        first_sub = live[..., None] & (j_J == 0)
-        cont_sub = live[..., None] & (j_J >= 1) & (j_J < nsub_cs[..., None])
-        own3 = own[..., None].expand(lnc, S, J)
-        sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
-                    (j_J >= 1).long().expand(lnc, S, J), ntiles_sj[None].expand(lnc, S, J)]
-        sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
-        sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
-        seg_cols = [expert_cs, sub_begin, sub_begin + nsub_s[None, :]]
-        seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(
-            2, (nsub_s - 1)[None, :, None].expand(lnc, S, 1))[..., 0] for i, col in enumerate(sub_cols)]
-        # zero fill: each core its dummy row, then every lnc-th empty expert
-        Z = 1 + -(-E // lnc)
-        empty = n_E == 0
-        erank = empty.long().cumsum(0) - 1
-        where = torch.where(empty, (erank % lnc) * Z + 1 + erank // lnc, lnc * Z)  # the extra row: a dump
-        zero_rows = dummy.view(lnc, 1).expand(lnc, Z).reshape(-1).clone()
-        zero_rows = torch.cat([zero_rows, zero_rows[:1]]).scatter(0, where, torch.arange(E, device=dev))[:-1]
-        zero_count = 1 + (empty.sum() + lnc - 1) // lnc
-        # forward: the slot groups no piece computes get zeros in the saved gT, uT: each core its no-op area, then
-        # every lnc-th unused group; padded with its no-op area's first group
-        U = r + -(-ng // lnc)
-        unused = ~real
-        urank = unused.long().cumsum(0) - 1
-        where = torch.where(unused, (urank % lnc) * U + r + urank // lnc, lnc * U)
-        fill = noop_group[:, None].expand(lnc, U).clone()
-        fill[:, :r] += torch.arange(r, device=dev)
-        fill = torch.cat([fill.reshape(-1), fill[0, :1]]).scatter(0, where, torch.arange(ng, device=dev))[:-1]
-        fill_count = r + (unused.sum() + lnc - 1) // lnc
-        T, K = plan.slot_of_assignment_TK.shape
-        tt = min(T, nki_moe.P)
-        nt = -(-T // (tt * lnc)) * lnc  # token tiles: a multiple of lnc, the same count per core in the combine
-        soa = F.pad(plan.slot_of_assignment_TK, (0, 0, 0, nt * tt - T))  # padded tokens read slot 0 (always real)
-        token_index = F.pad(plan.token_index_N.view(ng, G), (0, 0, 0, lnc * r), value=T)  # no-op areas: zero row
+        experts = _pieces_per_expert(plan, E, per_block, L)
+        cores = _deal_to_cores(experts.groups_E, lnc)
+        subs = _sub_segments(experts, cores, blocks_per_sub, max(1, NG // per_block), tiles_k)
+        noop_group = NG + per_block * torch.arange(lnc, device=cores.own.device)  # each core's KB-slot no-op area
+        piece, sub_cols = _piece_table(experts, cores, subs, tiles_k, noop_group, NG, per_block, G)
+        seg_table, sub_table = _segment_tables(E, cores, subs, sub_cols, L)
+        zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
+        fill_rows, fill_count = _fill_rows(experts.real, noop_group, per_block, lnc)
+        T = plan.slot_of_assignment_TK.shape[0]
+        token_index = F.pad(plan.token_index_N.view(NG, G), (0, 0, 0, lnc * per_block), value=T)  # no-op areas
         return cls(
-            token_index=token_index.to(i32),
-            piece=torch.stack([group, group * G, torch.cat(tile_col)], 1).to(i32),
-            seg_table=torch.stack(seg_cols, 2).reshape(lnc * S, 3 + 2 * L).to(i32),
-            seg_count=(-(-nseg // lnc)).view(1, 1).to(i32),
-            sub_table=sub_table.reshape(lnc * S * J, 4 + 2 * L).to(i32),
-            zero_rows=zero_rows.view(lnc * Z, 1).to(i32),
-            fill_rows=(fill * G).view(lnc * U, 1).to(i32),
-            fill_count=fill_count.view(1, 1).to(i32),
-            zero_count=zero_count.view(1, 1).to(i32),
-            slot_of_assignment=soa.to(i32).view(nt, tt, K),
+            token_index=token_index.to(torch.int32),
+            piece=piece,
+            seg_table=seg_table,
+            seg_count=(-(-cores.nseg // lnc)).view(1, 1).to(torch.int32),
+            sub_table=sub_table,
+            zero_rows=zero_rows,
+            fill_rows=(fill_rows * G).to(torch.int32),
+            fill_count=fill_count,
+            zero_count=zero_count,
+            slot_of_assignment=_combine_table(plan.slot_of_assignment_TK, lnc),
             num_tokens=T,
             num_experts=E,
             lnc=lnc,
@@ -293,6 +231,247 @@ class KernelPlan:
     def tokens(self, out: torch.Tensor) -> torch.Tensor:
         """[nT, TT, D] kernel output -> [T, D]."""
         return out.reshape(-1, out.shape[-1])[: self.num_tokens]
+
+
+class _Experts(NamedTuple):
+    """Full blocks and tail pieces of each expert (`_pieces_per_expert`)."""
+
+    groups_E: torch.Tensor  # [E] slot groups of G
+    real: torch.Tensor  # [NG] bool: the plan's groups that hold an expert's slots
+    count_kE: list  # per class k: [E] pieces of KB >> k slots
+    first_kE: list  # per class k: [E] the slot group of the expert's first piece of that class
+
+
+class _Positions(NamedTuple):
+    """The experts dealt to the cores (`_deal_to_cores`); [lnc, S] tensors, S positions per core."""
+
+    S: int
+    nseg: torch.Tensor  # 0-d: non-empty experts
+    live: torch.Tensor  # [lnc, S] bool: the core has an expert of its own at the position
+    own: torch.Tensor  # [lnc, S] that expert (meaningless where not live)
+    expert: torch.Tensor  # [lnc, S] the expert whose weights the core loads (its own, else a spare)
+
+
+class _SubSegments(NamedTuple):
+    """Sub-segments of every position and the pieces each runs (`_sub_segments`)."""
+
+    J: int  # static bound on sub-segments per expert
+    blocks_per_sub: int
+    nsub_cs: torch.Tensor  # [lnc, S] real sub-segments of the core's expert (0 where not live)
+    nsub_s: torch.Tensor  # [S] sub-segments every core runs at the position
+    runs: list  # per class k: [lnc, S, J] real pieces of each core, position, sub-segment
+    m: list  # per class k: [S, J] pieces every core runs (real ones, then no-ops)
+    ntiles_sj: torch.Tensor  # [S, J] resident main tiles each sub-segment fills
+    tile0_k: list  # per class k: [S, J] first main tile of the class inside its sub-segment
+
+
+def _pieces_per_expert(plan: BlockPlan, E: int, per_block: int, L: int) -> _Experts:
+    """Each expert's n slot groups as n // (KB/G) full blocks plus a tail of at most one piece of each of KB/2, ...,
+    G slots (the binary digits of n % (KB/G)).
+
+    Args:
+        plan: the slot plan at granule G (experts' groups consecutive, in expert order).
+        E: experts.
+        per_block: KB / G, slot groups per full block (a power of two).
+        L: piece classes, log2(per_block) + 1.
+
+    Returns:
+        Groups per expert, the real groups, and per class the pieces of each expert and the first group of its
+        first piece (class 0: the expert's first group; a tail piece follows the full blocks and the larger tail
+        pieces).
+    """
+    NG = plan.max_blocks
+    dev = plan.block_to_expert_B.device
+    real = torch.arange(NG, device=dev) < plan.num_blocks
+    groups_E = torch.zeros(E, dtype=torch.long, device=dev).index_add_(0, plan.block_to_expert_B, real.long())
+    start_E = groups_E.cumsum(0) - groups_E
+    full_E, tail_E = groups_E // per_block, groups_E % per_block
+    count_kE = [full_E] + [((tail_E & (per_block >> k)) > 0).long() for k in range(1, L)]
+    first_kE = [start_E] + [start_E + per_block * full_E + (tail_E & ~(2 * (per_block >> k) - 1))
+                            for k in range(1, L)]
+    return _Experts(groups_E, real, count_kE, first_kE)
+
+
+def _deal_to_cores(groups_E: torch.Tensor, lnc: int) -> _Positions:
+    """Split the experts across the cores: whole experts, sorted by group count (descending, empty ones last), dealt
+    in rounds of lnc (round s: position s of every core, core (j + s) % lnc taking the round's j-th largest, so the
+    larger expert alternates between the cores).
+
+    Args:
+        groups_E: [E] slot groups per expert.
+        lnc: logical cores.
+
+    Returns:
+        The positions: per core and position its expert (if any) and the expert whose weights it loads there (a
+        core without one loads its own first expert, else an empty one: its pieces there are all no-ops).
+    """
+    E, dev = groups_E.shape[0], groups_E.device
+    order = torch.argsort(groups_E, descending=True, stable=True)
+    nseg = (groups_E > 0).sum()
+    S = -(-E // lnc)
+    s_cs = torch.arange(S, device=dev)[None, :].expand(lnc, S)
+    c_cs = torch.arange(lnc, device=dev)[:, None].expand(lnc, S)
+    rank = s_cs * lnc + (c_cs - s_cs) % lnc
+    live = rank < nseg
+    own = order[rank.clamp(max=E - 1)]
+    spare = torch.where(live[:, :1], own[:, :1], order[nseg.clamp(max=E - 1)])
+    return _Positions(S, nseg, live, own, torch.where(live, own, spare))
+
+
+def _sub_segments(experts: _Experts, cores: _Positions, blocks_per_sub: int, max_full: int,
+                  tiles_k: list) -> _SubSegments:
+    """Split each expert's pieces into sub-segments of at most `blocks_per_sub` full blocks (the tails go to its
+    last one), and give every core the same sub-segment and piece counts at each position (the larger of the cores'
+    counts; the core with fewer tops up with no-ops).
+
+    Args:
+        experts: the pieces of each expert.
+        cores: the experts dealt to the cores.
+        blocks_per_sub: full blocks a sub-segment's resident tiles hold.
+        max_full: static bound on an expert's full blocks (NG // (KB/G), at least 1).
+        tiles_k: resident main tiles per piece of each class (0 for a tail class with its own buffer).
+
+    Returns:
+        The sub-segments, their pieces per class and the first resident tile of each class inside them.
+    """
+    live, own = cores.live, cores.own
+    J = -(-max_full // blocks_per_sub)
+    nsub_E = ((experts.count_kE[0] + blocks_per_sub - 1) // blocks_per_sub).clamp(min=1)
+    j_J = torch.arange(J, device=own.device)
+    nsub_cs = torch.where(live, nsub_E[own], 0)
+    full = experts.count_kE[0][own][..., None]
+    runs = [torch.where(live[..., None], (full - blocks_per_sub * j_J).clamp(0, blocks_per_sub), 0)]
+    last = j_J == (nsub_cs[..., None] - 1)
+    runs += [torch.where(live[..., None] & last, count[own][..., None], 0) for count in experts.count_kE[1:]]
+    m = [run.max(0).values for run in runs]
+    ntiles_sj = sum(mk * tk for mk, tk in zip(m, tiles_k, strict=True))
+    tile0_k = [ntiles_sj * 0]
+    for k in range(1, len(m)):
+        tile0_k.append(tile0_k[-1] + m[k - 1] * tiles_k[k - 1])
+    return _SubSegments(J, blocks_per_sub, nsub_cs, nsub_cs.max(0).values.clamp(min=1), runs, m, ntiles_sj, tile0_k)
+
+
+def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles_k: list, noop_group: torch.Tensor,
+                 NG: int, per_block: int, G: int) -> tuple[torch.Tensor, list]:
+    """The `piece` table: per class k, per core, one row per piece slot of a static bound (class 0: the most full
+    blocks an expert can have; a tail class: one per sub-segment a core can run), in run order (position,
+    sub-segment). A row past a sub-segment's real pieces is a no-op piece in the core's own no-op area.
+
+    Args:
+        experts, cores, subs: the pieces, the positions, the sub-segments.
+        tiles_k: resident main tiles per piece of each class.
+        noop_group: [lnc] the first slot group of each core's KB-slot no-op area.
+        NG: the plan's slot groups; per_block: KB / G; G: the slot granule.
+
+    Returns:
+        piece [M, 3] int32 (first slot group, first slot row, first resident tile) and, per class, two [lnc, S * J]
+        columns: each sub-segment's [begin, end) rows of `piece`.
+    """
+    lnc, S, J = cores.live.shape[0], cores.S, subs.J
+    dev = noop_group.device
+    rows_k = [max(1, NG // per_block)] + [S * min(J, lnc)] * (len(tiles_k) - 1)
+    groups, tile_col, sub_cols = [], [], []
+    base = 0
+    for k in range(len(tiles_k)):
+        m_flat = subs.m[k].reshape(-1)  # (position, sub-segment) in run order
+        end_q = m_flat.cumsum(0)
+        beg_q = end_q - m_flat
+        q = torch.arange(rows_k[k], device=dev)
+        sj = torch.searchsorted(end_q, q, right=True).clamp(max=S * J - 1)
+        s_q, j_q = sj // J, sj % J
+        t_q = q - beg_q[sj]  # index of the row's piece among those of its sub-segment
+        for c in range(lnc):
+            e_q = cores.expert[c, s_q]
+            is_real = cores.live[c, s_q] & (t_q < subs.runs[k][c, s_q, j_q])
+            offset = per_block * (j_q * subs.blocks_per_sub + t_q) if k == 0 else 0
+            groups.append(torch.where(is_real, experts.first_kE[k][e_q] + offset, noop_group[c]))
+            tile_col.append(subs.tile0_k[k].reshape(-1)[sj] + t_q * tiles_k[k] if tiles_k[k] else torch.zeros_like(q))
+        cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
+        sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]
+        base += lnc * rows_k[k]
+    group = torch.cat(groups)
+    return torch.stack([group, group * G, torch.cat(tile_col)], 1).to(torch.int32), sub_cols
+
+
+def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: list,
+                    L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`seg_table` and `sub_table`. A sub-segment writes dW of its expert (the first) or adds into it (the later
+    ones, `cont` 1); a no-op or spare sub-segment writes and adds into its core's dummy row E + core.
+
+    Args:
+        E: experts; cores, subs: the positions and sub-segments.
+        sub_cols: per class the [begin, end) `piece` rows of each sub-segment (`_piece_table`).
+        L: piece classes.
+
+    Returns:
+        seg_table [lnc * S, 3 + 2L] (expert, [begin, end) sub_table rows, per class the position's [begin, end)
+        piece rows: from its first sub-segment's begin to its last one's end) and sub_table [lnc * S * J, 4 + 2L]
+        (write row, add row, cont, resident tiles, per class [begin, end) piece rows), int32.
+    """
+    live, own, S, J = cores.live, cores.own, cores.S, subs.J
+    lnc, dev = live.shape[0], live.device
+    dummy = E + torch.arange(lnc, device=dev)[:, None, None]
+    j_J = torch.arange(J, device=dev)
+    first_sub = live[..., None] & (j_J == 0)
+    cont_sub = live[..., None] & (j_J >= 1) & (j_J < subs.nsub_cs[..., None])
+    own3 = own[..., None].expand(lnc, S, J)
+    sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
+                (j_J >= 1).long().expand(lnc, S, J), subs.ntiles_sj[None].expand(lnc, S, J)]
+    sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
+    sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
+    last_sub = (subs.nsub_s - 1)[None, :, None].expand(lnc, S, 1)
+    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :]]
+    seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(2, last_sub)[..., 0]
+                 for i, col in enumerate(sub_cols)]
+    return (torch.stack(seg_cols, 2).reshape(lnc * S, 3 + 2 * L).to(torch.int32),
+            sub_table.reshape(lnc * S * J, 4 + 2 * L).to(torch.int32))
+
+
+def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dW rows each core zero-fills: its dummy row E + core, then every lnc-th empty expert (padded with the
+    dummy), so every core runs the same count.
+
+    Returns:
+        zero_rows [lnc * Z, 1] and zero_count [1, 1], int32 (Z = 1 + ceil(E / lnc)).
+    """
+    E, dev = groups_E.shape[0], groups_E.device
+    Z = 1 + -(-E // lnc)
+    empty = groups_E == 0
+    erank = empty.long().cumsum(0) - 1
+    where = torch.where(empty, (erank % lnc) * Z + 1 + erank // lnc, lnc * Z)  # the extra row: a dump
+    dummies = (E + torch.arange(lnc, device=dev))[:, None].expand(lnc, Z).reshape(-1)
+    zero_rows = torch.cat([dummies, dummies[:1]]).scatter(0, where, torch.arange(E, device=dev))[:-1]
+    zero_count = 1 + (empty.sum() + lnc - 1) // lnc
+    return zero_rows.view(lnc * Z, 1).to(torch.int32), zero_count.view(1, 1).to(torch.int32)
+
+
+def _fill_rows(real: torch.Tensor, noop_group: torch.Tensor, per_block: int,
+               lnc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot groups no piece computes, which the forward zero-fills in the saved gT, uT: each core its no-op
+    area, then every lnc-th unused group of the plan (padded with its no-op area's first group).
+
+    Returns:
+        fill groups [lnc * U, 1] (int64: the caller scales them to slot rows) and fill_count [1, 1] int32.
+    """
+    NG, dev = real.shape[0], real.device
+    U = per_block + -(-NG // lnc)
+    unused = ~real
+    urank = unused.long().cumsum(0) - 1
+    where = torch.where(unused, (urank % lnc) * U + per_block + urank // lnc, lnc * U)
+    fill = noop_group[:, None].expand(lnc, U).clone()
+    fill[:, :per_block] += torch.arange(per_block, device=dev)
+    fill = torch.cat([fill.reshape(-1), fill[0, :1]]).scatter(0, where, torch.arange(NG, device=dev))[:-1]
+    fill_count = per_block + (unused.sum() + lnc - 1) // lnc
+    return fill.view(lnc * U, 1), fill_count.view(1, 1).to(torch.int32)
+
+
+def _combine_table(slot_of_assignment_TK: torch.Tensor, lnc: int) -> torch.Tensor:
+    """slot_of_assignment as [nT, TT, K] int32 token tiles, nT a multiple of lnc (the same tile count per core in
+    the combine); padded tokens read slot 0, always real."""
+    T, K = slot_of_assignment_TK.shape
+    TT = min(T, nki_moe.P)
+    nT = -(-T // (TT * lnc)) * lnc
+    return F.pad(slot_of_assignment_TK, (0, 0, 0, nT * TT - T)).to(torch.int32).view(nT, TT, K)
 
 
 @dataclass(frozen=True)
@@ -366,7 +545,6 @@ def neuron_moe_op():
 
     Tensor = torch.Tensor
 
-    @nki_op("workbench::moe_blockwise_fwd", mutates_args={})
     def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
                 seg_count: Tensor, fill_rows: Tensor, fill_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
                 zero_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
@@ -375,6 +553,9 @@ def neuron_moe_op():
         return nki_moe.moe_blockwise_fwd[lnc](
             x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count, slot_of_assignment,
             _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
+
+    input_names = tuple(inspect.signature(moe_fwd).parameters)  # the backward returns a gradient per input, in order
+    moe_fwd = nki_op("workbench::moe_blockwise_fwd", mutates_args={})(moe_fwd)
 
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
     def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
@@ -392,19 +573,20 @@ def neuron_moe_op():
         ctx.save_for_backward(*inputs[1:], output[1], output[2])  # + the forward's saved gT, uT
 
     def backward(ctx, dout, *_):  # no gradient flows into the saved gT, uT outputs
-        x_pad, token_index, slot_weight, *tables, soa, w_gate, w_up, w_down, g_saved, u_saved = ctx.saved_tensors
-        piece, seg_table, seg_count, _, _, sub_table, zero_rows, zero_count = tables
+        saved = dict(zip(input_names[1:] + ("g_saved", "u_saved"), ctx.saved_tensors, strict=True))
+        x_pad, w_gate, w_up, w_down = saved["x_pad"], saved["w_gate"], saved["w_up"], saved["w_down"]
         T, E = x_pad.shape[0] - 1, w_gate.shape[0]  # rows past T of out are padded tokens: their grads are dropped
         dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(
-            ctx.lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows,
-            zero_count, soa, g_saved, u_saved, w_gate, w_up, w_down)
-        grads = [None] * 16
-        grads[1] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
-        grads[3] = d_slot
-        grads[13], grads[14], grads[15] = (dw_gate[:E].to(w_gate.dtype), dw_up[:E].to(w_up.dtype),
-                                           dw_down[:E].to(w_down.dtype))
-        return tuple(grads)
+            ctx.lnc, x_pad, dout_pad, saved["token_index"], saved["slot_weight"], saved["piece"],
+            saved["seg_table"], saved["seg_count"], saved["sub_table"], saved["zero_rows"], saved["zero_count"],
+            saved["slot_of_assignment"], saved["g_saved"], saved["u_saved"], w_gate, w_up, w_down)
+        grads = dict.fromkeys(input_names)  # None: no gradient for that input
+        grads["x_pad"] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
+        grads["slot_weight"] = d_slot
+        grads["w_gate"], grads["w_up"], grads["w_down"] = (dw_gate[:E].to(w_gate.dtype), dw_up[:E].to(w_up.dtype),
+                                                           dw_down[:E].to(w_down.dtype))
+        return tuple(grads.values())
 
     moe_fwd.register_autograd(backward, setup_context=setup_context)
     return moe_fwd

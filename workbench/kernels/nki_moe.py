@@ -2,7 +2,22 @@
 
 Same algorithm as `moe_reference.blockwise_moe`; the host (`autograd.py`) builds the block plan and hands the
 kernels int32 tables (design, cost numbers, the trn2 time model and the block-size sweep: docs/nki_kernels.md).
-Per piece of kb slots of one expert:
+
+Dimensions (one meaning per letter in this file; lowercase fl, dl, sl, cl, rl: the length of one tile of F/FC, D,
+slots, columns, rows):
+    T: tokens; K: experts per token (top-k); E: experts; D: hidden size
+    F: the experts' full intermediate size; FC: the F chunk kept resident (F when it fits SBUF, else a multiple of
+        128; F's last chunk may be narrower, so inside a block FC is that chunk's own width)
+    G: slot granule (each expert's slots are padded to a multiple of G: 32, or KB when KB is not 32 x 2^k)
+    NG: slot groups of G (rows of the [NG, G] slot tables, the cores' no-op areas last); NS = NG * G: slots
+    KB: slots of a full kernel block, G * 2^(L-1); L: piece classes; B: slots of one piece (its class: KB >> k)
+    TS: slots per resident backward tile, min(128, KB); NT: resident main tiles of a sub-segment
+    S: segment positions per core; M: rows of `piece`; J: sub-segments per position (a static bound);
+        U, Z: per-core rows of `fill_rows`, `zero_rows`
+    nT, TT: token tiles of the combine and tokens per tile; LNC: logical cores (`lnc`); P: 128 partitions
+    R, C: rows and columns of whatever matrix a generic helper moves
+
+Per piece of B slots of one expert:
 
     forward   gather x rows -> xT (features on partitions) -> gT, uT = W_gate/up[e] @ xT   (fp32 PSUM)
               gT, uT saved to HBM (io dtype) for the backward
@@ -10,15 +25,15 @@ Per piece of kb slots of one expert:
               then out[t] = sum_k y_slots[slot_of_assignment[t, k]]
     backward  load the saved gT, uT; hT = silu(gT) * uT; dh = (dy @ W_down[e])^T; d_affinity = sum_f h * dh;
               dh *= affinity; du = dh * silu(g); dg = dh * u * silu'(g); dx_slots = dg @ W_gate[e] + du @ W_up[e];
-              x, affinity * dy and the token-major dg, du, h stay resident in SBUF, one 128-slot tile each;
+              x, affinity * dy and the token-major dg, du, h stay resident in SBUF, one TS-slot tile each;
               after the expert's last piece: dW[e] = sum over its tiles of (per-slot grads)^T @ (inputs),
               accumulated in PSUM and written once (io dtype); then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
 
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-loops.html), NKI 0.7.0 (Neuron SDK 2.33):
 
-* **Segments and pieces.** Each expert's slots are padded to a multiple of G = 32 (and to at least one 128-slot
-  tile, the backward's first); the expert's slot groups run as full blocks of KB slots, then its tail as at most
+* **Segments and pieces.** Each expert's slots are padded to a multiple of G (and to at least one TS-slot tile,
+  the backward's first); the expert's slot groups run as full blocks of KB slots, then its tail as at most
   one piece each of KB/2, ..., G slots (the binary digits of the leftover group count). One segment per non-empty
   expert, on one core (an expert never spans two cores: one writer of its dW). Core `nl.program_id(0)` runs
   `nl.fori_loop(0, n_positions, segment)` -> load the expert's weights once (a few DMAs of >= 2 KiB per partition)
@@ -31,8 +46,8 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   its own scratch slot rows: they contribute exact zeros). The host deals experts to cores sorted by group count,
   so the two experts of a position mostly have equal piece counts (why this and not AWS's shared-count-with-barriers
   pattern: docs/nki_kernels.md). The zero fill and the combine run the same trip count on both cores.
-* **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (`nt` tiles of
-  128 slots for full blocks and the 128-slot tail, one buffer per smaller tail class) at the tile index the host
+* **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (NT tiles of
+  TS slots for full blocks and the TS-slot tail, one buffer per smaller tail class) at the tile index the host
   wrote into `piece`. After the segment's pieces, each group of `DW_BANKS` output bands [<=128, <=512] of dW_gate,
   dW_up, dW_down accumulates over all of the expert's tiles in PSUM (tile 0 opens the group, a compiled loop adds
   tiles 1..n-1, 0/1-trip loops the tail buffers), is evicted once and written once to dW[e] in the io dtype: no
@@ -41,8 +56,8 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   first add into dW[e] with `nisa.dma_compute` (`cont` in `sub_table`). Each core has a dummy dW row (E + core)
   that absorbs the writes of its no-op and spare sub-segments; the host drops those rows.
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
-  the weights are kept resident one F chunk at a time (chunk loop between the segment and piece loops); y, dx and
-  d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
+  the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
+  dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
   disjoint.
 * **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`workbench.device.logical_nc_config()`); shared HBM
   scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
@@ -53,14 +68,17 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
 Layout rules (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html): the
 matmul contraction dim sits on the partition axis (<= 128) of both operands; stationary free <= 128, moving free
 <= 512; results accumulate in fp32 PSUM tiles of <= 2 KiB per partition and are evicted to SBUF. Kernel blocks
-hold KB <= 256 slots (token sub-tiles of 128 on the partition axis); tail pieces are 32..KB/2 slots. Matmul
-operands use the io dtype; elementwise math is fp32. The code sticks to the documented NKI Python subset (plain
-for loops over range, no comprehensions).
+hold KB <= 256 slots (token sub-tiles of 128 on the partition axis); tail pieces are G..KB/2 slots. Matmul
+operands and the SwiGLU's elementwise math use the io dtype (as the torch reference computes them); PSUM
+accumulation, the combine's sums and partial sums over F chunks are fp32. The code sticks to the documented NKI
+Python subset (plain for loops over range, no comprehensions).
 
 Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from workbench.kernels.nki_api import nisa, nki, nl
 
@@ -102,10 +120,11 @@ def _register(tile):
     return reg
 
 
-def _block_column(table, b, s0, sl, dtype):
-    """SBUF [sl, 1] <- table[b, s0:s0+sl] of an [NB, KB] HBM table (one value per partition)."""
+def _block_column(table, grp, s0, sl, dtype):
+    """SBUF [sl, 1] <- slots s0 .. s0 + sl of a piece starting at slot group grp, from an [NG, G] HBM slot table
+    (read on across the following groups: a piece's B / G groups are consecutive rows); one value per partition."""
     tile = nl.ndarray((sl, 1), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, sl], [1, 1]], offset=s0, scalar_offset=b, indirect_dim=0))
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, sl], [1, 1]], offset=s0, scalar_offset=grp, indirect_dim=0))
     return tile
 
 
@@ -137,82 +156,110 @@ def _expert_window(w, e, r0, rows, c0, cols):
     return w.ap(pattern=[[Ct, rows], [1, cols]], offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0)
 
 
+# -- expert weights: one record, two resident layouts ------------------------------------------------------------------
+class ExpertWeights(NamedTuple):
+    """The gate, up and down matrices: the kernels' HBM arguments (all E experts; the forward takes them
+    transposed), the resident SBUF F chunk of one expert (in the layout each kernel's matmuls need, see
+    `_forward_weights` / `_backward_weights`), or the backward's weight gradients [E + LNC, ...]."""
+
+    gate: object
+    up: object
+    down: object
+
+
+def _f_columns(w, e, f0, FC):
+    """Layout "F on columns" of an [E, D, F] HBM matrix: columns [f0, f0 + FC) of expert e, resident as
+    [min(P, D), D/128, FC] (D on partitions: the operand of a contraction over D)."""
+    return _load_expert_matrix(w, e, 0, w.shape[1], f0, FC)
+
+
+def _f_rows(w, e, f0, FC):
+    """Layout "F on rows" of an [E, F, D] HBM matrix: rows [f0, f0 + FC) of expert e, resident as
+    [min(P, FC), FC/128, D] (F on partitions: the operand of a contraction over F)."""
+    return _load_expert_matrix(w, e, f0, FC, 0, w.shape[2])
+
+
 # -- F chunks and SBUF budgets: how much of an expert's weights (and, backward, tiles) is resident at once ---------
 # The forward's resident weights get at most this much; the rest holds one block's workspace (x tiles, xT, ...).
 RESIDENT_WEIGHT_BYTES = 144 * 1024
 
 
-def _resident_bytes(D, fc, itemsize, n_mats):
-    """Bytes/partition of n_mats resident [D, fc] expert matrices (either layout: [D/128, fc] or [fc/128, D])."""
-    return n_mats * max(_ntiles(D, P) * fc, _ntiles(fc, P) * D) * itemsize
+def _resident_bytes(D, FC, itemsize, n_mats):
+    """Bytes/partition of n_mats resident [D, FC] expert matrices (either layout: [D/128, FC] or [FC/128, D])."""
+    return n_mats * max(_ntiles(D, P) * FC, _ntiles(FC, P) * D) * itemsize
 
 
 def _f_chunk(D, F, itemsize, n_mats):
-    """Forward: width of the F chunk kept resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES, else the
-    widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert segment;
-    the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks (docs/nki_kernels.md)."""
+    """Forward: FC, the width of the F chunk kept resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES,
+    else the widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert
+    segment; the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks
+    (docs/nki_kernels.md)."""
     if _resident_bytes(D, F, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES or F <= P:
         return F
-    fc = P
+    FC = P
     for n in range(2, F // P + 1):
         if _resident_bytes(D, n * P, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES:
-            fc = n * P
-    return fc
+            FC = n * P
+    return FC
 
 
-def tile_slots(kb):
-    """Slots per resident backward tile: 128, or the whole block when blocks are smaller."""
-    return min(P, kb)
+def tile_slots(KB):
+    """TS, the slots per resident backward tile: 128, or the whole block when blocks are smaller."""
+    return min(P, KB)
 
 
-def piece_widths(kb, n_classes):
-    """Slots per piece of each piece class: KB, KB/2, ..., KB >> (n_classes - 1)."""
+def piece_widths(KB, L):
+    """B of each of the L piece classes: KB, KB/2, ..., KB >> (L - 1)."""
     widths = []
-    for k in range(n_classes):
-        widths.append(kb >> k)
+    for k in range(L):
+        widths.append(KB >> k)
     return widths
 
 
 def _tail_widths(widths):
     """The piece classes narrower than a resident tile (each has its own one-tile buffer)."""
     tails = []
-    for w in widths:
-        if w < tile_slots(widths[0]):
-            tails.append(w)
+    for B in widths:
+        if B < tile_slots(widths[0]):
+            tails.append(B)
     return tails
 
 
 def tiles_needed(widths):
     """Resident tiles a sub-segment needs at least: one full block and the main-buffer tail classes' tiles."""
-    ts = tile_slots(widths[0])
+    TS = tile_slots(widths[0])
     n = 0
-    for w in widths:
-        if w >= ts:
-            n += w // ts
+    for B in widths:
+        if B >= TS:
+            n += B // TS
     return n
 
 
-def _res_tile_bytes(D, fc, itemsize):
-    """Bytes/partition of one resident tile: x and affinity * dy (D wide), dg, du and h (fc wide)."""
-    return (2 * D + 3 * fc) * itemsize
+def _res_tile_bytes(D, FC, itemsize):
+    """Bytes/partition of one resident tile: x and affinity * dy (D wide), dg, du and h (FC wide)."""
+    return (2 * D + 3 * FC) * itemsize
 
 
-def _bwd_workspace_shapes(kb, D, fc, io_dtype, slot_dtype, chunked):
+def _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked):
     """name -> (shape, dtype) of the backward's per-block SBUF workspace (one source for the allocation and the
-    SBUF budget of `backward_layout`)."""
-    dp, fp, nD, nF = min(P, D), min(P, fc), _ntiles(D, P), _ntiles(fc, P)
-    feature = ((fp, nF, kb), io_dtype)  # elementwise math in the io dtype, as the torch reference does it
+    SBUF budget of `backward_layout`). Each name says what the tile holds; two are updated in place: "dh" holds
+    dhT, then affinity * dhT; "out_rows" the dx rows of the piece on their way to the slot scratch."""
+    dp, fp, nD, nF = min(P, D), min(P, FC), _ntiles(D, P), _ntiles(FC, P)
+    feature = ((fp, nF, KB), io_dtype)  # elementwise math in the io dtype, as the torch reference does it
     shapes = {
-        "dyT": ((dp, nD, kb), io_dtype),
+        "dyT": ((dp, nD, KB), io_dtype),
         "g": feature, "u": feature,  # the saved gT, uT
         "dh": feature, "silu": feature, "dsilu": feature, "h": feature, "dg": feature, "du": feature,
-        "tmp1": ((fp, kb), io_dtype), "aff_b": ((fp, kb), io_dtype),
-        "row": ((1, kb), F32), "row2": ((1, kb), F32), "row_io": ((1, kb), io_dtype),
-        "chunk": ((P, D), slot_dtype), "ones": ((P, P), io_dtype),
+        "h_dh": ((fp, KB), io_dtype),  # h * dh of one f-tile, summed over partitions into d_affinity
+        "aff_bcast": ((fp, KB), io_dtype),  # the piece's slot weights, copied to every partition
+        "d_aff": ((1, KB), F32),  # d_affinity of the piece's slots
+        "d_aff_prev": ((1, KB), F32),  # F chunked: d_affinity summed over the earlier chunks
+        "aff_row": ((1, KB), io_dtype),  # the piece's slot weights, one row
+        "out_rows": ((P, D), slot_dtype), "ones": ((P, P), io_dtype),
         "stage": ((P, DW_BANKS * MOVING_FMAX), io_dtype),  # weight-gradient bands on their way to HBM
     }
     if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
-        shapes["prev"] = ((P, D), F32)
+        shapes["partial"] = ((P, D), F32)
     return shapes
 
 
@@ -228,37 +275,37 @@ def _shape_bytes(shapes):
 
 
 def _fit_backward(D, F, io_dtype, widths):
-    """(fc, nt) of the backward, (0, 0) when nothing fits (see `backward_layout`)."""
-    kb = widths[0]
+    """(FC, NT) of the backward, (0, 0) when nothing fits (see `backward_layout`)."""
+    KB = widths[0]
     need = tiles_needed(widths)
     tails = len(_tail_widths(widths))
     chunks = [F]
     for n in range(F // P, 0, -1):
         if n * P < F:
             chunks.append(n * P)
-    for fc in chunks:
-        ws = _bwd_workspace_shapes(kb, D, fc, io_dtype, F32 if fc < F else io_dtype, fc < F)
-        free = SBUF_BYTES - SMALL_TILES_BYTES - _resident_bytes(D, fc, io_dtype.itemsize, 3) - _shape_bytes(ws)
-        nt = free // _res_tile_bytes(D, fc, io_dtype.itemsize) - tails
-        if nt >= need:
-            return fc, nt
+    for FC in chunks:
+        ws = _bwd_workspace_shapes(KB, D, FC, io_dtype, F32 if FC < F else io_dtype, FC < F)
+        free = SBUF_BYTES - SMALL_TILES_BYTES - _resident_bytes(D, FC, io_dtype.itemsize, 3) - _shape_bytes(ws)
+        NT = free // _res_tile_bytes(D, FC, io_dtype.itemsize) - tails
+        if NT >= need:
+            return FC, NT
     return 0, 0
 
 
 def backward_layout(D, F, io_dtype, widths):
-    """(fc, nt) of the backward: the F chunk kept resident (F itself when it fits) and how many resident 128-slot
+    """(FC, NT) of the backward: the F chunk kept resident (F itself when it fits) and how many resident TS-slot
     tiles an expert sub-segment may fill, so that the three resident matrices of a chunk, the block workspace, the
-    tail buffers and nt tiles fit SBUF_BYTES per partition (widest chunk first). The host splits experts with more
+    tail buffers and NT tiles fit SBUF_BYTES per partition (widest chunk first). The host splits experts with more
     tiles into sub-segments (`autograd.KernelPlan`).
 
     Raises:
         ValueError: not even the narrowest chunk fits with one sub-segment's tiles.
     """
-    fc, nt = _fit_backward(D, F, io_dtype, widths)
-    if nt == 0:
+    FC, NT = _fit_backward(D, F, io_dtype, widths)
+    if NT == 0:
         raise ValueError(f"the NKI MoE backward does not fit SBUF at D={D}, F={F}, {widths[0]}-slot blocks in "
                          f"{io_dtype}: use a smaller model.moe_block_size")
-    return fc, nt
+    return FC, NT
 
 
 # -- workspace: every SBUF/PSUM tile a block needs, allocated once per kernel and reused by every block ----------------
@@ -273,33 +320,34 @@ def _psum_pool(io_dtype):
     }
 
 
-def _block_tiles(kb, width, dtype, name):
+def _block_tiles(KB, width, dtype, name):
     """One [sl, width] SBUF tile per 128-token sub-tile of a block (tokens on partitions)."""
     tiles = []
-    for s in range(_ntiles(kb, P)):
-        tiles.append(nl.ndarray((_width(kb, P, s), width), dtype=dtype, buffer=nl.sbuf, name=name))
+    for s in range(_ntiles(KB, P)):
+        tiles.append(nl.ndarray((_width(KB, P, s), width), dtype=dtype, buffer=nl.sbuf, name=name))
     return tiles
 
 
-def _fwd_workspace(kb, D, F, io_dtype, slot_dtype, chunked):
-    """F: the F-chunk width; chunked: F is split (partial sums accumulate in the slot scratch, then fp32)."""
-    dp, fp, nD, nF = min(P, D), min(P, F), _ntiles(D, P), _ntiles(F, P)
+def _fwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked):
+    """The forward's per-block SBUF workspace. chunked: F is split (partial sums accumulate in the slot scratch,
+    then fp32); "out_rows" holds the piece's y rows on their way to the slot scratch."""
+    dp, fp, nD, nF = min(P, D), min(P, FC), _ntiles(D, P), _ntiles(FC, P)
     ws = {
-        "x": _block_tiles(kb, D, io_dtype, "x_tok"),
-        "xT": nl.ndarray((dp, nD, kb), dtype=io_dtype, buffer=nl.sbuf, name="xT"),
-        "g": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="gT"),
-        "u": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="uT"),
-        "silu": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="siluT"),
-        "h": nl.ndarray((fp, nF, kb), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
-        "chunk": nl.ndarray((P, D), dtype=slot_dtype, buffer=nl.sbuf, name="out_rows"),
+        "x": _block_tiles(KB, D, io_dtype, "x_tok"),
+        "xT": nl.ndarray((dp, nD, KB), dtype=io_dtype, buffer=nl.sbuf, name="xT"),
+        "g": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="gT"),
+        "u": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="uT"),
+        "silu": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="siluT"),
+        "h": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="hT"),
+        "out_rows": nl.ndarray((P, D), dtype=slot_dtype, buffer=nl.sbuf, name="out_rows"),
     }
     if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
-        ws["prev"] = nl.ndarray((P, D), dtype=F32, buffer=nl.sbuf, name="partial_sum")
+        ws["partial"] = nl.ndarray((P, D), dtype=F32, buffer=nl.sbuf, name="partial")
     return ws
 
 
-def _bwd_workspace(kb, D, fc, io_dtype, slot_dtype, chunked):
-    shapes = _bwd_workspace_shapes(kb, D, fc, io_dtype, slot_dtype, chunked)
+def _bwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked):
+    shapes = _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked)
     ws = {}
     for name in shapes:
         shape, dtype = shapes[name]
@@ -308,36 +356,37 @@ def _bwd_workspace(kb, D, fc, io_dtype, slot_dtype, chunked):
     return ws
 
 
-def _resident(parts, nt, D, fc, io_dtype):
-    """One backward buffer set: nt tiles of `parts` slots (tokens on partitions) of x and affinity * dy ([parts,
-    nt, D]) and of dg, du, h ([parts, nt, fc]), filled by an expert's pieces, read by its weight-gradient phase."""
+def _resident(TS, NT, D, FC, io_dtype):
+    """One backward buffer set: NT tiles of TS slots (tokens on partitions) of x and dy ([TS, NT, D]) and of dg, du,
+    h ([TS, NT, FC]), filled by an expert's pieces, read by its weight-gradient phase. "dy" holds dy, then (scaled
+    in place by the piece) affinity * dy, the operand dW_down contracts."""
     return {
-        "x": nl.ndarray((parts, nt, D), dtype=io_dtype, buffer=nl.sbuf, name="x_res"),
-        "dy": nl.ndarray((parts, nt, D), dtype=io_dtype, buffer=nl.sbuf, name="dy_res"),
-        "dg": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="dg_res"),
-        "du": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="du_res"),
-        "h": nl.ndarray((parts, nt, fc), dtype=io_dtype, buffer=nl.sbuf, name="h_res"),
+        "x": nl.ndarray((TS, NT, D), dtype=io_dtype, buffer=nl.sbuf, name="x_res"),
+        "dy": nl.ndarray((TS, NT, D), dtype=io_dtype, buffer=nl.sbuf, name="dy_res"),
+        "dg": nl.ndarray((TS, NT, FC), dtype=io_dtype, buffer=nl.sbuf, name="dg_res"),
+        "du": nl.ndarray((TS, NT, FC), dtype=io_dtype, buffer=nl.sbuf, name="du_res"),
+        "h": nl.ndarray((TS, NT, FC), dtype=io_dtype, buffer=nl.sbuf, name="h_res"),
     }
 
 
-PER_SLOT_3D = ("xT", "g", "u", "silu", "dsilu", "h", "dyT", "dh", "dg", "du")  # [parts, tiles, kb] feature-major
-PER_SLOT_2D = ("tmp1", "aff_b", "row", "row2", "row_io")  # [parts, kb]
+PER_SLOT_3D = ("xT", "g", "u", "silu", "dsilu", "h", "dyT", "dh", "dg", "du")  # [parts, tiles, KB] feature-major
+PER_SLOT_2D = ("h_dh", "aff_bcast", "d_aff", "d_aff_prev", "aff_row")  # [parts, KB]
 
 
-def _ws_view(ws, kb):
-    """The workspace cut to a kb-slot piece (kb <= the workspace's block): every per-slot tile sliced to kb."""
+def _ws_view(ws, B):
+    """The workspace cut to a B-slot piece (B <= KB, the workspace's block): every per-slot tile sliced to B."""
     v = {}
     for key in ws:
         t = ws[key]
         if isinstance(t, list):  # token-major sub-tiles
             tiles = []
-            for s in range(_ntiles(kb, P)):
-                tiles.append(t[s][0:_width(kb, P, s), 0:t[s].shape[1]])
+            for s in range(_ntiles(B, P)):
+                tiles.append(t[s][0:_width(B, P, s), 0:t[s].shape[1]])
             v[key] = tiles
         elif key in PER_SLOT_3D:
-            v[key] = t[0:t.shape[0], 0:t.shape[1], 0:kb]
+            v[key] = t[0:t.shape[0], 0:t.shape[1], 0:B]
         elif key in PER_SLOT_2D:
-            v[key] = t[0:t.shape[0], 0:kb]
+            v[key] = t[0:t.shape[0], 0:B]
         else:
             v[key] = t
     return v
@@ -345,14 +394,14 @@ def _ws_view(ws, kb):
 
 def _tok(tiles, tile, s, parts, c0, cols):
     """[parts, cols] at columns c0.. of token sub-tile s of a block: a workspace tile (`tiles` a list) or a resident
-    tile of a buffer [TS, nt, width]: tile (tile + s), `tile` an int32 SBUF [1, 1] tile or loop register holding the
+    tile of a buffer [TS, NT, width]: tile (tile + s), `tile` an int32 SBUF [1, 1] tile or loop register holding the
     runtime tile index, or None (tile s)."""
     if isinstance(tiles, list):
         return tiles[s][0:parts, c0:c0 + cols]
     if tile is None:
         return tiles[0:parts, s, c0:c0 + cols]
-    nt, width = tiles.shape[1], tiles.shape[2]
-    return tiles.ap(pattern=[[nt * width, parts], [1, cols]], offset=s * width + c0, scalar_offset=tile,
+    NT, width = tiles.shape[1], tiles.shape[2]
+    return tiles.ap(pattern=[[NT * width, parts], [1, cols]], offset=s * width + c0, scalar_offset=tile,
                     indirect_dim=1)
 
 
@@ -365,19 +414,19 @@ def _transpose_into(dst, src, ps):
     nisa.tensor_copy(dst=dst, src=staged)
 
 
-def _feature_major(out, tok, tile, kb, width, ps):
-    """out [min(P, width), n_tiles, kb] <- the block's token-major tiles (`_tok`), features on partitions."""
+def _feature_major(out, tok, tile, B, width, ps):
+    """out [min(P, width), n_tiles, B] <- the block's token-major tiles (`_tok`), features on partitions."""
     for j in range(_ntiles(width, P)):
         fl = _width(width, P, j)
-        for s in range(_ntiles(kb, P)):
-            sl = _width(kb, P, s)
+        for s in range(_ntiles(B, P)):
+            sl = _width(B, P, s)
             _transpose_into(out[0:fl, j, s * P:s * P + sl], _tok(tok, tile, s, sl, j * P, fl), ps)
 
 
-def _token_major(tok, tile, feature, kb, width, ps):
+def _token_major(tok, tile, feature, B, width, ps):
     """Inverse of `_feature_major`: fill the block's token-major tiles from a feature-major one."""
-    for s in range(_ntiles(kb, P)):
-        sl = _width(kb, P, s)
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
         for j in range(_ntiles(width, P)):
             fl = _width(width, P, j)
             _transpose_into(_tok(tok, tile, s, sl, j * P, fl), feature[0:fl, j, s * P:s * P + sl], ps)
@@ -391,79 +440,80 @@ def _gather_into(dst, src, index):
                                       indirect_dim=0))
 
 
-def _load_block(dsts, tile, srcs, token_index, b, kb):
+def _load_block(dsts, tile, srcs, token_index, grp, B):
     """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` into its token-major tiles in `dsts` (see
     `_tok`; padding slots read the zero row T)."""
-    for s in range(_ntiles(kb, P)):
-        sl = _width(kb, P, s)
-        index = _block_column(token_index, b, s * P, sl, I32)
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
+        index = _block_column(token_index, grp, s * P, sl, I32)
         for i in range(len(srcs)):
             _gather_into(_tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], index)
 
 
-def _affinities(slot_weight, b, kb):
+def _affinities(slot_weight, grp, B):
     out = []
-    for s in range(_ntiles(kb, P)):
-        out.append(_block_column(slot_weight, b, s * P, _width(kb, P, s), F32))
+    for s in range(_ntiles(B, P)):
+        out.append(_block_column(slot_weight, grp, s * P, _width(B, P, s), F32))
     return out
 
 
-def _project(out, w_res, xT, kb, D, n_out, ps):
-    """out ([min(P, n_out), n_tiles, kb]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]. Evicted
+def _project(out, w_res, xT, B, D, n_out, ps):
+    """out ([min(P, n_out), n_tiles, B]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]. Evicted
     from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
-        acc = ps["acc"][0:fl, 0:kb]
+        acc = ps["acc"][0:fl, 0:B]
         for j in range(_ntiles(D, P)):
             dl = _width(D, P, j)
-            nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:kb],
+            nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:B],
                            accumulate=j > 0)
-        nisa.tensor_copy(dst=out[0:fl, i, 0:kb], src=acc, engine=nisa.engine.scalar)
+        nisa.tensor_copy(dst=out[0:fl, i, 0:B], src=acc, engine=nisa.engine.scalar)
 
 
-def _swiglu(ws, F, kb):
+def _swiglu(ws, FC, B):
     """silu = silu(g) (Scalar Engine), hT = silu * u; backward (ws has "dsilu") also silu'(g). All in the io dtype,
     as the torch reference computes them (bf16 operands give the Vector Engine its performance mode)."""
-    for i in range(_ntiles(F, P)):
-        fl = _width(F, P, i)
-        g, silu = ws["g"][0:fl, i, 0:kb], ws["silu"][0:fl, i, 0:kb]
+    for i in range(_ntiles(FC, P)):
+        fl = _width(FC, P, i)
+        g, silu = ws["g"][0:fl, i, 0:B], ws["silu"][0:fl, i, 0:B]
         nisa.activation(dst=silu, op=nl.silu, data=g)
         if "dsilu" in ws:
-            nisa.activation(dst=ws["dsilu"][0:fl, i, 0:kb], op=nl.silu_dx, data=g)
-        nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:kb], data1=silu, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
+            nisa.activation(dst=ws["dsilu"][0:fl, i, 0:B], op=nl.silu_dx, data=g)
+        nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:B], data1=silu, data2=ws["u"][0:fl, i, 0:B], op=nl.multiply)
 
 
-def _saved_columns(saved, f0, fl, row0, kb):
-    """HBM view saved[f0 : f0 + fl, row0 : row0 + kb] of an [F, slots] tensor (row0 an int32 SBUF [1, 1] tile)."""
+def _saved_columns(saved, f0, fl, row0, B):
+    """HBM view saved[f0 : f0 + fl, row0 : row0 + B] of an [F, NS] tensor (row0 an int32 SBUF [1, 1] tile)."""
     NS = saved.shape[1]
-    return saved.ap(pattern=[[NS, fl], [1, kb]], offset=f0 * NS, scalar_offset=row0, indirect_dim=1)
+    return saved.ap(pattern=[[NS, fl], [1, B]], offset=f0 * NS, scalar_offset=row0, indirect_dim=1)
 
 
-def _saved_tiles(saved, tiles, f0, F, row0, kb):
-    """[(HBM view, tile view)] pairs covering saved[f0 : f0 + F, row0 : row0 + kb] of an [F, slots] tensor and the
-    feature-major tile [min(P, F), n_tiles, kb]: one pair for all whole 128-row tiles, one for a remainder."""
+def _saved_tiles(saved, tiles, f0, FC, row0, B):
+    """[(HBM view, tile view)] pairs covering saved[f0 : f0 + FC, row0 : row0 + B] of an [F, NS] tensor and the
+    feature-major tile [min(P, FC), FC/128, B]: one pair for all whole 128-row tiles, one for a remainder."""
     NS = saved.shape[1]
-    fp = min(P, F)
-    nfull = F // fp
+    fp = min(P, FC)
+    nfull = FC // fp
     if nfull > 1:
-        pairs = [(saved.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, kb]], offset=f0 * NS, scalar_offset=row0,
-                           indirect_dim=1), tiles[0:fp, 0:nfull, 0:kb])]
+        pairs = [(saved.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, B]], offset=f0 * NS, scalar_offset=row0,
+                           indirect_dim=1), tiles[0:fp, 0:nfull, 0:B])]
     else:
-        pairs = [(_saved_columns(saved, f0, fp, row0, kb), tiles[0:fp, 0, 0:kb])]
-    rem = F - nfull * fp
+        pairs = [(_saved_columns(saved, f0, fp, row0, B), tiles[0:fp, 0, 0:B])]
+    rem = FC - nfull * fp
     if rem > 0:
-        pairs.append((_saved_columns(saved, f0 + nfull * fp, rem, row0, kb), tiles[0:rem, nfull, 0:kb]))
+        pairs.append((_saved_columns(saved, f0 + nfull * fp, rem, row0, B), tiles[0:rem, nfull, 0:B]))
     return pairs
 
 
-def _save_feature_major(saved, tiles, f0, F, row0, kb):
-    """saved[f0 : f0 + F, slots of the block] <- feature-major tiles [min(P, F), n_tiles, kb]."""
-    for pair in _saved_tiles(saved, tiles, f0, F, row0, kb):
+def _save_feature_major(saved, tiles, f0, FC, row0, B):
+    """saved[f0 : f0 + FC, slots of the piece] <- feature-major tiles [min(P, FC), FC/128, B]."""
+    for pair in _saved_tiles(saved, tiles, f0, FC, row0, B):
         nisa.dma_copy(dst=pair[0], src=pair[1])
 
 
-def _load_feature_major(tiles, saved, f0, F, row0, kb):
-    for pair in _saved_tiles(saved, tiles, f0, F, row0, kb):
+def _load_feature_major(tiles, saved, f0, FC, row0, B):
+    """Inverse of `_save_feature_major`."""
+    for pair in _saved_tiles(saved, tiles, f0, FC, row0, B):
         nisa.dma_copy(dst=pair[1], src=pair[0])
 
 
@@ -472,11 +522,14 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
 
     Token tiles are split across the cores, the same number per core (the host pads the tile count to a multiple
     of the LNC: one trip count for both cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
+
+    Dimensions:
+        nT, TT, K: token tiles, tokens per tile, experts per token (`slot_of_assignment` [nT, TT, K]);
+        NS, D: slots and hidden size (`slots` [NS, D]).
     """
     nT, TT, K = slot_of_assignment.shape
     D = slots.shape[1]
-    assert nT % lnc == 0, f"{nT} token tiles for {lnc} cores: the host pads the tile count to a multiple of the LNC"
-    per = nT // lnc
+    per = nT // lnc  # nT is a multiple of LNC (checked on entry)
     where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
     part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
     acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
@@ -512,12 +565,12 @@ def _count(count):
 
 
 def _listed(table, count, pid, body):
-    """Compiled loop over the first `count` entries of this core's column of a per-core [lnc * U, 1] int32 table:
-    body(entry as an int32 SBUF [1, 1] tile)."""
-    U = table.shape[0] // nl.num_programs(0)
+    """Compiled loop over the first `count` entries of this core's part of a per-core [LNC * n, 1] int32 table
+    (`fill_rows`: n = U, `zero_rows`: n = Z): body(entry as an int32 SBUF [1, 1] tile)."""
+    n = table.shape[0] // nl.num_programs(0)
 
     def each(i):
-        body(_load_entry(table, pid * U, 0, i))
+        body(_load_entry(table, pid * n, 0, i))
 
     nl.fori_loop(0, _count(count), each)
 
@@ -529,115 +582,116 @@ def _slot_window(slots, row0, s0, sl, c0, cl):
 
 
 def _evict_rows(ws, acc, scale, sl, c0, cl):
-    """ws["chunk"][0:sl, c0:c0 + cl] = acc * scale (scale None: acc), evicted from PSUM by the Scalar Engine."""
-    chunk = ws["chunk"][0:sl, c0:c0 + cl]
+    """ws["out_rows"][0:sl, c0:c0 + cl] = acc * scale (scale None: acc), evicted from PSUM by the Scalar Engine."""
+    rows = ws["out_rows"][0:sl, c0:c0 + cl]
     if scale is None:
-        nisa.tensor_copy(dst=chunk, src=acc, engine=nisa.engine.scalar)
+        nisa.tensor_copy(dst=rows, src=acc, engine=nisa.engine.scalar)
     else:
-        nisa.tensor_scalar(dst=chunk, data=acc, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
+        nisa.tensor_scalar(dst=rows, data=acc, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
 
 
 def _write_rows(dst_slots, ws, row0, s0, sl, first):
-    """Slot rows [s0, s0 + sl) of the block <- ws["chunk"][0:sl, :] in one DMA for the first F chunk; later chunks
-    add to the partial sums (read-modify-write of the fp32 scratch; the rows belong to this core's block)."""
+    """Slot rows [s0, s0 + sl) of the piece <- ws["out_rows"][0:sl, :] in one DMA for the first F chunk; later
+    chunks add to the partial sums (read-modify-write of the fp32 scratch; the rows belong to this core's piece)."""
     D = dst_slots.shape[1]
-    chunk = ws["chunk"][0:sl, 0:D]
+    rows = ws["out_rows"][0:sl, 0:D]
     if not first:
-        prev = ws["prev"][0:sl, 0:D]
-        nisa.dma_copy(dst=prev, src=_slot_window(dst_slots, row0, s0, sl, 0, D))
-        nisa.tensor_tensor(dst=chunk, data1=chunk, data2=prev, op=nl.add)
-    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, 0, D), src=chunk)
+        partial = ws["partial"][0:sl, 0:D]
+        nisa.dma_copy(dst=partial, src=_slot_window(dst_slots, row0, s0, sl, 0, D))
+        nisa.tensor_tensor(dst=rows, data1=rows, data2=partial, op=nl.add)
+    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, 0, D), src=rows)
 
 
 def _piece_classes(token_index, seg_table, first_class_col):
-    """Slots per piece of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column pair
-    of seg_table from `first_class_col` on)."""
+    """B of each piece class: KB, KB/2, ..., G (G = token_index.shape[1], one class per column pair of seg_table
+    from `first_class_col` on)."""
     L = (seg_table.shape[1] - first_class_col) // 2
     return piece_widths(token_index.shape[1] * 2 ** (L - 1), L)
 
 
-def _load_weights(mats, row_chunked, e, f0, fl, D):
-    """The F chunk [f0, f0 + fl) of expert e of each matrix, resident: [E, F, D] matrices by rows
-    (`row_chunked`), [E, D, F] ones by columns."""
-    w = []
-    for i in range(len(mats)):
-        if row_chunked[i]:  # [min(P, fl), nF, D]: rows [f0, f0 + fl) of the [F, D] matrix
-            w.append(_load_expert_matrix(mats[i], e, f0, fl, 0, D))
-        else:  # [min(P, D), nD, fl]: columns [f0, f0 + fl) of the [D, F] matrix
-            w.append(_load_expert_matrix(mats[i], e, 0, D, f0, fl))
-    return w
-
-
 # -- forward -----------------------------------------------------------------------------------------------------------
-def _forward_block(grp, row0, hbm, w, ws, ps, kb, f0, first):
-    """One kb-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables) against one F
-    chunk [f0, f0 + F) (w: W_gate^T, W_up^T and W_down^T of that chunk, resident)."""
-    D, F = hbm["x"].shape[1], w[0].shape[2]
-    _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], grp, kb)
-    affinity = _affinities(hbm["weight"], grp, kb)
-    _feature_major(ws["xT"], ws["x"], None, kb, D, ps)
-    _project(ws["g"], w[0], ws["xT"], kb, D, F, ps)
-    _project(ws["u"], w[1], ws["xT"], kb, D, F, ps)
-    _save_feature_major(hbm["g_saved"], ws["g"], f0, F, row0, kb)  # for the backward: no recompute there
-    _save_feature_major(hbm["u_saved"], ws["u"], f0, F, row0, kb)
-    _swiglu(ws, F, kb)
+def _forward_weights(hbm_w, e, f0, FC):
+    """The F chunk [f0, f0 + FC) of expert e, resident for the forward: gate and up F on columns ([min(P, D),
+    D/128, FC] of W^T: the stationary of gT, uT = W @ xT), down F on rows ([min(P, FC), FC/128, D] of W_down^T: the
+    moving of y = h @ W_down^T). `hbm_w`: the forward's transposed [E, D, F], [E, D, F], [E, F, D] arguments."""
+    return ExpertWeights(gate=_f_columns(hbm_w.gate, e, f0, FC), up=_f_columns(hbm_w.up, e, f0, FC),
+                         down=_f_rows(hbm_w.down, e, f0, FC))
+
+
+def _forward_block(grp, row0, hbm, w, ws, ps, B, f0, first):
+    """One B-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables) against one F chunk
+    [f0, f0 + FC) (w: that chunk of the expert's weights, resident as `_forward_weights` lays them out).
+
+    Dimensions:
+        B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, D), D/128, FC]).
+    """
+    D, FC = hbm["x"].shape[1], w.gate.shape[2]
+    _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], grp, B)
+    affinity = _affinities(hbm["weight"], grp, B)
+    _feature_major(ws["xT"], ws["x"], None, B, D, ps)
+    _project(ws["g"], w.gate, ws["xT"], B, D, FC, ps)
+    _project(ws["u"], w.up, ws["xT"], B, D, FC, ps)
+    _save_feature_major(hbm["g_saved"], ws["g"], f0, FC, row0, B)  # for the backward: no recompute there
+    _save_feature_major(hbm["u_saved"], ws["u"], f0, FC, row0, B)
+    _swiglu(ws, FC, B)
     for s in range(len(ws["x"])):
-        sl = _width(kb, P, s)
+        sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
             acc = ps["acc"][0:sl, 0:cl]
-            for i in range(_ntiles(F, P)):
-                fl = _width(F, P, i)
+            for i in range(_ntiles(FC, P)):
+                fl = _width(FC, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
-                               moving=w[2][0:fl, i, c0:c0 + cl], accumulate=i > 0)
+                               moving=w.down[0:fl, i, c0:c0 + cl], accumulate=i > 0)
             _evict_rows(ws, acc, affinity[s], sl, c0, cl)
         _write_rows(hbm["slots"], ws, row0, s * P, sl, first)
 
 
-def _pieces(piece, begin, end, hbm, w, ws, res, ps, kb, f0, first):
-    """Rows [begin, end) of `piece` (registers), all of one width class kb, against the resident F chunk `w` of the
-    segment's expert: a compiled loop whose body (one kb-slot block) is traced once. `res` None: the forward block;
-    else the backward's buffer set for this class ("tile" True: the main tiles, indexed by piece column 2)."""
+def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
+    """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
+    the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
+    block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
+    of `piece`; else a tail class's one-tile buffer)."""
 
     def body(j):
         grp = _load_entry(piece, 0, 0, j)
         row0 = _load_entry(piece, 0, 1, j)
         if res is None:
-            _forward_block(grp, row0, hbm, w, ws, ps, kb, f0, first)
+            _forward_block(grp, row0, hbm, w, ws, ps, B, f0, first)
         else:
-            tile = _load_entry(piece, 0, 2, j) if res["tile"] else None
-            _backward_block(grp, row0, tile, hbm, w, ws, res, ps, kb, f0, first)
+            tile = _load_entry(piece, 0, 2, j) if indexed else None
+            _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first)
 
     nl.fori_loop(begin, end, body)
 
 
-def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, mats):
+def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     """This core's expert segments (its own function so the workspace is freed before the combine). Per segment
-    position (one expert) and F chunk: load the chunk of W_gate^T, W_up^T, W_down^T once (resident, reused by every
-    piece of the segment), then run the segment's full KB blocks and its tail's KB/2, ..., G pieces (0 or 1 each,
-    plus the position's no-op pieces), each class a compiled loop over its rows of `piece`."""
+    position (one expert) and F chunk: load the chunk of the expert's weights once (resident, reused by every piece
+    of the segment), then run the segment's full KB blocks and its tail's KB/2, ..., G pieces (0 or 1 each, plus
+    the position's no-op pieces), each class a compiled loop over its rows of `piece`."""
     x_pad = hbm["x"]
-    D, F = x_pad.shape[1], mats[0].shape[2]
+    D, F = x_pad.shape[1], hbm_w.gate.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    fc = _f_chunk(D, F, x_pad.dtype.itemsize, len(mats))
-    ws = _fwd_workspace(widths[0], D, fc, x_pad.dtype, hbm["slots"].dtype, fc < F)
+    FC = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
+    ws = _fwd_workspace(widths[0], D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F)
     ps = _psum_pool(x_pad.dtype)
 
     def segment(s):
         e = _load_entry(seg_table, pid * S, 0, s)
-        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices do not fit SBUF
-            f0, fl = c * fc, _width(F, fc, c)
-            w = _load_weights(mats, (False, False, True), e, f0, fl, D)  # W^T[:, chunk] x 2, W_down^T[chunk, :]
+        for c in range(_ntiles(F, FC)):  # one chunk (all of F) unless the matrices do not fit SBUF
+            f0 = c * FC
+            w = _forward_weights(hbm_w, e, f0, _width(F, FC, c))
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
                 begin, end = _bounds(seg_table, pid * S, 3 + 2 * k, s)
-                _pieces(piece, begin, end, hbm, w, _ws_view(ws, widths[k]), None, ps, widths[k], f0, c == 0)
+                _pieces(piece, begin, end, hbm, w, _ws_view(ws, widths[k]), None, False, ps, widths[k], f0, c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
     nl.fori_loop(0, _count(seg_count), segment)
 
 
 def _zero_saved(saved, G, fill_rows, fill_count, pid):
-    """Zero G slot columns from each slot row listed for this core in `fill_rows`, in every [F, slots] tensor of
+    """Zero G slot columns from each slot row listed for this core in `fill_rows`, in every [F, NS] tensor of
     `saved` (the slot groups no piece computes: the unused ones and the core's no-op area; the kernel returns these
     tensors, so every element gets written). One DMA per group and tensor covers all whole 128-row tiles of F."""
     F = saved[0].shape[0]
@@ -658,14 +712,57 @@ def _zero_saved(saved, G, fill_rows, fill_count, pid):
     _listed(fill_rows, fill_count, pid, group)
 
 
+# -- entry checks ------------------------------------------------------------------------------------------------------
+def _expect(t, name, dims, shape, dtype):
+    """Entry check of one kernel argument: its dtype and shape (`shape`: one size per dim, None where any size goes;
+    `dims` the shape in this file's letters, for the message)."""
+    ok = t.dtype == dtype and len(t.shape) == len(shape)
+    if ok:
+        for i in range(len(shape)):
+            ok = ok and (shape[i] is None or t.shape[i] == shape[i])
+    assert ok, (f"{name} must be {dims} {dtype}, got {tuple(t.shape)} {t.dtype}: pass the tables of "
+                "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
+
+
+def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc):
+    """Entry checks of the host tables both kernels take (`autograd.KernelPlan`); returns L, the piece classes."""
+    _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
+    _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
+    _expect(piece, "piece", "[M, 3]", (None, 3), I32)
+    _expect(seg_table, "seg_table", "[LNC * S, 3 + 2L]", (None, None), I32)
+    L = (seg_table.shape[1] - 3) // 2
+    assert L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, (
+        f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+    _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
+    _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
+    assert slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, (
+        f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
+        f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
+    return L
+
+
+def _expect_per_core(rows, count, names, lnc):
+    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count; `names`:
+    the two arguments' names."""
+    _expect(rows, names[0], "[LNC * n, 1]", (None, 1), I32)
+    assert rows.shape[0] % lnc == 0, f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}"
+    _expect(count, names[1], "[1, 1]", (1, 1), I32)
+
+
 @nki.jit
 def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count,
                       slot_of_assignment, w_gate_t, w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
 
-    Slots come in groups of G (each expert's slots padded to a multiple of G, and to at least one 128-slot tile);
+    Slots come in groups of G (each expert's slots padded to a multiple of G, and to at least one TS-slot tile);
     an expert's groups are computed as full blocks of KB = G * 2^(L-1) slots, then its tail as at most one piece
     each of KB/2, ..., G slots.
+
+    Dimensions:
+        T, D: tokens, hidden size; E, F: experts and their intermediate size; K: experts per token
+        G, NG: slot granule and slot groups (NS = NG * G slots); L: piece classes (KB = G * 2^(L-1))
+        M: piece rows; S: segment positions per core; U: slot groups per core in fill_rows
+        nT, TT: token tiles (a multiple of LNC) and tokens per tile
 
     Args:
         x_pad: [T+1, D] hidden states, row T zeros (read by padding slots); io dtype (bf16 on device).
@@ -674,135 +771,184 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
         piece: [M, 3] int32, per piece its first slot group, first slot row (group * G) and, in the backward,
             first resident tile; rows grouped by class.
-        seg_table: [lnc * S, 3 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
+        seg_table: [LNC * S, 3 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, then per piece class k (KB >> k slots) the [begin, end)
             rows of `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
-        fill_rows: [lnc * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
+        fill_rows: [LNC * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
             no-op area, its share of the unused groups; padded with its no-op area), zero-filled in g_saved, u_saved.
         fill_count: [1, 1] int32, groups zero-filled per core (the same on every core).
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
             LNC (padded tokens point at any real slot; the host drops their rows).
-        w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed).
+        w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed); io dtype.
 
     Returns:
         out: [nT, TT, D] io dtype, sum over k of affinity * expert_mlp(x);
-        g_saved, u_saved: [F, NG * G] io dtype, gT = W_gate x and uT = W_up x of every slot (feature-major; zeros
+        g_saved, u_saved: [F, NS] io dtype, gT = W_gate x and uT = W_up x of every slot (feature-major; zeros
             on padding and no-op slots and on the groups no piece computes): saved for the backward, which then
             needs neither the gate/up recompute nor the transposed gate/up weights. Live from forward to backward.
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
+    _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
+    io, D = x_pad.dtype, x_pad.shape[1]
+    _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
+    _expect_per_core(fill_rows, fill_count, ("fill_rows", "fill_count"), lnc)
+    _expect(w_gate_t, "w_gate_t", "[E, D, F] (D of x_pad, io dtype)", (None, D, None), io)
+    E, F = w_gate_t.shape[0], w_gate_t.shape[2]
+    _expect(w_up_t, "w_up_t", "[E, D, F] (w_gate_t's shape)", (E, D, F), io)
+    _expect(w_down_t, "w_down_t", "[E, F, D]", (E, F, D), io)
     ng, G = token_index.shape
-    D = x_pad.shape[1]
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    F = w_gate_t.shape[2]
-    chunked = _f_chunk(D, F, x_pad.dtype.itemsize, 3) < F
-    y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else x_pad.dtype, buffer=nl.shared_hbm, name="y_slots")
-    g_saved = nl.ndarray((F, ng * G), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="g_saved")
-    u_saved = nl.ndarray((F, ng * G), dtype=x_pad.dtype, buffer=nl.shared_hbm, name="u_saved")
+    chunked = _f_chunk(D, F, io.itemsize, 3) < F
+    y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="y_slots")
+    g_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="g_saved")
+    u_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="u_saved")
     hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots, "g_saved": g_saved,
            "u_saved": u_saved}
     _zero_saved((g_saved, u_saved), G, fill_rows, fill_count, pid)
-    _forward_segments(pid, S, hbm, piece, seg_table, seg_count, (w_gate_t, w_up_t, w_down_t))
+    _forward_segments(pid, S, hbm, piece, seg_table, seg_count, ExpertWeights(w_gate_t, w_up_t, w_down_t))
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
-    out = nl.ndarray((nT, TT, D), dtype=x_pad.dtype, buffer=nl.shared_hbm)
+    out = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
     _combine(out, y_slots, slot_of_assignment, pid, lnc)
     return out, g_saved, u_saved
 
 
 # -- backward ----------------------------------------------------------------------------------------------------------
-def _broadcast_row(ws, slot_weight, b, parts, kb, ps):
-    """ws["aff_b"] [parts, kb], every partition a copy of slot_weight[b, :]: ones[1, parts]^T @ row (PE)."""
-    nisa.dma_copy(dst=ws["row_io"], src=slot_weight.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
-                                                       indirect_dim=0))
-    acc = ps["acc"][0:parts, 0:kb]
-    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["row_io"], accumulate=False)
-    nisa.tensor_copy(dst=ws["aff_b"], src=acc)
+def _backward_weights(hbm_w, e, f0, FC):
+    """The F chunk [f0, f0 + FC) of expert e, resident for the backward, all in torchtitan's layouts: down F on
+    columns ([min(P, D), D/128, FC] of W_down: the stationary of dhT = (dy @ W_down)^T), gate and up F on rows
+    ([min(P, FC), FC/128, D]: the moving of dx = dg @ W_gate + du @ W_up). Loaded down first, then gate, up."""
+    down = _f_columns(hbm_w.down, e, f0, FC)
+    gate = _f_rows(hbm_w.gate, e, f0, FC)
+    up = _f_rows(hbm_w.up, e, f0, FC)
+    return ExpertWeights(gate=gate, up=up, down=down)
 
 
-def _swiglu_backward(ws, d_slot, b, kb, F, ps, first):
-    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads d_slot[b, :].
+def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
+    """ws["aff_bcast"] [parts, B], every partition a copy of the piece's slot weights (ws["aff_row"] <-
+    slot_weight from group grp on): ones[1, parts]^T @ row (PE)."""
+    nisa.dma_copy(dst=ws["aff_row"], src=slot_weight.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp,
+                                                        indirect_dim=0))
+    acc = ps["acc"][0:parts, 0:B]
+    nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["aff_row"], accumulate=False)
+    nisa.tensor_copy(dst=ws["aff_bcast"], src=acc)
+
+
+def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first):
+    """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads of the piece's
+    slots, d_slot from group grp on.
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
-    then dh *= affinity, du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's silu_dx).
+    then dh *= affinity (in place), du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's
+    silu_dx).
+
+    Dimensions:
+        B: the piece's slots; FC: the F chunk's width (the workspace's feature tiles [min(P, FC), FC/128, B]).
     """
-    d_aff = ps["aff"][0:1, 0:kb]
-    for i in range(_ntiles(F, P)):
-        fl = _width(F, P, i)
-        dh, dg, t1 = ws["dh"][0:fl, i, 0:kb], ws["dg"][0:fl, i, 0:kb], ws["tmp1"][0:fl, 0:kb]
-        nisa.tensor_tensor(dst=t1, data1=ws["h"][0:fl, i, 0:kb], data2=dh, op=nl.multiply)
-        nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=t1, accumulate=i > 0)
-        nisa.tensor_tensor(dst=dh, data1=dh, data2=ws["aff_b"][0:fl, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:kb], data1=dh, data2=ws["silu"][0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=dg, data1=dh, data2=ws["u"][0:fl, i, 0:kb], op=nl.multiply)
-        nisa.tensor_tensor(dst=dg, data1=dg, data2=ws["dsilu"][0:fl, i, 0:kb], op=nl.multiply)
-    nisa.tensor_copy(dst=ws["row"], src=d_aff)
+    d_aff = ps["aff"][0:1, 0:B]
+    for i in range(_ntiles(FC, P)):
+        fl = _width(FC, P, i)
+        dh, dg, h_dh = ws["dh"][0:fl, i, 0:B], ws["dg"][0:fl, i, 0:B], ws["h_dh"][0:fl, 0:B]
+        nisa.tensor_tensor(dst=h_dh, data1=ws["h"][0:fl, i, 0:B], data2=dh, op=nl.multiply)
+        nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=h_dh, accumulate=i > 0)
+        nisa.tensor_tensor(dst=dh, data1=dh, data2=ws["aff_bcast"][0:fl, 0:B], op=nl.multiply)
+        nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:B], data1=dh, data2=ws["silu"][0:fl, i, 0:B], op=nl.multiply)
+        nisa.tensor_tensor(dst=dg, data1=dh, data2=ws["u"][0:fl, i, 0:B], op=nl.multiply)
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=ws["dsilu"][0:fl, i, 0:B], op=nl.multiply)
+    nisa.tensor_copy(dst=ws["d_aff"], src=d_aff)
     if not first:  # later F chunks add their partial sum over f
-        nisa.dma_copy(dst=ws["row2"], src=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b,
-                                                     indirect_dim=0))
-        nisa.tensor_tensor(dst=ws["row"], data1=ws["row"], data2=ws["row2"], op=nl.add)
-    nisa.dma_copy(dst=d_slot.ap(pattern=[[kb, 1], [1, kb]], offset=0, scalar_offset=b, indirect_dim=0),
-                  src=ws["row"])
+        nisa.dma_copy(dst=ws["d_aff_prev"], src=d_slot.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp,
+                                                           indirect_dim=0))
+        nisa.tensor_tensor(dst=ws["d_aff"], data1=ws["d_aff"], data2=ws["d_aff_prev"], op=nl.add)
+    nisa.dma_copy(dst=d_slot.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp, indirect_dim=0),
+                  src=ws["d_aff"])
 
 
-def _dx_block(dx_slots, ws, wg, wu, row0, kb, D, F, ps, first):
-    """dx_slots rows of the block = dg @ W_gate[e] + du @ W_up[e] (resident natural [min(P, F), nF, D] tiles)."""
-    for s in range(_ntiles(kb, P)):
-        sl = _width(kb, P, s)
+def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
+    """dx_slots rows of the piece = dg @ W_gate[e] + du @ W_up[e] (w: the resident chunk, `_backward_weights`).
+
+    Dimensions:
+        B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, FC), FC/128, D]).
+    """
+    FC = w.down.shape[2]
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
             acc = ps["acc"][0:sl, 0:cl]
-            for i in range(_ntiles(F, P)):
-                fl = _width(F, P, i)
+            for i in range(_ntiles(FC, P)):
+                fl = _width(FC, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["dg"][0:fl, i, s * P:s * P + sl],
-                               moving=wg[0:fl, i, c0:c0 + cl], accumulate=i > 0)
+                               moving=w.gate[0:fl, i, c0:c0 + cl], accumulate=i > 0)
                 nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
-                               moving=wu[0:fl, i, c0:c0 + cl], accumulate=True)
+                               moving=w.up[0:fl, i, c0:c0 + cl], accumulate=True)
             _evict_rows(ws, acc, None, sl, c0, cl)
         _write_rows(dx_slots, ws, row0, s * P, sl, first)
 
 
-def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, kb, f0, first):
-    """One kb-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + F) of the segment's expert
-    (w: that chunk's W_down columns and W_gate, W_up rows, resident). Leaves x, affinity * dy and the token-major
-    dg, du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them)."""
-    D, F = hbm["x"].shape[1], w[0].shape[2]
-    _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, kb)
-    affinity = _affinities(hbm["weight"], grp, kb)
-    _load_feature_major(ws["g"], hbm["g_saved"], f0, F, row0, kb)
-    _load_feature_major(ws["u"], hbm["u_saved"], f0, F, row0, kb)
-    _swiglu(ws, F, kb)
-    _feature_major(ws["dyT"], res["dy"], tile, kb, D, ps)
-    _project(ws["dh"], w[0], ws["dyT"], kb, D, F, ps)  # dhT = (dy @ W_down[e])^T
-    _broadcast_row(ws, hbm["weight"], grp, ws["aff_b"].shape[0], kb, ps)
-    _swiglu_backward(ws, hbm["d_slot"], grp, kb, F, ps, first)
-    _dx_block(hbm["slots"], ws, w[1], w[2], row0, kb, D, F, ps, first)
-    for s in range(_ntiles(kb, P)):  # dW_down contracts affinity * dy
-        dy = _tok(res["dy"], tile, s, _width(kb, P, s), 0, D)
+def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first):
+    """One B-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + FC) of the segment's expert
+    (w: that chunk, resident as `_backward_weights` lays it out). Leaves x, affinity * dy and the token-major dg,
+    du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them).
+
+    Dimensions:
+        B: the piece's slots; D: hidden size; FC: the chunk's width (w.down [min(P, D), D/128, FC]).
+    """
+    D, FC = hbm["x"].shape[1], w.down.shape[2]
+    _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, B)
+    affinity = _affinities(hbm["weight"], grp, B)
+    _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
+    _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
+    _swiglu(ws, FC, B)
+    _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
+    _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
+    _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
+    _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
+    _dx_block(hbm["slots"], ws, w, row0, B, D, ps, first)
+    for s in range(_ntiles(B, P)):  # in place: the resident dy becomes affinity * dy, what dW_down contracts
+        dy = _tok(res["dy"], tile, s, _width(B, P, s), 0, D)
         nisa.tensor_scalar(dst=dy, data=dy, op0=nl.multiply, operand0=affinity[s])
-    _token_major(res["dg"], tile, ws["dg"], kb, F, ps)
-    _token_major(res["du"], tile, ws["du"], kb, F, ps)
-    _token_major(res["h"], tile, ws["h"], kb, F, ps)
+    _token_major(res["dg"], tile, ws["dg"], B, FC, ps)
+    _token_major(res["du"], tile, ws["du"], B, FC, ps)
+    _token_major(res["h"], tile, ws["h"], B, FC, ps)
 
 
-def _dw_rows(D, fc):
-    """The output rows of one F chunk's weight gradients as (gradient, lhs, lhs column, rows, rhs, rhs column,
-    width, row, column): dW_gate / dW_up [fc, D] in rows of <= 128 (lhs dg / du, rhs x), dW_down [D, fc] (lhs
-    affinity * dy, rhs h); a row wider than DW_ROW_BANKS PSUM banks is split into segments of that many. Row and
-    column are relative to the chunk's window of the gradient."""
+GATE, UP, DOWN = 0, 1, 2  # positions of the fields of ExpertWeights (a DwRow's gradient)
+
+
+class DwRow(NamedTuple):
+    """One output row (band) of a weight gradient over one F chunk: dW[grad][row : row + rows, col : col + width]
+    (relative to the chunk's window) = lhs[:, lhs_col : lhs_col + rows]^T @ rhs[:, rhs_col : rhs_col + width],
+    summed over the resident tiles; lhs, rhs: names of resident buffers (`_resident`)."""
+
+    grad: int
+    lhs: str
+    lhs_col: int
+    rows: int
+    rhs: str
+    rhs_col: int
+    width: int
+    row: int
+    col: int
+
+
+def _dw_rows(D, FC):
+    """The output rows of one F chunk's weight gradients: dW_gate / dW_up [FC, D] in rows of <= 128 (lhs dg / du,
+    rhs x), dW_down [D, FC] (lhs affinity * dy, rhs h); a row wider than DW_ROW_BANKS PSUM banks is split into
+    segments of that many."""
     seg = DW_ROW_BANKS * MOVING_FMAX
     rows = []
-    for grad in range(2):
-        for i in range(_ntiles(fc, P)):
+    for grad in (GATE, UP):
+        for i in range(_ntiles(FC, P)):
             for c0 in range(0, D, seg):
-                rows.append((grad, "dg" if grad == 0 else "du", i * P, _width(fc, P, i), "x", c0, min(seg, D - c0),
-                             i * P, c0))
+                rows.append(DwRow(grad, "dg" if grad == GATE else "du", i * P, _width(FC, P, i), "x", c0,
+                                  min(seg, D - c0), i * P, c0))
     for j in range(_ntiles(D, P)):
-        for c0 in range(0, fc, seg):
-            rows.append((2, "dy", j * P, _width(D, P, j), "h", c0, min(seg, fc - c0), j * P, c0))
+        for c0 in range(0, FC, seg):
+            rows.append(DwRow(DOWN, "dy", j * P, _width(D, P, j), "h", c0, min(seg, FC - c0), j * P, c0))
     return rows
 
 
@@ -810,7 +956,7 @@ def _dw_groups(rows):
     """Consecutive rows packed into groups of at most DW_BANKS PSUM banks (one bank per 512 columns)."""
     groups, group, banks = [], [], 0
     for row in rows:
-        n = _ntiles(row[6], MOVING_FMAX)
+        n = _ntiles(row.width, MOVING_FMAX)
         if banks + n > DW_BANKS:
             groups.append(group)
             group, banks = [], 0
@@ -823,47 +969,50 @@ def _dw_groups(rows):
 def _contract(group, res, tile, ps_dw, accumulate):
     """Each row of `group` (one PSUM bank per 512 columns) += lhs^T @ rhs over one resident tile of `res` (tokens on
     partitions)."""
-    parts = res["x"].shape[0]
+    TS = res["x"].shape[0]
     bank = 0
     for row in group:
-        grad, lk, lc, lw, rk, rc, width, r, c = row
-        lhs = _tok(res[lk], tile, 0, parts, lc, lw)
-        for b in range(_ntiles(width, MOVING_FMAX)):
-            bw = _width(width, MOVING_FMAX, b)
-            nisa.nc_matmul(dst=ps_dw[bank][0:lw, 0:bw], stationary=lhs,
-                           moving=_tok(res[rk], tile, 0, parts, rc + b * MOVING_FMAX, bw), accumulate=accumulate)
+        lhs = _tok(res[row.lhs], tile, 0, TS, row.lhs_col, row.rows)
+        for b in range(_ntiles(row.width, MOVING_FMAX)):
+            bw = _width(row.width, MOVING_FMAX, b)
+            nisa.nc_matmul(dst=ps_dw[bank][0:row.rows, 0:bw], stationary=lhs,
+                           moving=_tok(res[row.rhs], tile, 0, TS, row.rhs_col + b * MOVING_FMAX, bw),
+                           accumulate=accumulate)
             bank += 1
 
 
-def _dw_window(dw, row, grad, f0, r, rows, c, cols):
-    """HBM view of a window of dW[row] (row an int32 SBUF [1, 1] tile): gate/up [F, D] chunk rows start at f0, down
-    [D, F] chunk columns."""
-    if grad < 2:
-        return _expert_window(dw, row, f0 + r, rows, c, cols)
-    return _expert_window(dw, row, r, rows, f0 + c, cols)
+def _dw_window(grads, e, row, f0):
+    """HBM view of `row` (a DwRow) of dW[e] (e an int32 SBUF [1, 1] tile): gate/up [F, D] chunk rows start at f0,
+    down [D, F] chunk columns."""
+    if row.grad == DOWN:
+        return _expert_window(grads[DOWN], e, row.row, row.rows, f0 + row.col, row.width)
+    return _expert_window(grads[row.grad], e, f0 + row.row, row.rows, row.col, row.width)
 
 
-def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, fl):
-    """dW of the sub-segment's expert over the F chunk [f0, f0 + fl): per group of rows (<= DW_BANKS PSUM banks),
+def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, FC):
+    """dW of the sub-segment's expert over the F chunk [f0, f0 + FC): per group of rows (<= DW_BANKS PSUM banks),
     main tile 0 opens the PSUM accumulation, a compiled loop adds tiles 1 .. n_tiles - 1, a 0/1-trip loop each tail
     buffer (the sub-segment's tail pieces); then each row is evicted once (Scalar Engine), written to dW[write_row]
     in one DMA and, in a continuation sub-segment (`cont` 1), added into dW[acc_row] by the DMA engines (the host
-    points unused rows at this core's dummy)."""
-    for group in _dw_groups(_dw_rows(res["x"].shape[2], fl)):
+    points unused rows at this core's dummy).
+
+    Dimensions:
+        D: hidden size (res["x"] [TS, NT, D]); FC: the chunk's width; grads: ExpertWeights of [E + LNC, ...].
+    """
+    for group in _dw_groups(_dw_rows(res["x"].shape[2], FC)):
         _contract(group, res, None, ps_dw, False)
         _contract_loop(group, res, True, 1, n_tiles, ps_dw)
         for k in range(len(tails)):
             _contract_loop(group, tails[k], False, tail_bounds[k][0], tail_bounds[k][1], ps_dw)
         bank = 0
         for row in group:
-            grad, lk, lc, lw, rk, rc, width, r, c = row
-            for b in range(_ntiles(width, MOVING_FMAX)):
-                bw = _width(width, MOVING_FMAX, b)
-                nisa.tensor_copy(dst=ws["stage"][0:lw, (bank + b) * MOVING_FMAX:(bank + b) * MOVING_FMAX + bw],
-                                 src=ps_dw[bank + b][0:lw, 0:bw], engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=_dw_window(grads[grad], write_row, grad, f0, r, lw, c, width),
-                          src=ws["stage"][0:lw, bank * MOVING_FMAX:bank * MOVING_FMAX + width])
-            bank += _ntiles(width, MOVING_FMAX)
+            for b in range(_ntiles(row.width, MOVING_FMAX)):
+                bw = _width(row.width, MOVING_FMAX, b)
+                nisa.tensor_copy(dst=ws["stage"][0:row.rows, (bank + b) * MOVING_FMAX:(bank + b) * MOVING_FMAX + bw],
+                                 src=ps_dw[bank + b][0:row.rows, 0:bw], engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=_dw_window(grads, write_row, row, f0),
+                          src=ws["stage"][0:row.rows, bank * MOVING_FMAX:bank * MOVING_FMAX + row.width])
+            bank += _ntiles(row.width, MOVING_FMAX)
         _add_into(grads, group, acc_row, cont, ws, f0)
 
 
@@ -882,11 +1031,10 @@ def _add_into(grads, group, acc_row, cont, ws, f0):
     def body(j):
         bank = 0
         for row in group:
-            grad, lk, lc, lw, rk, rc, width, r, c = row
-            window = _dw_window(grads[grad], acc_row, grad, f0, r, lw, c, width)
-            staged = ws["stage"][0:lw, bank * MOVING_FMAX:bank * MOVING_FMAX + width]
+            window = _dw_window(grads, acc_row, row, f0)
+            staged = ws["stage"][0:row.rows, bank * MOVING_FMAX:bank * MOVING_FMAX + row.width]
             nisa.dma_compute(dst=window, srcs=[window, staged], reduce_op=nl.add)
-            bank += _ntiles(width, MOVING_FMAX)
+            bank += _ntiles(row.width, MOVING_FMAX)
 
     nl.fori_loop(0, cont, body)
 
@@ -894,7 +1042,7 @@ def _add_into(grads, group, acc_row, cont, ws, f0):
 def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first):
     """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
     its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase."""
-    ts = tile_slots(widths[0])
+    TS = tile_slots(widths[0])
 
     def sub(j):
         write_row = _load_entry(sub_table, 0, 0, j)
@@ -904,33 +1052,31 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
         tail_bounds = []
         for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
             p_begin, p_end = _bounds(sub_table, 0, 4 + 2 * k, j)
-            target = res
-            if widths[k] < ts:
-                target = tails[len(tail_bounds)]
+            target, indexed = res, True
+            if widths[k] < TS:  # a tail class narrower than a tile: its own one-tile buffer
+                target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
-            _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, ps, widths[k], f0, first)
+            _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
+                    first)
         _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0,
-                      w[0].shape[2])
+                      w.down.shape[2])
 
     nl.fori_loop(begin, end, sub)
 
 
-def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, mats, grads):
-    """This core's expert segments, backward. Per segment position (one expert) and F chunk: load the chunk of
-    W_down, W_gate, W_up once, then run the position's sub-segments (one unless the expert has more tiles than fit
+def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_w, grads):
+    """This core's expert segments, backward. Per segment position (one expert) and F chunk: load the chunk of the
+    expert's weights once, then run the position's sub-segments (one unless the expert has more tiles than fit
     SBUF)."""
     x_pad = hbm["x"]
-    io, D, F = x_pad.dtype, x_pad.shape[1], mats[0].shape[2]
+    io, D, F = x_pad.dtype, x_pad.shape[1], hbm_w.down.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    fc, nt = _fit_backward(D, F, io, widths)
-    ws = _bwd_workspace(widths[0], D, fc, io, hbm["slots"].dtype, fc < F)
-    res = _resident(tile_slots(widths[0]), nt, D, fc, io)
-    res["tile"] = True
+    FC, NT = _fit_backward(D, F, io, widths)
+    ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F)
+    res = _resident(tile_slots(widths[0]), NT, D, FC, io)
     tails = []
-    for w in _tail_widths(widths):
-        tail = _resident(w, 1, D, fc, io)
-        tail["tile"] = False
-        tails.append(tail)
+    for B in _tail_widths(widths):
+        tails.append(_resident(B, 1, D, FC, io))
     ps = _psum_pool(io)
     ps_dw = []
     for _ in range(DW_BANKS):
@@ -939,12 +1085,12 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, mats
     def segment(s):
         e = _load_entry(seg_table, pid * S, 0, s)
         sub_begin, sub_end = _bounds(seg_table, pid * S, 1, s)
-        for c in range(_ntiles(F, fc)):  # one chunk (all of F) unless the matrices and tiles do not fit SBUF
-            f0, fl = c * fc, _width(F, fc, c)
-            w = _load_weights(mats, (False, True, True), e, f0, fl, D)  # W_down[:, chunk], W_gate/up[chunk, :]
+        for c in range(_ntiles(F, FC)):  # one chunk (all of F) unless the matrices and tiles do not fit SBUF
+            f0 = c * FC
+            w = _backward_weights(hbm_w, e, f0, _width(F, FC, c))
             _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0,
                           c == 0)
-            w = None
+            w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
     nl.fori_loop(0, _count(seg_count), segment)
 
@@ -985,38 +1131,51 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
                       zero_count, slot_of_assignment, g_saved, u_saved, w_down, w_gate, w_up):
     """Blockwise expert MLP backward (from the forward's saved gT, uT: no recompute); launch as `[lnc]`.
 
+    Dimensions:
+        T, D: tokens, hidden size; E, F: experts and their intermediate size
+        G, NG: slot granule and slot groups (NS = NG * G slots); L: piece classes
+        S: segment positions per core; J: sub-segments per position; Z: dW rows per core in zero_rows
+        nT, TT: token tiles (a multiple of LNC) and tokens per tile
+
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
         token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
-        sub_table: [R, 4 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the core's dummy
-            E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment, else the
-            dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its resident
-            tile count (the same on both cores), then per piece class the [begin, end) rows of `piece`.
-        zero_rows: [lnc * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
+        sub_table: [LNC * S * J, 4 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
+            core's dummy E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment,
+            else the dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its
+            resident tile count (the same on both cores), then per piece class the [begin, end) rows of `piece`.
+        zero_rows: [LNC * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
         zero_count: [1, 1] int32, rows zero-filled per core (the same on every core).
-        g_saved, u_saved: [F, NG * G] from `moe_blockwise_fwd`.
+        g_saved, u_saved: [F, NS] from `moe_blockwise_fwd`; io dtype.
         w_down: [E, D, F]; w_gate, w_up: [E, F, D] (torchtitan layouts, io dtype).
 
     Returns:
-        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E + lnc, F, D], dw_up [E + lnc, F, D],
-        dw_down [E + lnc, D, F] (io dtype; rows E.. are the cores' dummies: the host drops them).
+        dx [nT, TT, D] (io dtype), d_slot_weight [NG, G] fp32, dw_gate [E + LNC, F, D], dw_up [E + LNC, F, D],
+        dw_down [E + LNC, D, F] (io dtype; rows E.. are the cores' dummies: the host drops them).
     """
     pid = nl.program_id(0)
     lnc = nl.num_programs(0)
+    _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
+    io, D = x_pad.dtype, x_pad.shape[1]
+    _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
+    L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
+    _expect(sub_table, "sub_table", "[LNC * S * J, 4 + 2L] (L of seg_table)", (None, 4 + 2 * L), I32)
+    _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
+    _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
+    E, F = w_gate.shape[0], w_gate.shape[1]
+    _expect(w_up, "w_up", "[E, F, D] (w_gate's shape)", (E, F, D), io)
+    _expect(w_down, "w_down", "[E, D, F]", (E, D, F), io)
     ng, G = token_index.shape
-    D = x_pad.shape[1]
+    _expect(g_saved, "g_saved", "[F, NS]", (F, ng * G), io)
+    _expect(u_saved, "u_saved", "[F, NS]", (F, ng * G), io)
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    io = x_pad.dtype
-    E, F = w_gate.shape[0], w_gate.shape[1]
-    L = (seg_table.shape[1] - 3) // 2
-    fc = _fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
-    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if fc < F else io, buffer=nl.shared_hbm, name="dx_slots")
+    FC = _fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
+    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if FC < F else io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
-    dw_gate = nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm)
-    dw_up = nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm)
-    dw_down = nl.ndarray((E + lnc, D, F), dtype=io, buffer=nl.shared_hbm)
-    grads = (dw_gate, dw_up, dw_down)
+    grads = ExpertWeights(gate=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),
+                          up=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),
+                          down=nl.ndarray((E + lnc, D, F), dtype=io, buffer=nl.shared_hbm))
     zeros = nl.ndarray((P, G), dtype=F32, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
     _zero_rows(d_slot, zeros, pid, lnc)  # padding slots keep the zeros, the segment owners overwrite the rest
@@ -1026,9 +1185,10 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
         nisa.core_barrier(data=d_slot, cores=(0, 1))
     hbm = {"x": x_pad, "dout": dout_pad, "index": token_index, "weight": slot_weight, "slots": dx_slots,
            "d_slot": d_slot, "g_saved": g_saved, "u_saved": u_saved}
-    _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, (w_down, w_gate, w_up), grads)
+    _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table,
+                       ExpertWeights(gate=w_gate, up=w_up, down=w_down), grads)
     if lnc > 1:
         nisa.core_barrier(data=dx_slots, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
     _combine(dx, dx_slots, slot_of_assignment, pid, lnc)
-    return dx, d_slot, dw_gate, dw_up, dw_down
+    return dx, d_slot, grads.gate, grads.up, grads.down
