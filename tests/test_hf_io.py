@@ -182,7 +182,7 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = hf_logits(export, ids)
     # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
-    from workbench.export_hf import _step_dir, load_dcp_model_state
+    from workbench.hf_export import _step_dir, load_dcp_model_state
 
     job = load_config(run / "config.toml")
     trained = build_model(job)
@@ -201,7 +201,7 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     # the CLI exports the same weights from the DCP checkpoint
     from safetensors.torch import load_file
 
-    from workbench.export_hf import main
+    from workbench.hf_export import main
 
     assert main(["--run", str(run), "--out", str(tmp_path / "cli"), "--dtype", "float32"]) == 0
     a, b = load_file(str(export / "model.safetensors")), load_file(str(tmp_path / "cli" / "model.safetensors"))

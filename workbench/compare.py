@@ -91,7 +91,7 @@ def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
 
 
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
-    from workbench.export_hf import load_dcp_model_state
+    from workbench.hf_export import load_dcp_model_state
     from workbench.model import build_model
     from workbench.run_folder import read_config
 
@@ -99,7 +99,7 @@ def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str |
     if backend not in (None, job.model.backend):
         raise CheckpointError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
                               f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
-                              f"(python -m workbench.export_hf --run {run} --out DIR) and compare DIR.")
+                              f"(python -m workbench.hf_export --run {run} --out DIR) and compare DIR.")
     step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
     load_dcp_model_state(model, step_dir)

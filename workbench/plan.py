@@ -728,7 +728,7 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Preflight (train.py), the first-launch check (trainer.py) and CLI
+# The launch's memory check (train.py), the first-launch check (trainer.py) and CLI
 # ------------------------------------------------------------------------------------------------
 
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
@@ -753,7 +753,7 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
     return p
 
 
-def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
+def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
     """Plans `job` before launch on cuda/neuron (`launch_plan`).
 
     On CPU only a model whose parameters alone take over 1/8 of the host RAM per rank is planned (the tiny CPU
@@ -871,7 +871,7 @@ def check_on_launch(trainer) -> None:
     A step's window opens at the model's forward (after torchtitan's zero_grad and the data) and closes after the
     optimizer step (before the metrics log, which resets the peak statistics). The plan's tensors (its peak less
     the device runtime, which no allocator sees) are compared with the largest rank's peak. Rank 0 plans
-    (`launch_plan`: the preflight's cached plan on cuda/neuron).
+    (`launch_plan`: `check_fits`'s cached plan on cuda/neuron).
     """
     import torch
     import torch.distributed as dist

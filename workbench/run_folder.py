@@ -1,7 +1,7 @@
 """A run folder: `config.toml`, `metrics.jsonl`, the DCP checkpoints under `<checkpoint.folder>/step-N/`, and the
 lock that keeps it to one launch at a time.
 
-The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, export_hf and the
+The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, hf_export and the
 tests read it).
 
 **One run per folder.** A launch holds an exclusive `flock(2)` on `<run>/.lock` for its whole life (rank 0 takes

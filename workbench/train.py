@@ -71,7 +71,7 @@ def run(job: JobConfig, info=None) -> Path:
     return run_dir
 
 
-def preflight(job: JobConfig) -> None:
+def check_inputs(job: JobConfig) -> None:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts.
 
     Raises:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a lone process
     try:
         job = load_config(argv=argv, world_size=world_size)
-        preflight(job)
+        check_inputs(job)
         try:  # before any process group exists: a missing device is one line, not a traceback per rank
             info = device.detect(job.job.device)
         except device.DeviceError as e:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
             from workbench import plan
 
-            plan.preflight(job, world_size, info.kind)
+            plan.check_fits(job, world_size, info.kind)
     except (ConfigError, FileNotFoundError) as e:
         return announce(recognised(e), rank())
     try:

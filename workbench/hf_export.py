@@ -1,6 +1,6 @@
 """Export any DCP checkpoint of a run folder as a Hugging Face checkpoint directory.
 
-    python -m workbench.export_hf --run outputs/cpu_dense [--step N] --out DIR [--overwrite] [--dtype bfloat16]
+    python -m workbench.hf_export --run outputs/cpu_dense [--step N] --out DIR [--overwrite] [--dtype bfloat16]
 
 Reads the run's resolved `config.toml`, builds its model on CPU (fp32), loads the model weights of
 `<run>/<checkpoint.folder>/step-N/` (the newest step by default) with torch.distributed.checkpoint, and
@@ -66,7 +66,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.export_hf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m workbench.hf_export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="run folder (<job.dump_folder>/<job.experiment_name>)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
