@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from workbench import flavors
-from workbench.config import ConfigError, JobConfig, load_config
+from workbench.config import BACKEND_RULES, ConfigError, JobConfig, load_config
 
 
 def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoint) -> JobConfig:
@@ -35,9 +35,7 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
     if not job.model.flavor and not job.model.hf_checkpoint:
         raise ConfigError(f"load_model needs a flavor (model.flavor, one of {', '.join(flavors.FLAVORS)}) "
                           "or hf_checkpoint=DIR to take the shape from its config.json.")
-    from workbench import backends
-
-    backends.get(backend).check(job)  # e.g. nki_moe on a dense model; parallel degrees do not apply here
+    BACKEND_RULES[backend](job)  # e.g. nki_moe on a dense model; parallel degrees do not apply here
     return job
 
 

@@ -15,8 +15,7 @@ from workbench.config import BACKENDS, JobConfig
 
 
 def get(name: str):
-    """The backend module for `name`: `check(job)` (its config rules), `model_spec(job, flavor_name, shape)`,
-    `hf_adapter(shape)`."""
+    """The backend module for `name` (its config rules are `config.BACKEND_RULES[name]`)."""
     if name not in BACKENDS:
         raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     return importlib.import_module(f"workbench.backends.{name}")  # one module per backend, named after it
