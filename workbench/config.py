@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, FlavorError
 
 if TYPE_CHECKING:
     from workbench.flavors import Qwen3Shape
@@ -106,8 +106,10 @@ class Model:
             )
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
-        except (flavors.FlavorError, ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"model.flavor: {e}" if isinstance(e, flavors.FlavorError) else str(e)) from None
+        except FlavorError as e:
+            raise ConfigError(f"model.flavor: {e}") from None
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
         if self.moe_block_size <= 0:
             raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
         BACKEND_RULES[self.backend](job)

@@ -230,7 +230,8 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.config import ConfigError, load_config
+    from workbench.config import load_config
+    from workbench.errors import ConfigError, announce
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -248,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             job = load_config(argv=argv, world_size=nproc or 1)  # the config's parallel degrees for --nproc ranks
         except ConfigError as e:
-            print(f"workbench: config error: {e}", file=sys.stderr)
-            return 2
+            return announce(e)
     checks = run_checks(job, nproc)
     if job is None:
         checks.append(Check("disk", "ok", "not checked", "pass --job.config_file X to check checkpoint space"))

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from workbench.errors import FlavorError
+
 QWEN3_VOCAB = 151936
 
 
@@ -90,10 +92,6 @@ NOT_QWEN3 = {
     "72B": "Qwen3 has no 72B model (72B is Qwen2/Qwen2.5). The largest dense Qwen3 is 32B; "
     "the MoE models are 30B-A3B and 235B-A22B.",
 }
-
-
-class FlavorError(ValueError):
-    """A flavor name that is not a Qwen3 model."""
 
 
 def get_shape(flavor: str) -> Qwen3Shape:
@@ -309,6 +307,6 @@ def describe(shape: Qwen3Shape) -> dict[str, Any]:
 
 
 __all__ = [
-    "FLAVORS", "Qwen3Shape", "FlavorError", "get_shape", "titan_model_config", "count_params",
+    "FLAVORS", "Qwen3Shape", "get_shape", "titan_model_config", "count_params",
     "hf_config", "shape_from_hf_config", "flavor_of", "describe", "read_hf_shape", "resolve",
 ]

@@ -87,7 +87,7 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
     Raises:
         ConfigError: neither a flavor nor a checkpoint.
         NotImplementedError: an unsupported backend.
-        workbench.hf.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
+        workbench.errors.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
     """
     from workbench import hf
 

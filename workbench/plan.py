@@ -49,8 +49,9 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.config import ConfigError, JobConfig, load_config, validate
+from workbench.config import JobConfig, load_config, validate
 from workbench.device import LNC_ENV
+from workbench.errors import ConfigError, announce
 
 GiB = 1024**3
 MiB = 1024**2
@@ -966,8 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
         p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib)
     except ConfigError as e:
-        print(f"workbench: config error: {e}", file=sys.stderr)
-        return 2
+        return announce(e)
     print(json.dumps(p, indent=1) if args.json else render(p), flush=True)
     return 0 if p["fits"] else 1
 

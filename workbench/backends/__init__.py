@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 
 from workbench.config import BACKENDS, JobConfig
+from workbench.errors import ConfigError
 
 
 def get(name: str):
     """The backend module for `name` (its config rules are `config.BACKEND_RULES[name]`)."""
     if name not in BACKENDS:
-        raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+        raise ConfigError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     return importlib.import_module(f"workbench.backends.{name}")  # one module per backend, named after it
 
 
