@@ -141,7 +141,7 @@ def nki_check(installed: str | None, on_neuron: bool) -> Check:
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
     """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
-    from workbench import neuron_adjustments
+    from workbench.device import LNC_ENV, TRN2_LNC, logical_nc_config
 
     checks = []
     if not files:
@@ -160,9 +160,9 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
         visible = "torch not importable"
     checks.append(Check("visible devices", "ok", visible))
 
-    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "")
+    raw = os.environ.get(LNC_ENV, "")
     try:
-        lnc = neuron_adjustments.read_lnc("neuron" if files else "cpu")
+        lnc = logical_nc_config(default=TRN2_LNC if files else 1)  # unset: trn2's 2 on a Neuron host, 1 elsewhere
         lnc_check = Check("NEURON_LOGICAL_NC_CONFIG", "ok", raw or f"unset (= {lnc})")
         if files and not raw:
             lnc_check.fix = "set it explicitly (export NEURON_LOGICAL_NC_CONFIG=2) so compiler, runtime and NKI agree"
