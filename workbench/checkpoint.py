@@ -38,7 +38,7 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
 from workbench.dist_utils import all_gather, barrier, broadcast, rank
 from workbench.errors import CheckpointError, CheckpointMismatchError, RunError
-from workbench.run_folder import CHECKSUMS, is_complete, step_dirs
+from workbench.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20
@@ -136,10 +136,6 @@ def stale_checkpoints(folder: str | os.PathLike, keep_latest_k: int) -> list[Pat
     newest = complete[-1] if complete else -1
     doomed += [s for s, p in dirs.items() if not is_complete(p) and s < newest]
     return [dirs[s] for s in sorted(doomed)]
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> list[str]:
@@ -348,23 +344,18 @@ class WorkbenchCheckpointManager(CheckpointManager):
     def _disk_space_message(self, estimate: int) -> str | None:
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
-        dirs = step_dirs(folder)
         newest = newest_complete(folder)
         # A checkpoint on disk is the best measure; else the estimate (the optimizer's own state is not asked for:
         # materialising it before the first step would advance Adam's step count and change the run).
-        size = dir_bytes(dirs[newest]) if newest is not None else estimate
-        existing = sum(dir_bytes(p) for p in dirs.values())
-        saves_left = max(self.wb_config.total_steps - self._current_step(), 0) // self.interval + 1
+        size = dir_bytes(step_dirs(folder)[newest]) if newest is not None else estimate
         k = self.keep_latest_k
-        # torchtitan purges after a save completes: at the peak, k old checkpoints sit next to the new one.
-        peak_copies = min(k + 1, len(dirs) + saves_left) if k > 0 else len(dirs) + saves_left
-        needed = peak_copies * size - existing
-        free = shutil.disk_usage(folder).free
-        if needed <= free:
+        space = checkpoint_space(folder, size, k, self.wb_config.total_steps, self.interval, self._current_step())
+        if space.fits:
             return None
         gib = 1024**3
-        return (f"{folder} has {free / gib:.2f} GiB free; {peak_copies} checkpoint(s) of {size / gib:.2f} GiB "
-                f"(keep_latest_k={k}) need {needed / gib:.2f} GiB more; a save will fail with a full disk.")
+        return (f"{folder} has {space.free_bytes / gib:.2f} GiB free; {space.copies} checkpoint(s) of "
+                f"{size / gib:.2f} GiB (keep_latest_k={k}) need {space.need_bytes / gib:.2f} GiB more; a save will "
+                "fail with a full disk.")
 
     def _current_step(self) -> int:
         train_state = self.states.get("train_state")

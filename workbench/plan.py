@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,6 +51,7 @@ from pathlib import Path
 from workbench.config import JobConfig, load_config, validate
 from workbench.device import LNC_ENV
 from workbench.errors import ConfigError, announce
+from workbench.run_folder import checkpoint_space
 
 GiB = 1024**3
 MiB = 1024**2
@@ -639,15 +639,11 @@ def _rss() -> int:
 def _disk(job: JobConfig, ckpt: int) -> dict:
     """Free space in the dump folder against the checkpoints the run keeps."""
     if not job.checkpoint.enable:
-        return {"checkpoints_kept": 0, "checkpoint_disk_bytes": 0, "disk_free_bytes": None, "disk_fits": True}
-    keep = job.checkpoint.keep_latest_k or max(job.training.steps // job.checkpoint.interval, 1)
-    folder = Path(job.job.dump_folder).resolve()
-    while not folder.exists():
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
-    # A new checkpoint is written before the oldest is purged: keep + 1 exist at once.
-    need = ckpt * (keep + 1)
-    return {"checkpoints_kept": keep, "checkpoint_disk_bytes": need, "disk_free_bytes": free, "disk_fits": need <= free}
+        return {"checkpoint_copies": 0, "checkpoint_disk_bytes": 0, "disk_free_bytes": None, "disk_fits": True}
+    c = job.checkpoint
+    space = checkpoint_space(job.run_dir / c.folder, ckpt, c.keep_latest_k, job.training.steps, c.interval)
+    return {"checkpoint_copies": space.copies, "checkpoint_disk_bytes": space.need_bytes,
+            "disk_free_bytes": space.free_bytes, "disk_fits": space.fits}
 
 
 def render(p: dict) -> str:
@@ -670,10 +666,10 @@ def render(p: dict) -> str:
         mark = "fits" if s["fits"] else "still over"
         lines.append(f"  re-planned {s['change']}: peak {s['peak_bytes'] / GiB:.2f} GiB ({mark}, "
                      f"headroom {100 * s['headroom']:.1f}%)")
-    if p["checkpoints_kept"]:
+    if p["checkpoint_copies"]:
         free = p["disk_free_bytes"]
-        lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk; {p['checkpoints_kept']}+1 kept need "
-                     f"{p['checkpoint_disk_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB free in dump_folder"
+        lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk; {p['checkpoint_copies']} at once "
+                     f"need {p['checkpoint_disk_bytes'] / 1e9:.1f} GB more, {free / 1e9:.1f} GB free in dump_folder"
                      + ("" if p["disk_fits"] else
                         "  -> NOT ENOUGH: lower checkpoint.keep_latest_k or move dump_folder"))
     else:
