@@ -1,4 +1,4 @@
-"""Runs that cannot be destroyed (issue 24): one launch per run folder (flock), checksummed checkpoints, a clean stop
+"""Runs that cannot be destroyed: one launch per run folder (flock), checksummed checkpoints, a clean stop
 on SIGTERM/SIGINT, and one line with a documented exit code for every failure the workbench knows.
 
 Unit tests run the real pieces in this process or a small child process; the launches are real torchrun over gloo

@@ -29,7 +29,9 @@ SUPPORT = {
 }
 MATRIX_SOURCE = "Neuron 2.33 TorchNeuron release notes (support matrix)"
 
-# trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (engine-notes.md; AWS trn2 docs).
+# trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (AWS Neuron docs, "Trainium2
+# Architecture Guide for NKI": https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/arch/trainium2_arch.html;
+# 16 chips per instance: "Amazon EC2 Trn2 Architecture" in the same docs).
 TRN2_CORES_PER_CHIP = 8
 TRN2_HBM_PER_CHIP = 96 * 2**30
 

@@ -1,7 +1,8 @@
 """Qwen3 flavors declared as data, and their translation to torchtitan and Hugging Face configs.
 
 A flavor is one `Qwen3Shape`: every number that fixes the architecture. The official shapes are the
-published Qwen3 checkpoints (engine-notes.md has the table they come from); the `tiny*` flavors are ours,
+published Qwen3 checkpoints (each one's `config.json` on the Hugging Face Hub, e.g. Qwen/Qwen3-0.6B, and torchtitan's
+`qwen3_configs`, which tests/test_titan_guards.py compares against); the `tiny*` flavors are ours,
 narrow and shallow so a CPU step takes a fraction of a second, but they keep the real 151936-token
 vocabulary so the real Qwen3 tokenizer works unchanged.
 

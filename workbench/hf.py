@@ -1,6 +1,6 @@
 """Hugging Face safetensors in and out: published Qwen3 weights into any workbench model, and back out.
 
-The interchange format (architecture.md, "Weights interchange") is what `transformers` reads and writes:
+The interchange format between the paths (and with the Hugging Face Hub) is what `transformers` reads and writes:
 a directory with `config.json` and either `model.safetensors` or `model-0000i-of-0000N.safetensors` shards
 listed in `model.safetensors.index.json`. Keys are the published ones; MoE experts on disk are per expert
 (`mlp.experts.E.{gate,up,down}_proj.weight`). transformers 5.x can also write its in-memory fused layout

@@ -10,10 +10,10 @@ runs under `FakeTensorMode` (shapes and dtypes, no data) over torch's fake proce
 inside PyTorch's `FSDPMemTracker`, which records every storage alive at each op and keeps the per-category
 breakdown at the peak. One rank is traced: FSDP/TP ranks are symmetric.
 
-Why the numbers can be trusted (and what was wrong before, trn2-readiness.md section 3): the optimizer state is
-created by a warm-up step *before* tracking (AdamW creates it lazily in its first `step()`), so the traced step is a
-steady-state step -- forward, backward and optimizer step with the moments already resident -- and nothing is
-counted twice. Each category is validated against real runs by `benchmarks/plan_validation.py`.
+Why the numbers can be trusted: the optimizer state is created by a warm-up step *before* tracking (AdamW creates
+it lazily in its first `step()`), so the traced step is a steady-state step -- forward, backward and optimizer step
+with the moments already resident -- and nothing is counted twice. Each category is validated against real runs
+by `benchmarks/plan_validation.py`.
 
 Categories (bytes per rank at the step's peak): sharded parameters, gradients, optimizer state, all-gathered
 parameters (FSDP's unsharded copies + all-gather buffers), activations (what the AC mode keeps for backward),
@@ -105,8 +105,8 @@ FUSED_SDPA: dict[str, str | None] = {
     "neuron": None,
 }
 NO_FUSED_SDPA = ("no fused SDPA kernel is known on the neuron device: TorchNeuron documents none, and "
-                 "neuron.sdpa_overrideable only lets one dispatch through SDPBackend.OVERRIDEABLE "
-                 "(trn2-readiness.md section 2); planned as SDPA's math path (fp32 S x S scores)")
+                 "neuron.sdpa_overrideable only lets one dispatch through SDPBackend.OVERRIDEABLE (torchtitan's "
+                 "SDPA wrapper allows CUDNN/FLASH/MATH only); planned as SDPA's math path (fp32 S x S scores)")
 
 CATEGORIES = ("sharded parameters", "gradients", "optimizer state", "all-gathered parameters", "activations",
               "attention scores", "logits and loss", "nki kernel buffers", "other temporaries", "device runtime")
