@@ -191,3 +191,20 @@ def test_load_model_applies_the_backend_rules():
 
     with pytest.raises(ConfigError, match="flavor 'tiny' is dense"):
         workbench.load_model(load_config(DENSE), backend="nki_moe")
+
+
+@pytest.mark.parametrize("name", ["huggingface_v5", "native", "nki_moe"])
+def test_each_backend_module_satisfies_the_backend_protocol(name):
+    import importlib
+    import inspect
+
+    from workbench import backends
+    from workbench.config import BACKENDS
+
+    assert set(BACKENDS) == {"huggingface_v5", "native", "nki_moe"}
+    module = backends.get(name)
+    assert isinstance(module, backends.Backend)
+    assert not isinstance(importlib.import_module("workbench.flavors"), backends.Backend)  # the check can fail
+    for member in ("model_config", "model_spec", "hf_adapter"):
+        want = list(inspect.signature(getattr(backends.Backend, member)).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(module, member)).parameters) == want, (name, member)

@@ -40,6 +40,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import os
@@ -226,23 +227,19 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     Runs on whatever device/fake mode is active; `parallel_dims` must already have its mesh built (outside fake
     mode). Used by the planner (fake tensors) and by the validation/loss tests (real tensors).
     """
-    import torch
     from torchtitan.components.loss import ChunkedLossWrapper
 
+    from workbench.model import materialize
     from workbench.trainer import build_titan_config
 
     cfg = build_titan_config(job, device_kind, world_size)
     cfg.compile.enable = False  # eager memory (what compile can save is not promised by the plan)
     spec = cfg.model_spec
     spec.model.update_from_config(config=cfg)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=parallel_dims, training=cfg.training,
-                                parallelism=cfg.parallelism, compile_config=cfg.compile,
-                                ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    parallelize = functools.partial(spec.parallelize_fn, parallel_dims=parallel_dims, training=cfg.training,
+                                    parallelism=cfg.parallelism, compile_config=cfg.compile,
+                                    ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
+    model = materialize(spec.model, None, parallelize)  # unseeded, as before: memory does not depend on values
     model.train()
     loss_fn = cfg.loss.build(compile_config=cfg.compile)
     if isinstance(loss_fn, ChunkedLossWrapper):  # what torchtitan's Trainer does for a chunked loss

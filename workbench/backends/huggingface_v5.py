@@ -404,21 +404,7 @@ def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelS
     )
 
 
-def build_model(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3:
-    """The model for inference and parity: CPU, fp32, eval mode, initialised (seeded by `job.job.seed`).
-
-    `forward(input_ids)` returns logits [B, S, vocab]; load weights with
-    `model.load_state_dict(hf_adapter(shape).from_hf(hf_state_dict))`.
-    """
-    torch.manual_seed(job.job.seed)
-    with torch.device("meta"):
-        model = model_config(job, shape).build()
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model.eval()
-
-
 __all__ = [
     "HFQwen3", "HFv5StateDictAdapter", "hf_adapter", "hf_causal_lm", "init_hf_weights", "nparams_and_flops",
-    "parallelize", "model_config", "model_spec", "build_model", "PREFIX", "EXPERTS_IMPLEMENTATION",
+    "parallelize", "model_config", "model_spec", "PREFIX", "EXPERTS_IMPLEMENTATION",
 ]
