@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from workbench import flavors
-from workbench.config import BACKEND_RULES, ConfigError, JobConfig, load_config
+from workbench.config import BACKEND_RULES, JobConfig, load_config
+from workbench.errors import ConfigError
 
 
 def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoint) -> JobConfig:
