@@ -76,7 +76,7 @@ def _run_of(step_dir: Path) -> Path:
         if (parent / "config.toml").is_file():
             return parent
     raise ConfigError(f"{step_dir} is a DCP checkpoint outside any run folder (no config.toml above it); "
-                          "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
+                      "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
 
 
 def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
@@ -96,8 +96,8 @@ def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str |
     job = read_config(run)
     if backend not in (None, job.model.backend):
         raise ConfigError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
-                              f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
-                              f"(python -m workbench.hf_export --run {run} --out DIR) and compare DIR.")
+                          f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
+                          f"(python -m workbench.hf_export --run {run} --out DIR) and compare DIR.")
     step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
     load_dcp_model_state(model, step_dir)
@@ -127,7 +127,7 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
     if (p / "config.toml").is_file():
         return _load_dcp(p, None, step, backend)
     raise ConfigError(f"{p} is not a checkpoint: expected a Hugging Face directory (config.json + *.safetensors), "
-                          "a run folder (config.toml + checkpoint/step-N/) or a DCP step directory (.metadata).")
+                      "a run folder (config.toml + checkpoint/step-N/) or a DCP step directory (.metadata).")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
     absent = [k for k in state if k not in stored]
     if absent:
         raise ConfigError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
-                         "of this run's model (config.toml and checkpoint disagree).")
+                          "of this run's model (config.toml and checkpoint disagree).")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step_dir))
