@@ -138,6 +138,27 @@ def stale_checkpoints(folder: str | os.PathLike, keep_latest_k: int) -> list[Pat
     return [dirs[s] for s in sorted(doomed)]
 
 
+def checkpoint_bytes(model_parts, optimizers=None) -> int:
+    """Bytes of one DCP checkpoint, from global shapes and stored dtypes (a DTensor's numel is its global size).
+
+    The model state dict (a tied embedding twice, as DCP writes it) plus the optimizer state; where the optimizer
+    has none yet (AdamW creates it in its first step), its two moments per trainable parameter.
+
+    Args:
+        model_parts: the model's parts (torchtitan's `model_parts`).
+        optimizers: a torch optimizer or torchtitan's container of them; None = not built yet.
+    """
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(t) for m in model_parts for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+    opts = getattr(optimizers, "optimizers", [optimizers] if optimizers is not None else [])
+    states = [state for opt in opts for state in opt.state.values()]
+    if states:
+        return total + sum(nbytes(t) for state in states for t in state.values() if isinstance(t, torch.Tensor))
+    return total + 2 * sum(nbytes(p) for m in model_parts for p in m.parameters() if p.requires_grad)
+
+
 def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> list[str]:
     """'key: expected (a, b), found (c, d)' for the model tensors whose checkpoint entry is absent or differs."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -317,7 +338,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
 
     def _check_disk_space(self) -> None:
         """Before the first save: room for the checkpoints this run will hold at its peak? Warn or refuse."""
-        estimate = self._checkpoint_estimate()
+        estimate = checkpoint_bytes(self.states[MODEL].model)  # before the first step: no optimizer state yet
         message = self._disk_space_message(estimate) if dist.get_rank() == 0 else None
         message = broadcast(message)
         if not message:
@@ -326,20 +347,6 @@ class WorkbenchCheckpointManager(CheckpointManager):
             raise CheckpointError(message, f"free space in {self.folder}, lower checkpoint.keep_latest_k, or set "
                                            "--checkpoint.refuse_low_disk false to only warn.")
         _say(f"workbench: warning: {message}")
-
-    def _checkpoint_estimate(self) -> int:
-        """Bytes of one checkpoint over all ranks: the model state dict as DCP writes it (a tied embedding twice)
-        plus Adam's two moments per parameter (each rank's local FSDP/TP shards, summed over ranks)."""
-        def nbytes(t: torch.Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        local = sum(nbytes(t) for t in self.states[MODEL].state_dict().values() if isinstance(t, torch.Tensor))
-        local += 2 * sum(nbytes(p) for m in self.states[MODEL].model for p in m.parameters() if p.requires_grad)
-        total = torch.tensor(local, dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)  # once per launch; gloo on CPU
-        return int(total)
 
     def _disk_space_message(self, estimate: int) -> str | None:
         folder = Path(self.folder)

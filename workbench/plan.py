@@ -453,6 +453,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from workbench import device as wb_device
+    from workbench.checkpoint import checkpoint_bytes
 
     device_kind = DEVICES[device].kind
     wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
@@ -466,7 +467,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True), _as_on(device, job, calls):
             b = build(job, device_kind, world_size, pd)
             warm_optimizer(b, job.training.gradient_accumulation_steps)
-            ckpt = checkpoint_bytes(b)
+            ckpt = checkpoint_bytes([b.model], b.optimizers)
             t = job.training
             tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
             tracker = _tracker_class(b.vocab_local, t.seq_len)(
@@ -511,20 +512,6 @@ def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bo
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"memory plan failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
-
-
-def checkpoint_bytes(b: Built) -> int:
-    """Bytes of one DCP checkpoint (model + optimizer state, global shapes, stored dtypes)."""
-    from torch.distributed.tensor import DTensor
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()  # a DTensor's numel is its global size
-
-    total = sum(nbytes(t) for t in b.model.state_dict().values() if hasattr(t, "numel"))
-    for opt in getattr(b.optimizers, "optimizers", [b.optimizers]):
-        for state in opt.state.values():
-            total += sum(nbytes(t) for t in state.values() if isinstance(t, DTensor) or hasattr(t, "numel"))
-    return int(total)
 
 
 # ------------------------------------------------------------------------------------------------
