@@ -25,7 +25,7 @@ Printed: a table per direction, then as the LAST line a JSON object with
   model_ms_overlap         trn2 time model (workbench.kernels.nki_emulator.timing) of the forward + backward kernels,
                            each at its busiest engine (every engine perfectly overlapped): a lower bound
   model_ms_serial          the same with no overlap (each kernel the sum of its engines): an upper bound
-  roofline_ms              max(PE floor, HBM floor) of the layer as issue 26 defines it (workbench.kernels.moe_cost:
+  roofline_ms              max(PE floor, HBM floor) of the layer (workbench.kernels.moe_cost.roofline:
                            what each floor counts; weight gradients in fp32)
   roofline_ratio           model_ms_overlap / roofline_ms (target <= 1.25)
   roofline_ms_io_grads     the same floor with the weight gradients at the io dtype the kernels write (and ratio)

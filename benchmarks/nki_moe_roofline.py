@@ -74,7 +74,7 @@ def plot(data: dict, path: Path) -> None:
         ax.plot(x, [r["model_ms_engines"][engine] for r in runs], style, lw=1, ms=4, alpha=0.8,
                 label=f"engine busy: {engine}")
     floors = [(runs[0]["pe_floor_ms"], "PE floor (unpadded expert matmuls, 2 x 79 TFLOPS)", "tab:red", "-"),
-              (runs[0]["hbm_floor_ms"], "HBM floor, dW in fp32 (issue 26's roofline)", "tab:green", "-"),
+              (runs[0]["hbm_floor_ms"], "HBM floor, dW in fp32 (the roofline)", "tab:green", "-"),
               (runs[0]["roofline_ms_io_grads"], "roofline with dW in bf16 (what the kernels write)", "black", ":")]
     for y, label, color, ls in floors:
         ax.axhline(y, color=color, ls=ls, lw=1.5, label=f"{label}: {y:.2f} ms")

@@ -8,10 +8,10 @@ tmp too, so nothing is written into the repository), and drives the system Chrom
 
 1. Run All: while torchrun trains, the dashboard's step counter advances and a curve image is shown; at the end
    the widgets give way to the static figure and the summary line "steps 1–8 of 8".
-2. Run All again into the same run folder (the trainer replaces metrics.jsonl): the same again (issue 14,
-   item 1: the dashboard used to stay at "waiting for the first step…" and end with "no steps logged").
+2. Run All again into the same run folder (the trainer replaces metrics.jsonl): the same again (the dashboard
+   used to stay at "waiting for the first step…" and end with "no steps logged").
 3. File → Save Notebook As…: the saved file holds the figure and summary but no widget placeholders
-   ("0%| | 0/8", "VBox(children=…)", widget-view outputs) (issue 14, item 2), and it reopens showing just that.
+   ("0%| | 0/8", "VBox(children=…)", widget-view outputs), and it reopens showing just that.
 
 Screenshots of each stage go to `<run folder>/screens/`.
 """

@@ -11,6 +11,7 @@ import torch
 from run_helpers import ROOT, run_train
 from workbench import compare
 from workbench.config import load_config
+from workbench.errors import ConfigError
 from workbench.model import load_model
 
 SMALL = dict(seq_len=32, rows=2, max_new_tokens=4, prompts=("ROMEO:", "To be, or not to be"))
@@ -99,8 +100,8 @@ def test_dcp_checkpoint_against_itself_and_against_its_hf_export(outdir, tmp_pat
 
 
 def test_a_path_that_is_no_checkpoint_names_what_is_expected(tmp_path):
-    with pytest.raises(compare.CheckpointError, match="Hugging Face directory .* run folder .* DCP step"):
+    with pytest.raises(ConfigError, match="Hugging Face directory .* run folder .* DCP step"):
         compare.load_checkpoint(tmp_path)
     (tmp_path / "config.toml").write_text((ROOT / "configs/cpu_moe.toml").read_text())  # a run folder, no steps
-    with pytest.raises(compare.CheckpointError, match="No DCP checkpoint"):
+    with pytest.raises(ConfigError, match="No DCP checkpoint"):
         compare.load_checkpoint(tmp_path)

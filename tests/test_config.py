@@ -52,8 +52,8 @@ def test_shape_is_resolved_once_and_carried(monkeypatch):
     ("nki_moe", ["--parallelism.ep", "2"], "expert parallelism is only wired for the native backend"),
     ("nki_moe", ["--model.moe_block_size", "200"], "model.moe_block_size=200: the NKI kernels take a block of"),
 ])
-def test_each_backend_module_checks_its_own_rules(backend, argv, message):
-    import importlib
+def test_each_backend_checks_its_own_rules(backend, argv, message):
+    from workbench.config import BACKEND_RULES
 
     job = load_config(None, model={"flavor": "tiny-moe", "backend": "native"}, world_size=2)
     for i in range(0, len(argv), 2):
@@ -62,9 +62,42 @@ def test_each_backend_module_checks_its_own_rules(backend, argv, message):
         _set(job, argv[i][2:], argv[i + 1])
     job.model.backend = backend
     with pytest.raises(ConfigError, match=message):
-        importlib.import_module(f"workbench.backends.{backend}").check(job)  # the rule's one home
+        BACKEND_RULES[backend](job)  # the rule's one home
     with pytest.raises(ConfigError, match=message):
         validate(job, world_size=2)  # reached through validation
+
+
+@pytest.mark.parametrize("toml", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
+def test_load_config_imports_no_torch(toml):
+    """The bottom floor (config, flavors, errors) validates a TOML, backend rules included, without torch."""
+    code = (f"import sys; from workbench.config import load_config; load_config('configs/{toml}', world_size=64); "
+            "print(sorted(m for m in ('torch', 'torchtitan', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_nki_moe_block_rule_is_the_kernels_block_split():
+    """config's moe_block_size rule accepts exactly the blocks `kernel_block_size` splits into kernel blocks."""
+    from workbench.kernels.autograd import kernel_block_size
+
+    def kernels_take(b: int) -> bool:
+        try:
+            return kernel_block_size(b) > 0
+        except ValueError:
+            return False
+
+    job = load_config(None, model={"flavor": "tiny-moe", "backend": "nki_moe"})
+    accepted = []
+    for b in range(1, 1025):
+        job.model.moe_block_size = b
+        try:
+            validate(job)
+            accepted.append(b)
+        except ConfigError:
+            pass
+    assert accepted == [b for b in range(1, 1025) if kernels_take(b)]
+    assert len(accepted) == 128 + 7  # 1..128 and 256, 384, ..., 1024
 
 
 def test_cli_overrides_every_form():
@@ -158,3 +191,20 @@ def test_load_model_applies_the_backend_rules():
 
     with pytest.raises(ConfigError, match="flavor 'tiny' is dense"):
         workbench.load_model(load_config(DENSE), backend="nki_moe")
+
+
+@pytest.mark.parametrize("name", ["huggingface_v5", "native", "nki_moe"])
+def test_each_backend_module_satisfies_the_backend_protocol(name):
+    import importlib
+    import inspect
+
+    from workbench import backends
+    from workbench.config import BACKENDS
+
+    assert set(BACKENDS) == {"huggingface_v5", "native", "nki_moe"}
+    module = backends.get(name)
+    assert isinstance(module, backends.Backend)
+    assert not isinstance(importlib.import_module("workbench.flavors"), backends.Backend)  # the check can fail
+    for member in ("model_config", "model_spec", "hf_adapter"):
+        want = list(inspect.signature(getattr(backends.Backend, member)).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(module, member)).parameters) == want, (name, member)

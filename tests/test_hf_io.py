@@ -18,7 +18,7 @@ import torch
 
 import workbench
 from run_helpers import run_train
-from workbench import device, flavors, hf
+from workbench import device, errors, flavors, hf
 from workbench.config import load_config
 
 device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
@@ -182,7 +182,7 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = hf_logits(export, ids)
     # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
-    from workbench.export_hf import _step_dir, load_dcp_model_state
+    from workbench.hf_export import _step_dir, load_dcp_model_state
 
     job = load_config(run / "config.toml")
     trained = build_model(job)
@@ -201,7 +201,7 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     # the CLI exports the same weights from the DCP checkpoint
     from safetensors.torch import load_file
 
-    from workbench.export_hf import main
+    from workbench.hf_export import main
 
     assert main(["--run", str(run), "--out", str(tmp_path / "cli"), "--dtype", "float32"]) == 0
     a, b = load_file(str(export / "model.safetensors")), load_file(str(tmp_path / "cli" / "model.safetensors"))
@@ -234,7 +234,7 @@ def test_missing_shard(saved, tmp_path):
     d = copy_of(saved, "dense-sharded", tmp_path)
     victim = sorted(d.glob("model-*.safetensors"))[1]
     victim.unlink()
-    with pytest.raises(hf.HFCheckpointError, match=rf"missing from .*{victim.name}.*fetch the missing shard"):
+    with pytest.raises(errors.HFCheckpointError, match=rf"missing from .*{victim.name}.*fetch the missing shard"):
         load_model(None, hf_checkpoint=d)
 
 
@@ -242,7 +242,8 @@ def test_truncated_safetensors(saved, tmp_path):
     d = copy_of(saved, "dense", tmp_path)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    with pytest.raises(hf.HFCheckpointError, match="model.safetensors is not a readable safetensors file.*truncated"):
+    with pytest.raises(errors.HFCheckpointError,
+                       match="model.safetensors is not a readable safetensors file.*truncated"):
         load_model(None, hf_checkpoint=d)
 
 
@@ -254,7 +255,7 @@ def test_key_mismatch_lists_the_keys(saved, tmp_path):
     tensors["model.layers.1.mlp.gate.weight"] = tensors.pop("model.layers.1.mlp.gate_proj.weight")
     del tensors["model.norm.weight"]
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(hf.HFCheckpointError) as err:
+    with pytest.raises(errors.HFCheckpointError) as err:
         load_model(None, hf_checkpoint=d)
     msg = str(err.value)
     assert "missing (2): " in msg and "model.norm.weight [32]" in msg
@@ -267,7 +268,7 @@ def test_shape_mismatch_lists_expected_and_found(saved, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 64  # config.json no longer describes the stored weights
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(hf.HFCheckpointError) as err:
+    with pytest.raises(errors.HFCheckpointError) as err:
         load_model(None, hf_checkpoint=d)
     msg = str(err.value)
     assert "shape mismatch (6): " in msg  # gate, up and down projections of both layers
@@ -299,7 +300,7 @@ def test_pickle_weights_are_refused_never_unpickled(saved, tmp_path):
     shutil.copy(saved["dense"][0] / "config.json", d)
     marker = tmp_path / "unpickled"
     (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(marker)))
-    with pytest.raises(hf.HFCheckpointError, match=r"pytorch_model.bin.*never unpickles.*save_pretrained"):
+    with pytest.raises(errors.HFCheckpointError, match=r"pytorch_model.bin.*never unpickles.*save_pretrained"):
         load_model(None, hf_checkpoint=d)
     assert not marker.exists()
 
@@ -309,7 +310,7 @@ def test_export_refuses_an_existing_target_unless_overwrite(saved, ids, tmp_path
     target = tmp_path / "out"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    with pytest.raises(hf.HFExportError, match="already exists.*overwrite"):
+    with pytest.raises(errors.HFExportError, match="already exists.*overwrite"):
         export_hf(model, target)
     assert (target / "keep.txt").read_text() == "mine"
     export_hf(model, target, overwrite=True)
@@ -324,6 +325,6 @@ def test_failed_export_leaves_nothing(saved, tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(hf, "_copy_tokenizer", disk_full)
-    with pytest.raises(hf.HFExportError, match="No space left on device.*nothing was written"):
+    with pytest.raises(errors.HFExportError, match="No space left on device.*nothing was written"):
         export_hf(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

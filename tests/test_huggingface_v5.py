@@ -23,6 +23,7 @@ device.prepare("cpu")
 from workbench import flavors  # noqa: E402  (after the device is pinned)
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
 from workbench.config import ConfigError, load_config  # noqa: E402
+from workbench.model import materialize  # noqa: E402
 
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"
 BACKEND = ("--model.backend", "huggingface_v5")
@@ -31,6 +32,11 @@ SMALL_VOCAB = 512  # unit tests: the real 151936-row vocabulary only costs time 
 
 def small(flavor: str, **changes) -> flavors.Qwen3Shape:
     return replace(flavors.get_shape(flavor), vocab_size=SMALL_VOCAB, **changes)
+
+
+def build(job, shape: flavors.Qwen3Shape):
+    """The huggingface_v5 model of `shape` as every path builds it: CPU, fp32, seeded init, eval mode."""
+    return materialize(hfv5.model_config(job, shape), job.job.seed).eval()
 
 
 def job_for(shape_flavor: str = "tiny", **model):
@@ -46,7 +52,7 @@ def job_for(shape_flavor: str = "tiny", **model):
 @pytest.mark.parametrize("flavor", ["tiny", "tiny-moe"])
 def test_init_is_complete_and_deterministic(flavor):
     shape = small(flavor)
-    a, b = (hfv5.build_model(job_for(flavor), shape) for _ in range(2))
+    a, b = (build(job_for(flavor), shape) for _ in range(2))
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # same seed, same weights
     buffers_a, buffers_b = dict(a.named_buffers()), dict(b.named_buffers())
@@ -62,7 +68,7 @@ def test_init_is_complete_and_deterministic(flavor):
 
 
 def test_init_names_a_tensor_it_cannot_initialise():
-    model = hfv5.build_model(job_for(), small("tiny"))
+    model = build(job_for(), small("tiny"))
     model.hf.model.layers[0].extra = torch.nn.Module()
     model.hf.model.layers[0].extra.scale = torch.nn.Parameter(torch.empty(3))  # no transformers init rule
     with pytest.raises(RuntimeError, match=r"layers\.0\.extra\.scale"):
@@ -74,7 +80,7 @@ def test_adapter_writes_what_save_pretrained_writes(flavor, tied, tmp_path):
     from safetensors.torch import load_file
 
     shape = small(flavor, tied=tied)
-    model = hfv5.build_model(job_for(flavor), shape)
+    model = build(job_for(flavor), shape)
     adapter = hfv5.hf_adapter(shape)
     hf_sd = adapter.to_hf(model.state_dict())
     model.hf.save_pretrained(tmp_path)  # transformers' own writer, default (published) format

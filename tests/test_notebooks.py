@@ -253,7 +253,7 @@ def test_dashboard_tails_metrics_and_degrades_to_static(tmp_path, capsys, monkey
 
 
 def test_dashboard_follows_a_replaced_or_truncated_metrics_file(tmp_path, capsys, monkeypatch):
-    """Re-run in the same folder (issue 14): the trainer replaces metrics.jsonl at its first step; the dashboard
+    """Re-run in the same folder: the trainer replaces metrics.jsonl at its first step; the dashboard
     must read the new file from its start, also when the new inode number equals the old one or the new file
     has already outgrown the old read position; a truncation in place likewise."""
     monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
@@ -365,7 +365,7 @@ def test_live_dashboard_in_a_kernel(tmp_path):
     text = "".join(str(v) for o in saved for k, v in o["data"].items() if k.startswith("text/"))
     assert "live: finished" in text and "steps 1–2 of 2" in text and "bars done" in text
     assert any("image/png" in o["data"] for o in saved)
-    # The widgets were replaced in place (issue 14): the saved outputs hold no dead widget views or their text.
+    # The widgets were replaced in place: the saved outputs hold no dead widget views or their text.
     dumped = json.dumps([o["data"] for o in saved], ensure_ascii=False)
     for stale in ("application/vnd.jupyter.widget-view+json", "VBox(children", "waiting for the first step", "0%|"):
         assert stale not in dumped, stale

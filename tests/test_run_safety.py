@@ -1,4 +1,4 @@
-"""Runs that cannot be destroyed (issue 24): one launch per run folder (flock), checksummed checkpoints, a clean stop
+"""Runs that cannot be destroyed: one launch per run folder (flock), checksummed checkpoints, a clean stop
 on SIGTERM/SIGINT, and one line with a documented exit code for every failure the workbench knows.
 
 Unit tests run the real pieces in this process or a small child process; the launches are real torchrun over gloo
@@ -224,7 +224,7 @@ def _one_line_failure(proc, code: int, start: str) -> str:
 def test_undecodable_dataset_is_one_line_on_every_rank(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    (data / "a.txt").write_text("To be, or not to be.")  # text, so the preflight passes ...
+    (data / "a.txt").write_text("To be, or not to be.")  # text, so check_inputs passes ...
     (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)  # ... and training meets this
     proc = run_train(DENSE, "--training.dataset", str(data), "--training.holdout_docs", "0", "--training.steps", "2",
                      "--job.dump_folder", str(tmp_path / "out"), nproc=2, check=False)
@@ -281,7 +281,7 @@ def test_non_positive_lr_is_refused(lr):
 @pytest.mark.parametrize("holdout", [0, 1])
 def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdout):
     from workbench.config import load_config
-    from workbench.train import preflight
+    from workbench.train import check_inputs
 
     data = tmp_path / "data"
     data.mkdir()
@@ -290,12 +290,12 @@ def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdo
     (data / "c.txt").write_text("\n")
     job = load_config(ROOT / DENSE, ["--training.dataset", str(data), "--training.holdout_docs", str(holdout)])
     with pytest.raises(errors.DatasetError) as refused:
-        preflight(job)
+        check_inputs(job)
     assert refused.value.one_line() == (
         f"workbench: config error: training.dataset={str(data)!r}: its {3 - holdout} training document(s) hold no "
         "text (empty, whitespace or <|endoftext|> only). Fix: point --training.dataset at files with text.")
     (data / "a.txt").write_text("Now is the winter of our discontent")
-    preflight(job)  # one document with text is enough
+    check_inputs(job)  # one document with text is enough
 
 
 def test_undecodable_text_names_the_file_and_offset(tmp_path):

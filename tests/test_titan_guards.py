@@ -1,10 +1,11 @@
-"""Guards on the torchtitan internals the workbench leans on, so a torchtitan upgrade announces itself.
+"""Guards on the torchtitan (and private torch) internals the workbench leans on, so an upgrade announces itself.
 
 1. Every official flavor, built from our shape table through torchtitan's layer builders, has exactly the
    state-dict (names and shapes, on the meta device) of torchtitan's own `qwen3_configs` entry.
-2. The torchtitan functions we override, wrap, copy or call by a private name still have the source they had in
-   the version we adapted them to (a hash of their installed source, read from the file with `ast`, so our own
-   monkeypatches cannot hide a change). A mismatch is not a bug by itself: it names what to re-read.
+2. The torchtitan functions we override, wrap, copy or call by a private name, and the private torch classes we
+   subclass, still have the source they had in the version we adapted them to (a hash of their installed source,
+   read from the file with `ast`, so our own monkeypatches cannot hide a change). A mismatch is not a bug by
+   itself: it names what to re-read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from workbench import device, flavors
 device.prepare("cpu")
 
 TORCHTITAN_VERSION = "0.3.0"
+TORCH_VERSION = "2.14.0"
 OFFICIAL = ["0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B", "235B-A22B"]
 
 
@@ -74,6 +76,33 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
     ("torchtitan.models.qwen3", "_qwen3_norm"): (
         "ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
+    # workbench/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
+    ("torchtitan.components.checkpointer.dcp", "CheckpointManager._find_load_step"): (
+        "58210d23f832ed61", "overridden: resume from the newest *verified* step (fallback on a corrupt one)"),
+    ("torchtitan.components.checkpointer.dcp", "CheckpointManager._save"): (
+        "15f1039cac3f08b9",
+        "wrapped: a stale step folder removed first, a failed save removed and named, a purge after the last step"),
+    ("torchtitan.components.checkpointer.dcp", "CheckpointManager._purge_stale_checkpoints"): (
+        "d4b32d53eed3a26f", "replaced: keep_latest_k over verified checkpoints (uses _should_purge, purge_queue)"),
+    ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_load"): (
+        "cd70ea52b87a2a5b", "wrapped: global shapes checked against the metadata first; DCP's error cut to one line"),
+    ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_save"): (
+        "2abaf8f4b17a09d7", "replaced (unless to_hf): dcp.save through the checksumming writer, then checksums.json"),
+    ("torchtitan.components.checkpointer.base", "BaseCheckpointManager.load"): (
+        "e3be770adff126d6", "wrapped: an explicit load_step verified first, the disk check after"),
+    # workbench/plan.py: _tracker_class subclasses torch's private FSDP memory tracker (torch 2.14.0)
+    ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"): (
+        "b9563c2a05a76020", "its values are plan._categories' keys; PlanRefType copies its members"),
+    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.__init__"): (
+        "5ae8d4324dc4fdd5", "subclassed by plan's Tracker, which sets _ref_class after it"),
+    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._fsdp_state_pre_forward"): (
+        "a5c9d3c3dda2d5b1", "wrapped by plan's Tracker (a module's second forward restarts its stats)"),
+    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.__torch_dispatch__"): (
+        "afad18a8a26e4a35", "wrapped by plan's Tracker (records the SDPA kernels dispatched)"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker.__init__"): (
+        "adf771509a652f22", "plan's Tracker reads _ref_class, memory_tracking and _mod_tracker.is_bw set here"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker._track"): (
+        "8f568b403f5b5944", "overridden by plan's Tracker (files tensors as logits, attention scores, NKI buffers)"),
 }
 # Private module-level names we read: they must still exist (their values are checked by the shape test above).
 PRIVATE_NAMES = {"torchtitan.models.qwen3": ["_EMBEDDING_INIT", "_EMBEDDING_SKIP_INIT", "_LINEAR_INIT"],
@@ -89,7 +118,7 @@ def installed_source(module: str, qualname: str) -> str:
     nodes: list[ast.AST] = ast.parse(text).body
     for part in qualname.split("."):
         found = [n for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part]
-        assert found, f"torchtitan {module}.{qualname} is gone (no {part!r} in {path})"
+        assert found, f"{module}.{qualname} is gone (no {part!r} in {path})"
         node = found[0]
         nodes = node.body
     return ast.get_source_segment(text, node)
@@ -100,15 +129,16 @@ def source_hash(module: str, qualname: str) -> str:
 
 
 @pytest.mark.parametrize("target", list(UPSTREAM), ids=[f"{m}.{q}" for m, q in UPSTREAM])
-def test_overridden_torchtitan_code_is_unchanged(target):
+def test_overridden_upstream_code_is_unchanged(target):
     import torchtitan
 
     module, qualname = target
     recorded, depends = UPSTREAM[target]
     now = source_hash(module, qualname)
     assert now == recorded, (
-        f"torchtitan's {module}.{qualname} changed (source hash {now}, recorded {recorded} for torchtitan "
-        f"{TORCHTITAN_VERSION}; installed {getattr(torchtitan, '__version__', '?')}). Depends on it: {depends}. "
+        f"{module}.{qualname} changed (source hash {now}, recorded {recorded} for torchtitan {TORCHTITAN_VERSION}, "
+        f"torch {TORCH_VERSION}; installed {getattr(torchtitan, '__version__', '?')}, {torch.__version__}). "
+        f"Depends on it: {depends}. "
         f"Re-read the new source, adapt the workbench, then record the new hash in tests/test_titan_guards.py.")
 
 

@@ -9,7 +9,7 @@ Python API (what the notebooks call)::
 
 `workbench.train` is the launcher module (`python -m workbench.train`); its Python entry point is the function
 `workbench.train.train` (one spelling: the module is not callable). Imports are lazy so that `import workbench`
-stays fast and torch-free; validating a config imports its backend module (torchtitan/transformers).
+stays fast and torch-free, and so does `load_config` (validation included: the backend rules are plain functions).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.config import BACKENDS, ConfigError, load_config
+from workbench.config import BACKENDS, load_config
+from workbench.errors import ConfigError, announce, recognised
 from workbench.run_folder import read_metrics
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
@@ -311,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         df = run_matrix(args.config, [b for b in args.backends.split(",") if b], steps=args.steps, nproc=args.nproc,
                         out=args.out, overrides=overrides, warmup_steps=args.warmup_steps)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"bench: config error: {e}", file=sys.stderr)
-        return 2
+        return announce(recognised(e))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(df[["backend", "status", "tokens_per_s", "step_time_median_s", "mfu", "final_loss",
                   "speed_vs_native"]].to_string(index=False))

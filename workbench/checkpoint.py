@@ -38,7 +38,7 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
 from workbench.dist_utils import all_gather, barrier, broadcast, rank
 from workbench.errors import CheckpointError, CheckpointMismatchError, RunError
-from workbench.run_folder import CHECKSUMS, is_complete, step_dirs
+from workbench.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20
@@ -138,8 +138,25 @@ def stale_checkpoints(folder: str | os.PathLike, keep_latest_k: int) -> list[Pat
     return [dirs[s] for s in sorted(doomed)]
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def checkpoint_bytes(model_parts, optimizers=None) -> int:
+    """Bytes of one DCP checkpoint, from global shapes and stored dtypes (a DTensor's numel is its global size).
+
+    The model state dict (a tied embedding twice, as DCP writes it) plus the optimizer state; where the optimizer
+    has none yet (AdamW creates it in its first step), its two moments per trainable parameter.
+
+    Args:
+        model_parts: the model's parts (torchtitan's `model_parts`).
+        optimizers: a torch optimizer or torchtitan's container of them; None = not built yet.
+    """
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(t) for m in model_parts for t in m.state_dict().values() if isinstance(t, torch.Tensor))
+    opts = getattr(optimizers, "optimizers", [optimizers] if optimizers is not None else [])
+    states = [state for opt in opts for state in opt.state.values()]
+    if states:
+        return total + sum(nbytes(t) for state in states for t in state.values() if isinstance(t, torch.Tensor))
+    return total + 2 * sum(nbytes(p) for m in model_parts for p in m.parameters() if p.requires_grad)
 
 
 def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> list[str]:
@@ -321,7 +338,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
 
     def _check_disk_space(self) -> None:
         """Before the first save: room for the checkpoints this run will hold at its peak? Warn or refuse."""
-        estimate = self._checkpoint_estimate()
+        estimate = checkpoint_bytes(self.states[MODEL].model)  # before the first step: no optimizer state yet
         message = self._disk_space_message(estimate) if dist.get_rank() == 0 else None
         message = broadcast(message)
         if not message:
@@ -331,40 +348,21 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                            "--checkpoint.refuse_low_disk false to only warn.")
         _say(f"workbench: warning: {message}")
 
-    def _checkpoint_estimate(self) -> int:
-        """Bytes of one checkpoint over all ranks: the model state dict as DCP writes it (a tied embedding twice)
-        plus Adam's two moments per parameter (each rank's local FSDP/TP shards, summed over ranks)."""
-        def nbytes(t: torch.Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        local = sum(nbytes(t) for t in self.states[MODEL].state_dict().values() if isinstance(t, torch.Tensor))
-        local += 2 * sum(nbytes(p) for m in self.states[MODEL].model for p in m.parameters() if p.requires_grad)
-        total = torch.tensor(local, dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)  # once per launch; gloo on CPU
-        return int(total)
-
     def _disk_space_message(self, estimate: int) -> str | None:
         folder = Path(self.folder)
         folder.mkdir(parents=True, exist_ok=True)
-        dirs = step_dirs(folder)
         newest = newest_complete(folder)
         # A checkpoint on disk is the best measure; else the estimate (the optimizer's own state is not asked for:
         # materialising it before the first step would advance Adam's step count and change the run).
-        size = dir_bytes(dirs[newest]) if newest is not None else estimate
-        existing = sum(dir_bytes(p) for p in dirs.values())
-        saves_left = max(self.wb_config.total_steps - self._current_step(), 0) // self.interval + 1
+        size = dir_bytes(step_dirs(folder)[newest]) if newest is not None else estimate
         k = self.keep_latest_k
-        # torchtitan purges after a save completes: at the peak, k old checkpoints sit next to the new one.
-        peak_copies = min(k + 1, len(dirs) + saves_left) if k > 0 else len(dirs) + saves_left
-        needed = peak_copies * size - existing
-        free = shutil.disk_usage(folder).free
-        if needed <= free:
+        space = checkpoint_space(folder, size, k, self.wb_config.total_steps, self.interval, self._current_step())
+        if space.fits:
             return None
         gib = 1024**3
-        return (f"{folder} has {free / gib:.2f} GiB free; {peak_copies} checkpoint(s) of {size / gib:.2f} GiB "
-                f"(keep_latest_k={k}) need {needed / gib:.2f} GiB more; a save will fail with a full disk.")
+        return (f"{folder} has {space.free_bytes / gib:.2f} GiB free; {space.copies} checkpoint(s) of "
+                f"{size / gib:.2f} GiB (keep_latest_k={k}) need {space.need_bytes / gib:.2f} GiB more; a save will "
+                "fail with a full disk.")
 
     def _current_step(self) -> int:
         train_state = self.states.get("train_state")

@@ -39,11 +39,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from workbench.errors import ConfigError, WorkbenchError, announce, recognised
+
 DEFAULT_PROMPTS = ("To be, or not to be,", "ROMEO:", "Now is the winter of our discontent")
-
-
-class CheckpointError(ValueError):
-    """A path that is no checkpoint this module can read; the message says what it expects."""
 
 
 @dataclass
@@ -77,8 +75,8 @@ def _run_of(step_dir: Path) -> Path:
     for parent in step_dir.parents:
         if (parent / "config.toml").is_file():
             return parent
-    raise CheckpointError(f"{step_dir} is a DCP checkpoint outside any run folder (no config.toml above it); "
-                          "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
+    raise ConfigError(f"{step_dir} is a DCP checkpoint outside any run folder (no config.toml above it); "
+                      "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
 
 
 def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
@@ -87,19 +85,19 @@ def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
     try:
         return step_dir(run, folder, step)
     except FileNotFoundError as e:
-        raise CheckpointError(f"{e} Or compare its Hugging Face export ({run / 'hf'}) if it has one.") from None
+        raise ConfigError(f"{e} Or compare its Hugging Face export ({run / 'hf'}) if it has one.") from None
 
 
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
-    from workbench.export_hf import load_dcp_model_state
+    from workbench.hf_export import load_dcp_model_state
     from workbench.model import build_model
     from workbench.run_folder import read_config
 
     job = read_config(run)
     if backend not in (None, job.model.backend):
-        raise CheckpointError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
-                              f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
-                              f"(python -m workbench.export_hf --run {run} --out DIR) and compare DIR.")
+        raise ConfigError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
+                          f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
+                          f"(python -m workbench.hf_export --run {run} --out DIR) and compare DIR.")
     step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
     load_dcp_model_state(model, step_dir)
@@ -115,7 +113,7 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
         step: run folders: the DCP step (default the newest).
 
     Raises:
-        CheckpointError: the path is none of the above, or has no such step.
+        ConfigError: the path is none of the above, or has no such step.
     """
     from workbench.model import load_model
 
@@ -128,8 +126,8 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
         return _load_dcp(_run_of(p), p, None, backend)
     if (p / "config.toml").is_file():
         return _load_dcp(p, None, step, backend)
-    raise CheckpointError(f"{p} is not a checkpoint: expected a Hugging Face directory (config.json + *.safetensors), "
-                          "a run folder (config.toml + checkpoint/step-N/) or a DCP step directory (.metadata).")
+    raise ConfigError(f"{p} is not a checkpoint: expected a Hugging Face directory (config.json + *.safetensors), "
+                      "a run folder (config.toml + checkpoint/step-N/) or a DCP step directory (.metadata).")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,16 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     parser.add_argument("--out", default=None, help="write tensors.csv, generations.csv, summary.json, compare.md")
     args = parser.parse_args(argv)
-    from workbench.config import ConfigError
-    from workbench.hf import HFCheckpointError
-
     try:
         cmp = compare(args.a, args.b, backend_a=args.backend_a, backend_b=args.backend_b, step_a=args.step_a,
                       step_b=args.step_b, seq_len=args.seq_len, rows=args.rows,
                       prompts=args.prompt or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens)
-    except (CheckpointError, ConfigError, HFCheckpointError, FileNotFoundError, NotImplementedError, ValueError) as e:
-        print(f"compare: error: {e}", file=sys.stderr)
-        return 2
+    except (WorkbenchError, FileNotFoundError) as e:
+        return announce(recognised(e))
     for key, value in cmp.summary().items():
         print(f"{key:>22}: {value}")
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):

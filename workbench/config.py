@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, FlavorError
 
 if TYPE_CHECKING:
     from workbench.flavors import Qwen3Shape
@@ -92,7 +92,7 @@ class Model:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         """The model's own values, its shape (resolved here, once: `job.shape`), then its backend's rules."""
-        from workbench import backends, flavors
+        from workbench import flavors
 
         if self.name.lower() != "qwen3":
             raise ConfigError(f"model.name={self.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
@@ -106,11 +106,68 @@ class Model:
             )
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
-        except (flavors.FlavorError, ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"model.flavor: {e}" if isinstance(e, flavors.FlavorError) else str(e)) from None
+        except FlavorError as e:
+            raise ConfigError(f"model.flavor: {e}") from None
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from None
         if self.moe_block_size <= 0:
             raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
-        backends.get(self.backend).check(job)  # each backend's rules live in its module
+        BACKEND_RULES[self.backend](job)
+
+
+# ------------------------------------------------------------------------------------------------
+# Each backend's config rules. Plain functions of config values, here rather than in the backend modules
+# (which import torch, torchtitan and the kernels): validating a TOML imports no torch.
+# ------------------------------------------------------------------------------------------------
+
+
+def check_huggingface_v5(job: JobConfig) -> None:
+    """transformers' modeling: FSDP only, its own MoE block and attention."""
+    m, par = job.model, job.parallelism
+    if par.tp > 1 or par.ep > 1:
+        raise ConfigError(f"huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; got tp={par.tp}, ep={par.ep}: "
+                          "set tp = ep = 1, or use --model.backend native.")
+    if m.hf_moe_implementation != "hf":
+        raise ConfigError(
+            f"model.hf_moe_implementation={m.hf_moe_implementation!r} is not implemented: huggingface_v5 trains "
+            "transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
+            "--model.backend native for torchtitan's MoE."
+        )
+    if m.attn_backend != "sdpa":
+        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
+
+
+def check_native(job: JobConfig) -> None:
+    """None beyond the sections' own: native takes every [model] and [parallelism] option (tp, ep, attention
+    backends, expert implementations)."""
+
+
+def check_nki_moe(job: JobConfig) -> None:
+    """A MoE model, a block size the NKI kernels take, blockwise experts, no expert parallelism."""
+    from workbench import flavors
+
+    m = job.model
+    if not job.shape.is_moe:
+        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
+        raise ConfigError(
+            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
+            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
+        )
+    # Checked on every device (a config that trains here must launch on trn2): the blocks
+    # `kernels.autograd.kernel_block_size` splits into kernel blocks (a test checks the two agree).
+    if not (m.moe_block_size <= 128 or m.moe_block_size % 128 == 0):
+        raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
+                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.")
+    if m.moe_experts_impl != "grouped_mm":
+        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
+                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
+    if job.parallelism.ep > 1:
+        raise ConfigError(f"parallelism.ep={job.parallelism.ep}: expert parallelism is only wired for the native "
+                          "backend; set ep = 1 for nki_moe.")
+
+
+BACKEND_RULES = {"huggingface_v5": check_huggingface_v5, "native": check_native, "nki_moe": check_nki_moe}
+"""Backend name -> its config rules (run by `Model.check`, so by `validate`); raise ConfigError naming the fix."""
 
 
 @dataclass
@@ -529,7 +586,7 @@ def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = 
 
 def validate(cfg: JobConfig, world_size: int = 1) -> None:
     """Checks everything that can be checked before training starts: each section's own `check` (the rules live
-    with their section; the model section resolves the shape and runs its backend's `check`).
+    with their section; the model section resolves the shape and runs its backend's rules, `BACKEND_RULES`).
 
     Args:
         cfg: the config.

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.errors import DeviceError
+
 KINDS = ("cpu", "cuda", "neuron")
 
 
@@ -27,10 +29,6 @@ class DeviceInfo:
     count: int  # devices visible to this process (CPU: 1)
     name: str  # human-readable device name
     dist_backend: str  # torch.distributed backend for this kind
-
-
-class DeviceError(ValueError):
-    """The requested device cannot be used here. The message is one line naming the cause and the fix."""
 
 
 NEURON_FIX = ("install the Neuron packages into this Python from AWS's Neuron package index "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -30,10 +29,11 @@ SUPPORT = {
 }
 MATRIX_SOURCE = "Neuron 2.33 TorchNeuron release notes (support matrix)"
 
-# trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (engine-notes.md; AWS trn2 docs).
+# trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (AWS Neuron docs, "Trainium2
+# Architecture Guide for NKI": https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/arch/trainium2_arch.html;
+# 16 chips per instance: "Amazon EC2 Trn2 Architecture" in the same docs).
 TRN2_CORES_PER_CHIP = 8
 TRN2_HBM_PER_CHIP = 96 * 2**30
-CHECKPOINT_BYTES_PER_PARAM = 12  # DCP: fp32 weights + AdamW's two fp32 moments
 
 
 @dataclass
@@ -141,7 +141,7 @@ def nki_check(installed: str | None, on_neuron: bool) -> Check:
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
     """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
-    from workbench import neuron_adjustments
+    from workbench.device import LNC_ENV, TRN2_LNC, logical_nc_config
 
     checks = []
     if not files:
@@ -160,9 +160,9 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
         visible = "torch not importable"
     checks.append(Check("visible devices", "ok", visible))
 
-    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "")
+    raw = os.environ.get(LNC_ENV, "")
     try:
-        lnc = neuron_adjustments.read_lnc("neuron" if files else "cpu")
+        lnc = logical_nc_config(default=TRN2_LNC if files else 1)  # unset: trn2's 2 on a Neuron host, 1 elsewhere
         lnc_check = Check("NEURON_LOGICAL_NC_CONFIG", "ok", raw or f"unset (= {lnc})")
         if files and not raw:
             lnc_check.fix = "set it explicitly (export NEURON_LOGICAL_NC_CONFIG=2) so compiler, runtime and NKI agree"
@@ -190,22 +190,22 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
 
 
 def disk_check(job) -> Check:
-    """Free space in job.dump_folder against `keep_latest_k` checkpoints of the configured flavor."""
+    """Free space for the run's checkpoints of the configured flavor at their peak (`run_folder.checkpoint_space`)."""
     from workbench import flavors
+    from workbench.run_folder import CHECKPOINT_BYTES_PER_PARAM, checkpoint_space
 
-    params = flavors.count_params(job.shape)["total"]
-    one = params * CHECKPOINT_BYTES_PER_PARAM
-    keep = job.checkpoint.keep_latest_k or 1
-    where = Path(job.job.dump_folder).resolve()
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    value = f"{free / 1e9:,.1f} GB free in {where}; one {job.model.flavor or 'model'} checkpoint {one / 1e9:,.2f} GB"
+    one = flavors.count_params(job.shape)["total"] * CHECKPOINT_BYTES_PER_PARAM
+    c = job.checkpoint
+    space = checkpoint_space(job.run_dir / c.folder, one, c.keep_latest_k, job.training.steps, c.interval)
+    free = space.free_bytes
+    value = (f"{free / 1e9:,.1f} GB free in {space.where}; one {job.model.flavor or 'model'} checkpoint "
+             f"{one / 1e9:,.2f} GB")
     if free < one:
         return Check("disk", "fail", value, "free space or point job.dump_folder at a larger volume")
-    if free < one * (keep + 1):  # keep_latest_k complete ones plus the one being written
-        return Check("disk", "warn", value, f"checkpoint.keep_latest_k={keep} needs {one * (keep + 1) / 1e9:,.1f} GB "
-                                            "while a new one is written; lower it or free space")
+    if not space.fits:
+        return Check("disk", "warn", value, f"{space.copies} checkpoints at once (checkpoint.keep_latest_k="
+                                            f"{c.keep_latest_k}) need {space.need_bytes / 1e9:,.1f} GB more; lower "
+                                            "keep_latest_k or free space")
     return Check("disk", "ok", value)
 
 
@@ -230,7 +230,8 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.config import ConfigError, load_config
+    from workbench.config import load_config
+    from workbench.errors import ConfigError, announce
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -248,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             job = load_config(argv=argv, world_size=nproc or 1)  # the config's parallel degrees for --nproc ranks
         except ConfigError as e:
-            print(f"workbench: config error: {e}", file=sys.stderr)
-            return 2
+            return announce(e)
     checks = run_checks(job, nproc)
     if job is None:
         checks.append(Check("disk", "ok", "not checked", "pass --job.config_file X to check checkpoint space"))

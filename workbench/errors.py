@@ -18,6 +18,7 @@ codes as `exitcode` in its failure summary):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -67,6 +68,28 @@ class DatasetError(ConfigError):
     same_on_every_rank = False  # every rank reads every document, but not necessarily at the same moment
 
 
+class FlavorError(ConfigError):
+    """A flavor name that is not a Qwen3 model."""
+
+
+class DeviceError(ConfigError):
+    """The requested device cannot be used here. The message is one line naming the cause and the fix."""
+
+    kind = "device error"
+
+
+class HFCheckpointError(ConfigError):
+    """A Hugging Face checkpoint directory that cannot be loaded (or does not fit the model); the message names
+    the fix."""
+
+
+class HFExportError(WorkbenchError, RuntimeError):
+    """An export that cannot be written (the target exists, the disk is full); the message names the fix."""
+
+    exit_code = EXIT_CONFIG
+    kind = "export error"
+
+
 class RunError(WorkbenchError, RuntimeError):
     """A failure during a run (after the config was accepted)."""
 
@@ -114,6 +137,24 @@ class StoppedError(RunError):
     fix_label = "Resume"
 
 
+def recognised(e: BaseException) -> WorkbenchError | None:
+    """The workbench error a failure means, or None for one the workbench does not know (its traceback shows).
+
+    A missing file is a config error (exit 2); a run folder that cannot be written (read-only, full, a file in the
+    way) is a run folder error (exit 4).
+    """
+    if isinstance(e, WorkbenchError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return ConfigError(str(e).strip('"'))
+    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.ENOTDIR):
+        error = RunFolderError(f"writing {e.filename or 'a file'} failed: {e.strerror}.",
+                               "point --job.dump_folder at a writable folder with free space.")
+        error.same_on_every_rank = False  # maybe this rank's alone: its line must be able to be the root cause
+        return error
+    return None
+
+
 def announce(error: WorkbenchError, rank: int | None = None, *, also_print: bool = False) -> int:
     """Shows `error` as one line, once, instead of a traceback per rank; returns its exit code.
 
@@ -146,5 +187,6 @@ def announce(error: WorkbenchError, rank: int | None = None, *, also_print: bool
 
 
 __all__ = ["EXIT_CONFIG", "EXIT_NON_FINITE", "EXIT_CHECKPOINT", "EXIT_STOPPED", "WorkbenchError", "ConfigError",
-           "DatasetError", "RunError", "CheckpointError", "CheckpointMismatchError", "RunFolderError",
-           "RunLockedError", "NonFiniteError", "StoppedError", "announce"]
+           "DatasetError", "FlavorError", "DeviceError", "HFCheckpointError", "HFExportError", "RunError",
+           "CheckpointError", "CheckpointMismatchError", "RunFolderError", "RunLockedError", "NonFiniteError",
+           "StoppedError", "recognised", "announce"]

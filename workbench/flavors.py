@@ -1,7 +1,8 @@
 """Qwen3 flavors declared as data, and their translation to torchtitan and Hugging Face configs.
 
 A flavor is one `Qwen3Shape`: every number that fixes the architecture. The official shapes are the
-published Qwen3 checkpoints (engine-notes.md has the table they come from); the `tiny*` flavors are ours,
+published Qwen3 checkpoints (each one's `config.json` on the Hugging Face Hub, e.g. Qwen/Qwen3-0.6B, and torchtitan's
+`qwen3_configs`, which tests/test_titan_guards.py compares against); the `tiny*` flavors are ours,
 narrow and shallow so a CPU step takes a fraction of a second, but they keep the real 151936-token
 vocabulary so the real Qwen3 tokenizer works unchanged.
 
@@ -18,6 +19,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from workbench.errors import FlavorError
 
 QWEN3_VOCAB = 151936
 
@@ -90,10 +93,6 @@ NOT_QWEN3 = {
     "72B": "Qwen3 has no 72B model (72B is Qwen2/Qwen2.5). The largest dense Qwen3 is 32B; "
     "the MoE models are 30B-A3B and 235B-A22B.",
 }
-
-
-class FlavorError(ValueError):
-    """A flavor name that is not a Qwen3 model."""
 
 
 def get_shape(flavor: str) -> Qwen3Shape:
@@ -309,6 +308,6 @@ def describe(shape: Qwen3Shape) -> dict[str, Any]:
 
 
 __all__ = [
-    "FLAVORS", "Qwen3Shape", "FlavorError", "get_shape", "titan_model_config", "count_params",
+    "FLAVORS", "Qwen3Shape", "get_shape", "titan_model_config", "count_params",
     "hf_config", "shape_from_hf_config", "flavor_of", "describe", "read_hf_shape", "resolve",
 ]

@@ -1,6 +1,6 @@
 """Hugging Face safetensors in and out: published Qwen3 weights into any workbench model, and back out.
 
-The interchange format (architecture.md, "Weights interchange") is what `transformers` reads and writes:
+The interchange format between the paths (and with the Hugging Face Hub) is what `transformers` reads and writes:
 a directory with `config.json` and either `model.safetensors` or `model-0000i-of-0000N.safetensors` shards
 listed in `model.safetensors.index.json`. Keys are the published ones; MoE experts on disk are per expert
 (`mlp.experts.E.{gate,up,down}_proj.weight`). transformers 5.x can also write its in-memory fused layout
@@ -46,6 +46,7 @@ import torch
 
 from workbench import flavors
 from workbench.dist_utils import rank as _rank
+from workbench.errors import HFCheckpointError, HFExportError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,14 +61,6 @@ EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 # transformers v5's fused expert tensors; split into the per-expert keys on reading.
 _FUSED_EXPERTS = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)")
 _SHOW = 5  # offending keys listed per category in error messages
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint directory that cannot be loaded; the message names the fix."""
-
-
-class HFExportError(RuntimeError):
-    """An export that cannot be written (e.g. the target exists); the message names the fix."""
 
 
 @dataclass(frozen=True)
@@ -672,7 +665,7 @@ def export_trainer(trainer, out_dir: str | os.PathLike, *, overwrite: bool = Tru
 
 
 __all__ = [
-    "HFCheckpointError", "HFExportError", "ModelInfo", "weight_files", "table_of_contents", "unit_of",
+    "ModelInfo", "weight_files", "table_of_contents", "unit_of",
     "meta_state_dict", "plan_units", "check_against", "load_weights", "load_into_model", "load_into_trainer",
     "export_dtype", "target_problem", "export_weights", "export_model", "export_trainer",
 ]

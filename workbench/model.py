@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from workbench import flavors
-from workbench.config import ConfigError, JobConfig, load_config
+from workbench.config import BACKEND_RULES, JobConfig, load_config
+from workbench.errors import ConfigError
 
 
 def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoint) -> JobConfig:
@@ -35,9 +37,7 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
     if not job.model.flavor and not job.model.hf_checkpoint:
         raise ConfigError(f"load_model needs a flavor (model.flavor, one of {', '.join(flavors.FLAVORS)}) "
                           "or hf_checkpoint=DIR to take the shape from its config.json.")
-    from workbench import backends
-
-    backends.get(backend).check(job)  # e.g. nki_moe on a dense model; parallel degrees do not apply here
+    BACKEND_RULES[backend](job)  # e.g. nki_moe on a dense model; parallel degrees do not apply here
     return job
 
 
@@ -48,16 +48,28 @@ def _prepare_device(job: JobConfig) -> None:
     device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
 
 
-def _build_titan(job: JobConfig, model_config) -> torch.nn.Module:
-    """A torchtitan model from its config: built on meta, materialised on CPU, seeded init."""
+def materialize(model_config, seed: int | None, parallelize: Callable | None = None) -> torch.nn.Module:
+    """The one model builder: a torchtitan-protocol model config built on the meta device, parallelized there
+    (optional), materialised on CPU, seeded and initialised by the model's own `init_weights`.
+
+    Every backend's model config follows torchtitan's protocol (huggingface_v5 wraps transformers' model in one),
+    so this serves all three, the planner (which traces it under fake tensors) and the tests.
+
+    Args:
+        model_config: the ModelSpec's `model` (`backends.model_spec(job).model`).
+        seed: seeds torch's RNG right before the init; None leaves it as it is.
+        parallelize: applied to the meta model (FSDP/TP wrap), as torchtitan's Trainer does before `to_empty`.
+    """
     with torch.device("meta"):
         model = model_config.build()
+    if parallelize is not None:
+        model = parallelize(model)
     model.to_empty(device="cpu")
-    torch.manual_seed(job.job.seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
-
 
 
 def build_model(job: JobConfig) -> torch.nn.Module:
@@ -71,7 +83,7 @@ def build_model(job: JobConfig) -> torch.nn.Module:
 
     _prepare_device(job)
     spec = backends.model_spec(job)
-    model = _build_titan(job, spec.model).float().eval()
+    model = materialize(spec.model, job.job.seed).float().eval()
     model.workbench_info = hf.ModelInfo(job.model.backend, job.shape, spec.model, job.model.tokenizer_path)
     return model
 
@@ -89,7 +101,7 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
     Raises:
         ConfigError: neither a flavor nor a checkpoint.
         NotImplementedError: an unsupported backend.
-        workbench.hf.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
+        workbench.errors.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
     """
     from workbench import hf
 
@@ -116,4 +128,4 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str 
     return hf.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
 
 
-__all__ = ["load_model", "build_model", "export_hf"]
+__all__ = ["load_model", "build_model", "materialize", "export_hf"]

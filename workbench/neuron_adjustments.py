@@ -24,20 +24,19 @@ for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each it
 5. Memory statistics after a device synchronize (`neuron.sync_memory_stats`). Execution is asynchronous; the
    Neuron memory-profiling guide synchronizes (`torch.neuron.synchronize()`) before reading statistics, which
    torchtitan's `DeviceMemoryMonitor.get_peak_stats` does not.
-6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG` is read once here for the start-up line (trn2 default 2,
-   per https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html);
-   the NKI kernels read the same variable (`workbench.device.logical_nc_config`): their launch grid must match it
-   (compiler error NCC_EVRF066 otherwise).
+6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG`, read by its one reader `workbench.device.logical_nc_config`
+   (unset: 2 on the neuron device, trn2's default, per
+   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html;
+   1 elsewhere), is shown in the start-up line; the NKI kernels launch on the same value: their launch grid must
+   match it (compiler error NCC_EVRF066 otherwise).
 """
 
 from __future__ import annotations
 
-import os
-
 from workbench.config import Neuron
+from workbench.device import TRN2_LNC, logical_nc_config
 
 DEFAULT_TIMEOUT_S = 300  # torchtitan's own default, kept off Neuron
-TRN2_DEFAULT_LNC = 2
 
 _applied: dict[str, bool] = {}
 lnc: int | None = None
@@ -54,20 +53,6 @@ def comm_timeouts(cfg: Neuron, device_kind: str) -> tuple[int, int]:
     if applies(cfg, device_kind):
         return cfg.init_timeout_s, cfg.step_timeout_s
     return DEFAULT_TIMEOUT_S, DEFAULT_TIMEOUT_S
-
-
-def read_lnc(device_kind: str) -> int:
-    """`NEURON_LOGICAL_NC_CONFIG` as an int (1 or 2); unset = 2 on the neuron device (trn2), 1 elsewhere.
-
-    Raises:
-        ValueError: a value the Neuron SDK does not support.
-    """
-    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "")
-    if not raw:
-        return TRN2_DEFAULT_LNC if device_kind == "neuron" else 1
-    if raw not in ("1", "2"):
-        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={raw!r}: the Neuron SDK supports 1 or 2 (trn2 default 2).")
-    return int(raw)
 
 
 def _use_process_group(name: str, device_kind: str) -> None:
@@ -129,7 +114,7 @@ def apply(cfg: Neuron, device_kind: str) -> list[str]:
     if cfg.sync_memory_stats:
         _synchronize_before_memory_stats()
         done.append("synchronized memory stats")
-    lnc = read_lnc(device_kind)
+    lnc = logical_nc_config(default=TRN2_LNC if device_kind == "neuron" else 1)  # unset: trn2's 2, 1 elsewhere
     done.append(f"LNC {lnc}")
     done.append(f"timeouts {cfg.init_timeout_s}/{cfg.step_timeout_s} s")
     return done

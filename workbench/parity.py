@@ -3,14 +3,14 @@
 Given a directory written by transformers (`config.json` + `*.safetensors`), the harness builds
 
   * the reference: transformers' own `AutoModelForCausalLM.from_pretrained(dir)` (fp32, sdpa);
-  * each available backend, with the checkpoint's weights loaded through that backend's HF key mapping:
-      huggingface_v5  `build_model` + `hf_adapter(shape).from_hf` (transformers' modeling code again, inside
-                      the torchtitan wrapper: this row checks the wrapper, init and key mapping);
-      native          torchtitan's Qwen3 + torchtitan's `Qwen3StateDictAdapter.from_hf`, with
+  * each backend's model (`workbench.model.build_model`), with the checkpoint's weights loaded through that
+    backend's HF key mapping (`hf_adapter(shape).from_hf`):
+      huggingface_v5  transformers' modeling code again, inside the torchtitan wrapper: this row checks the
+                      wrapper, init and key mapping;
+      native          torchtitan's Qwen3 (torchtitan's `Qwen3StateDictAdapter.from_hf`), with
                       `moe_load_balance_coeff = 0` (no aux-loss-free expert-bias updates, i.e. the routing
                       Hugging Face computes);
-      nki_moe         the same way as native, when `workbench.backends.nki_moe` exists and the model is MoE
-                      (otherwise the row says why it was skipped);
+      nki_moe         the same way as native, when the model is MoE (otherwise the row says why it was skipped);
 
 and reports per backend: the max-abs difference of its logits from the reference's on one batch, its step-0
 loss, and the per-step loss differences after N identical training steps — same packed rows from
@@ -26,7 +26,6 @@ Checkpoints with a trimmed vocabulary (test models) get the tokenizer's ids fold
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from collections.abc import Callable, Iterable
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.config import BACKENDS
+from workbench.errors import ConfigError
 
 REFERENCE = "transformers"
 
@@ -114,13 +114,12 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
     """One backend's model for the checkpoint, weights loaded through the backend's own HF key mapping.
 
     Raises:
-        BackendUnavailable: the backend module does not exist yet, or does not apply to this model.
+        BackendUnavailable: the backend does not apply to this model (e.g. nki_moe on a dense checkpoint).
     """
     from workbench import backends
-    from workbench.config import ConfigError, load_config
+    from workbench.config import load_config
+    from workbench.model import build_model
 
-    if importlib.util.find_spec(f"workbench.backends.{name}") is None:
-        raise BackendUnavailable(f"workbench/backends/{name}.py does not exist yet")
     try:  # the backend's own rules (nki_moe on a dense checkpoint) decide what applies
         job = load_config(
             None,
@@ -130,24 +129,10 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
         )
     except ConfigError as e:
         raise BackendUnavailable(str(e)) from None
-    shape = job.shape
-    module = backends.get(name)
-    spec = module.model_spec(job, job.flavor_name, shape)
-    model = module.build_model(job, shape) if hasattr(module, "build_model") else _build_titan_model(spec, settings)
-    adapter = module.hf_adapter(shape) if hasattr(module, "hf_adapter") else spec.state_dict_adapter(spec.model, None)
+    model = build_model(job)  # seeded by job.seed = settings.seed
+    adapter = backends.get(name).hf_adapter(job.shape)
     _load_strict(model, adapter.from_hf(dict(load_hf_state_dict(checkpoint_dir))), name)
     return model, model
-
-
-def _build_titan_model(spec, settings: Settings) -> torch.nn.Module:
-    """A torchtitan model from its ModelSpec, as the trainer builds it (meta -> CPU -> init), fp32."""
-    torch.manual_seed(settings.seed)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model
 
 
 def _load_strict(model: torch.nn.Module, state: dict[str, Any], name: str) -> None:

@@ -10,10 +10,10 @@ runs under `FakeTensorMode` (shapes and dtypes, no data) over torch's fake proce
 inside PyTorch's `FSDPMemTracker`, which records every storage alive at each op and keeps the per-category
 breakdown at the peak. One rank is traced: FSDP/TP ranks are symmetric.
 
-Why the numbers can be trusted (and what was wrong before, trn2-readiness.md section 3): the optimizer state is
-created by a warm-up step *before* tracking (AdamW creates it lazily in its first `step()`), so the traced step is a
-steady-state step -- forward, backward and optimizer step with the moments already resident -- and nothing is
-counted twice. Each category is validated against real runs by `benchmarks/plan_validation.py`.
+Why the numbers can be trusted: the optimizer state is created by a warm-up step *before* tracking (AdamW creates
+it lazily in its first `step()`), so the traced step is a steady-state step -- forward, backward and optimizer step
+with the moments already resident -- and nothing is counted twice. Each category is validated against real runs
+by `benchmarks/plan_validation.py`.
 
 Categories (bytes per rank at the step's peak): sharded parameters, gradients, optimizer state, all-gathered
 parameters (FSDP's unsharded copies + all-gather buffers), activations (what the AC mode keeps for backward),
@@ -40,17 +40,19 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import os
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from workbench.config import ConfigError, JobConfig, load_config, validate
+from workbench.config import JobConfig, load_config, validate
 from workbench.device import LNC_ENV
+from workbench.errors import ConfigError, announce
+from workbench.run_folder import checkpoint_space
 
 GiB = 1024**3
 MiB = 1024**2
@@ -104,8 +106,8 @@ FUSED_SDPA: dict[str, str | None] = {
     "neuron": None,
 }
 NO_FUSED_SDPA = ("no fused SDPA kernel is known on the neuron device: TorchNeuron documents none, and "
-                 "neuron.sdpa_overrideable only lets one dispatch through SDPBackend.OVERRIDEABLE "
-                 "(trn2-readiness.md section 2); planned as SDPA's math path (fp32 S x S scores)")
+                 "neuron.sdpa_overrideable only lets one dispatch through SDPBackend.OVERRIDEABLE (torchtitan's "
+                 "SDPA wrapper allows CUDNN/FLASH/MATH only); planned as SDPA's math path (fp32 S x S scores)")
 
 CATEGORIES = ("sharded parameters", "gradients", "optimizer state", "all-gathered parameters", "activations",
               "attention scores", "logits and loss", "nki kernel buffers", "other temporaries", "device runtime")
@@ -225,23 +227,19 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     Runs on whatever device/fake mode is active; `parallel_dims` must already have its mesh built (outside fake
     mode). Used by the planner (fake tensors) and by the validation/loss tests (real tensors).
     """
-    import torch
     from torchtitan.components.loss import ChunkedLossWrapper
 
+    from workbench.model import materialize
     from workbench.trainer import build_titan_config
 
     cfg = build_titan_config(job, device_kind, world_size)
     cfg.compile.enable = False  # eager memory (what compile can save is not promised by the plan)
     spec = cfg.model_spec
     spec.model.update_from_config(config=cfg)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=parallel_dims, training=cfg.training,
-                                parallelism=cfg.parallelism, compile_config=cfg.compile,
-                                ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    parallelize = functools.partial(spec.parallelize_fn, parallel_dims=parallel_dims, training=cfg.training,
+                                    parallelism=cfg.parallelism, compile_config=cfg.compile,
+                                    ac_config=cfg.activation_checkpoint, dump_folder=cfg.dump_folder)
+    model = materialize(spec.model, None, parallelize)  # unseeded, as before: memory does not depend on values
     model.train()
     loss_fn = cfg.loss.build(compile_config=cfg.compile)
     if isinstance(loss_fn, ChunkedLossWrapper):  # what torchtitan's Trainer does for a chunked loss
@@ -455,6 +453,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from workbench import device as wb_device
+    from workbench.checkpoint import checkpoint_bytes
 
     device_kind = DEVICES[device].kind
     wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
@@ -468,7 +467,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
         with FakeTensorMode(allow_non_fake_inputs=True), _as_on(device, job, calls):
             b = build(job, device_kind, world_size, pd)
             warm_optimizer(b, job.training.gradient_accumulation_steps)
-            ckpt = checkpoint_bytes(b)
+            ckpt = checkpoint_bytes([b.model], b.optimizers)
             t = job.training
             tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
             tracker = _tracker_class(b.vocab_local, t.seq_len)(
@@ -513,20 +512,6 @@ def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bo
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"memory plan failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)
-
-
-def checkpoint_bytes(b: Built) -> int:
-    """Bytes of one DCP checkpoint (model + optimizer state, global shapes, stored dtypes)."""
-    from torch.distributed.tensor import DTensor
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()  # a DTensor's numel is its global size
-
-    total = sum(nbytes(t) for t in b.model.state_dict().values() if hasattr(t, "numel"))
-    for opt in getattr(b.optimizers, "optimizers", [b.optimizers]):
-        for state in opt.state.values():
-            total += sum(nbytes(t) for t in state.values() if isinstance(t, DTensor) or hasattr(t, "numel"))
-    return int(total)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -638,15 +623,11 @@ def _rss() -> int:
 def _disk(job: JobConfig, ckpt: int) -> dict:
     """Free space in the dump folder against the checkpoints the run keeps."""
     if not job.checkpoint.enable:
-        return {"checkpoints_kept": 0, "checkpoint_disk_bytes": 0, "disk_free_bytes": None, "disk_fits": True}
-    keep = job.checkpoint.keep_latest_k or max(job.training.steps // job.checkpoint.interval, 1)
-    folder = Path(job.job.dump_folder).resolve()
-    while not folder.exists():
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
-    # A new checkpoint is written before the oldest is purged: keep + 1 exist at once.
-    need = ckpt * (keep + 1)
-    return {"checkpoints_kept": keep, "checkpoint_disk_bytes": need, "disk_free_bytes": free, "disk_fits": need <= free}
+        return {"checkpoint_copies": 0, "checkpoint_disk_bytes": 0, "disk_free_bytes": None, "disk_fits": True}
+    c = job.checkpoint
+    space = checkpoint_space(job.run_dir / c.folder, ckpt, c.keep_latest_k, job.training.steps, c.interval)
+    return {"checkpoint_copies": space.copies, "checkpoint_disk_bytes": space.need_bytes,
+            "disk_free_bytes": space.free_bytes, "disk_fits": space.fits}
 
 
 def render(p: dict) -> str:
@@ -669,10 +650,10 @@ def render(p: dict) -> str:
         mark = "fits" if s["fits"] else "still over"
         lines.append(f"  re-planned {s['change']}: peak {s['peak_bytes'] / GiB:.2f} GiB ({mark}, "
                      f"headroom {100 * s['headroom']:.1f}%)")
-    if p["checkpoints_kept"]:
+    if p["checkpoint_copies"]:
         free = p["disk_free_bytes"]
-        lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk; {p['checkpoints_kept']}+1 kept need "
-                     f"{p['checkpoint_disk_bytes'] / 1e9:.1f} GB, {free / 1e9:.1f} GB free in dump_folder"
+        lines.append(f"  checkpoint {p['checkpoint_bytes'] / 1e9:.1f} GB on disk; {p['checkpoint_copies']} at once "
+                     f"need {p['checkpoint_disk_bytes'] / 1e9:.1f} GB more, {free / 1e9:.1f} GB free in dump_folder"
                      + ("" if p["disk_fits"] else
                         "  -> NOT ENOUGH: lower checkpoint.keep_latest_k or move dump_folder"))
     else:
@@ -728,7 +709,7 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Preflight (train.py), the first-launch check (trainer.py) and CLI
+# The launch's memory check (train.py), the first-launch check (trainer.py) and CLI
 # ------------------------------------------------------------------------------------------------
 
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
@@ -753,7 +734,7 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
     return p
 
 
-def preflight(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
+def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
     """Plans `job` before launch on cuda/neuron (`launch_plan`).
 
     On CPU only a model whose parameters alone take over 1/8 of the host RAM per rank is planned (the tiny CPU
@@ -871,7 +852,7 @@ def check_on_launch(trainer) -> None:
     A step's window opens at the model's forward (after torchtitan's zero_grad and the data) and closes after the
     optimizer step (before the metrics log, which resets the peak statistics). The plan's tensors (its peak less
     the device runtime, which no allocator sees) are compared with the largest rank's peak. Rank 0 plans
-    (`launch_plan`: the preflight's cached plan on cuda/neuron).
+    (`launch_plan`: `check_fits`'s cached plan on cuda/neuron).
     """
     import torch
     import torch.distributed as dist
@@ -966,8 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
         p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib)
     except ConfigError as e:
-        print(f"workbench: config error: {e}", file=sys.stderr)
-        return 2
+        return announce(e)
     print(json.dumps(p, indent=1) if args.json else render(p), flush=True)
     return 0 if p["fits"] else 1
 

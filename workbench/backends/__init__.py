@@ -4,21 +4,41 @@
     huggingface_v5  transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM        backends/huggingface_v5.py
     nki_moe         native Qwen3-MoE with experts computed blockwise (NKI)      backends/nki_moe.py
 
-Everything else (launcher, TOML, data, optimizer, checkpoints, HF export) is shared.
+Everything else (launcher, TOML, data, optimizer, checkpoints, HF export) is shared. Each backend module
+satisfies `Backend`; its config rules are plain functions in `config.BACKEND_RULES` (validating a TOML imports
+no backend, hence no torch).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from workbench.config import BACKENDS, JobConfig
+from workbench.errors import ConfigError
+
+if TYPE_CHECKING:
+    from workbench.flavors import Qwen3Shape
 
 
-def get(name: str):
-    """The backend module for `name`: `check(job)` (its config rules), `model_spec(job, flavor_name, shape)`,
-    `hf_adapter(shape)`."""
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend module provides (tests/test_config.py checks each one)."""
+
+    def model_config(self, job: JobConfig, shape: Qwen3Shape) -> Any:
+        """The torchtitan-protocol model config (`build()`, `init_weights`) of the job's model."""
+
+    def model_spec(self, job: JobConfig, flavor: str, shape: Qwen3Shape) -> Any:
+        """torchtitan's `ModelSpec`: that model config plus parallelize function and state-dict adapter."""
+
+    def hf_adapter(self, shape: Qwen3Shape) -> Any:
+        """The state-dict key mapping: `to_hf(state_dict)` and `from_hf(hf_state_dict)` (used by `workbench.hf`)."""
+
+
+def get(name: str) -> Backend:
+    """The backend module for `name`."""
     if name not in BACKENDS:
-        raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
+        raise ConfigError(f"Unknown backend {name!r}; choose one of {', '.join(BACKENDS)}.")
     return importlib.import_module(f"workbench.backends.{name}")  # one module per backend, named after it
 
 

@@ -38,7 +38,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from workbench import flavors
-from workbench.config import ConfigError, JobConfig
+from workbench.config import JobConfig
 from workbench.moe_experts import HF_EXPERTS
 
 PREFIX = "hf."
@@ -386,28 +386,8 @@ def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
 # --------------------------------------------------------------------------------------------
 
 
-def check(job: JobConfig) -> None:
-    """This path's rules (run by `config.validate`): FSDP only, transformers' own MoE block and attention.
-
-    Raises:
-        ConfigError: naming the setting and the fix.
-    """
-    m, par = job.model, job.parallelism
-    if par.tp > 1 or par.ep > 1:
-        raise ConfigError(f"huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; got tp={par.tp}, ep={par.ep}: "
-                          "set tp = ep = 1, or use --model.backend native.")
-    if m.hf_moe_implementation != "hf":
-        raise ConfigError(
-            f"model.hf_moe_implementation={m.hf_moe_implementation!r} is not implemented: huggingface_v5 trains "
-            "transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
-            "--model.backend native for torchtitan's MoE."
-        )
-    if m.attn_backend != "sdpa":
-        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
-
-
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
-    """The torchtitan model config for a job (validated by `check`)."""
+    """The torchtitan model config for a job (validated by `config.check_huggingface_v5`)."""
     return HFQwen3.Config(shape=shape, experts_implementation=HF_EXPERTS[job.model.moe_experts_impl])
 
 
@@ -424,21 +404,7 @@ def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelS
     )
 
 
-def build_model(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3:
-    """The model for inference and parity: CPU, fp32, eval mode, initialised (seeded by `job.job.seed`).
-
-    `forward(input_ids)` returns logits [B, S, vocab]; load weights with
-    `model.load_state_dict(hf_adapter(shape).from_hf(hf_state_dict))`.
-    """
-    torch.manual_seed(job.job.seed)
-    with torch.device("meta"):
-        model = model_config(job, shape).build()
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model.eval()
-
-
 __all__ = [
     "HFQwen3", "HFv5StateDictAdapter", "hf_adapter", "hf_causal_lm", "init_hf_weights", "nparams_and_flops",
-    "parallelize", "check", "model_config", "model_spec", "build_model", "PREFIX", "EXPERTS_IMPLEMENTATION",
+    "parallelize", "model_config", "model_spec", "PREFIX", "EXPERTS_IMPLEMENTATION",
 ]

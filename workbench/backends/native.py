@@ -14,11 +14,6 @@ from workbench.config import JobConfig
 from workbench.moe_experts import use_fallback_experts
 
 
-def check(job: JobConfig) -> None:
-    """This path's rules (run by `config.validate`): none beyond the sections' own; native takes every [model] and
-    [parallelism] option (tp, ep, attention backends, expert implementations)."""
-
-
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
     """torchtitan Qwen3Model.Config for the job (attention backend, MoE balancing and experts impl from [model])."""
     cfg = flavors.titan_model_config(

@@ -25,9 +25,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from workbench import flavors
 from workbench.backends import native
-from workbench.config import ConfigError, JobConfig
+from workbench.config import JobConfig
 from workbench.kernels import blockwise_moe_auto
-from workbench.kernels.autograd import kernel_block_size
 
 
 class BlockwiseRoutedExperts(RoutedExperts):
@@ -57,33 +56,6 @@ class BlockwiseRoutedExperts(RoutedExperts):
             w1.to(dtype), w3.to(dtype), w2.to(dtype), block_size=self.block_size,
         )
         return out_TD.view(B, L, D)
-
-
-def check(job: JobConfig) -> None:
-    """This path's rules (run by `config.validate`): a MoE model, a block size the NKI kernels take, blockwise
-    experts, no expert parallelism.
-
-    Raises:
-        ConfigError: naming the setting and the fix.
-    """
-    m = job.model
-    if not job.shape.is_moe:
-        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
-        raise ConfigError(
-            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
-            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
-        )
-    try:  # checked on every device: a config that trains here must launch on trn2
-        kernel_block_size(m.moe_block_size)
-    except ValueError:
-        raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
-                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.") from None
-    if m.moe_experts_impl != "grouped_mm":
-        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
-                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
-    if job.parallelism.ep > 1:
-        raise ConfigError(f"parallelism.ep={job.parallelism.ep}: expert parallelism is only wired for the native "
-                          "backend; set ep = 1 for nki_moe.")
 
 
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):

@@ -8,7 +8,7 @@ Used by benchmarks/nki_moe_cost.py (the full cost report), `workbench.bench` and
 time beside the measured CPU numbers). Everything here is a model: nothing has run on Trainium.
 
 The roofline (`roofline`) is max(PE floor, HBM floor) of one rank (LNC physical cores, their share of the chip),
-as issue 26 defines it:
+with each floor counting:
   PE floor   the unpadded expert matmuls, 3 x 2*T*K*D*F FLOPs forward and twice that backward, at 79 BF16 TFLOPS
              per physical NeuronCore-v3 (no transposes, no padding, no recompute);
   HBM floor  at the rank's share of 2.9 TB/s: the three expert matrices read once forward and once backward (io

@@ -26,6 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from workbench.errors import ConfigError, announce, recognised
 from workbench.notebook import runner
 
 NBVAL_MARK = "# NBVAL_CHECK_OUTPUT"
@@ -66,11 +67,9 @@ def _run(args) -> int:
                                        cell_timeout=args.cell_timeout, keep_going=not args.stop_on_failure,
                                        log_output=args.log_output)
     except (runner.NotebookParameterError, FileNotFoundError) as e:
-        print(f"workbench.notebook: {e}", file=sys.stderr)
-        return 2
+        return announce(recognised(e))
     if not results:
-        print("workbench.notebook: no notebooks to run.", file=sys.stderr)
-        return 2
+        return announce(ConfigError("workbench.notebook: no notebooks to run."))
     width = max(len(r.notebook) for r in results)
     print(f"\n{'notebook':<{width}}  status  seconds")
     for r in results:

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workbench.config import ConfigError, JobConfig, load_config
+from workbench.config import JobConfig, load_config
+from workbench.errors import ConfigError
 
 
 def repo_root() -> Path:
@@ -133,5 +134,5 @@ def write_job_toml(job: JobConfig, path: str | os.PathLike) -> Path:
     return p
 
 
-__all__ = ["ConfigError", "PARAM_KEYS", "job_from_params", "bench_jobs", "write_job_toml", "repo_root",
+__all__ = ["PARAM_KEYS", "job_from_params", "bench_jobs", "write_job_toml", "repo_root",
            "resolve_path"]

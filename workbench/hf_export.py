@@ -1,6 +1,6 @@
 """Export any DCP checkpoint of a run folder as a Hugging Face checkpoint directory.
 
-    python -m workbench.export_hf --run outputs/cpu_dense [--step N] --out DIR [--overwrite] [--dtype bfloat16]
+    python -m workbench.hf_export --run outputs/cpu_dense [--step N] --out DIR [--overwrite] [--dtype bfloat16]
 
 Reads the run's resolved `config.toml`, builds its model on CPU (fp32), loads the model weights of
 `<run>/<checkpoint.folder>/step-N/` (the newest step by default) with torch.distributed.checkpoint, and
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
+from workbench.errors import ConfigError, HFExportError, WorkbenchError, announce, recognised
 from workbench.run_folder import read_config
 from workbench.run_folder import step_dir as _step_dir
-
-EXIT_USER_ERROR = 2
 
 
 def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
@@ -32,8 +31,8 @@ def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
     stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     absent = [k for k in state if k not in stored]
     if absent:
-        raise ValueError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
-                         "of this run's model (config.toml and checkpoint disagree).")
+        raise ConfigError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
+                          "of this run's model (config.toml and checkpoint disagree).")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step_dir))
@@ -57,7 +56,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     run = Path(run)
     problem = hf.target_problem(out, overwrite)
     if problem:  # before the (possibly long) model build and checkpoint read
-        raise hf.HFExportError(problem)
+        raise HFExportError(problem)
     job = read_config(run)
     step_dir = _step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
@@ -66,7 +65,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.export_hf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m workbench.hf_export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="run folder (<job.dump_folder>/<job.experiment_name>)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
@@ -74,14 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="stored dtype (default: the run's checkpoint.export_dtype)")
     args = parser.parse_args(argv)
-    from workbench.config import ConfigError
-    from workbench.hf import HFCheckpointError, HFExportError
-
     try:
         out = export_run(args.run, args.out, step=args.step, dtype=args.dtype, overwrite=args.overwrite)
-    except (FileNotFoundError, ConfigError, HFCheckpointError, HFExportError, ValueError) as e:
-        print(f"export_hf: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    except (WorkbenchError, FileNotFoundError) as e:
+        return announce(recognised(e))
     print(f"exported {args.run} to {out}")
     return 0
 
