@@ -424,7 +424,7 @@ def test_kernel_registration_never_takes_over_another_clones_kernel(tmp_path, mo
 
 
 def test_bench_table_is_readable():
-    """Issue 14: short headers with units, MFU in percent, 4 significant digits (bench.csv keeps full precision)."""
+    """Short headers with units, MFU in percent, 4 significant digits (bench.csv keeps full precision)."""
     import pandas as pd
 
     from workbench.notebook.reports import bench_table
