@@ -158,3 +158,56 @@ def test_load_model_applies_the_backend_rules():
 
     with pytest.raises(ConfigError, match="flavor 'tiny' is dense"):
         workbench.load_model(load_config(DENSE), backend="nki_moe")
+
+
+# ---- the batch-size and parallel-degree rules at world size > 1 (data-parallel ranks = world / tp) ----------------
+
+TP2 = ["--model.backend", "native", "--parallelism.tp", "2", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.parametrize("world, argv, accumulation", [
+    (8, [*TP2, "--training.global_batch_size", "8"], 1),  # 2 x (8 / 2) ranks = 8 per pass
+    (8, [*TP2, "--training.global_batch_size", "24"], 1),  # accumulation 1 = derived from the global batch
+    (8, [*TP2, "--training.global_batch_size", "24", "--training.gradient_accumulation_steps", "3"], 3),
+    (4, ["--training.local_batch_size", "3", "--training.global_batch_size", "24",
+         "--training.gradient_accumulation_steps", "2"], 2),  # FSDP only: 3 x 4 = 12 per pass
+    (8, [*TP2, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2",
+         "--training.global_batch_size", "16", "--training.gradient_accumulation_steps", "2"], 2),
+])
+def test_global_batch_size_over_several_ranks(world, argv, accumulation):
+    cfg = load_config(DENSE, argv=argv, world_size=world)
+    assert cfg.training.gradient_accumulation_steps == accumulation
+
+
+@pytest.mark.parametrize("world, argv, message", [
+    (8, [*TP2, "--training.global_batch_size", "12"],
+     "training.global_batch_size=12 must be a positive multiple of local_batch_size (2) x data-parallel ranks (4) "
+     "= 8."),
+    (8, [*TP2, "--training.global_batch_size", "4"], "= 8."),  # below one pass
+    (8, [*TP2, "--training.global_batch_size", "0"], "global_batch_size=0 must be a positive multiple"),
+    (8, [*TP2, "--training.global_batch_size", "16", "--training.gradient_accumulation_steps", "4"],
+     "training.gradient_accumulation_steps=4 contradicts global_batch_size=16 (2 accumulation steps); set only one"),
+    (4, ["--training.local_batch_size", "3", "--training.global_batch_size", "18"],
+     "local_batch_size (3) x data-parallel ranks (4) = 12."),
+    (6, ["--model.backend", "native", "--parallelism.tp", "3"],
+     "training.seq_len=128 must be divisible by parallelism.tp=3."),
+    (8, [*TP2, "--training.seq_len", "96", "--training.loss_chunks", "32"],
+     "training.loss_chunks=32 must be 0 (plain loss) or divide training.seq_len (96) per tensor-parallel rank"),
+    (8, [*TP2, "--parallelism.dp_shard", "3"], "Parallel degrees do not fit 8 rank(s): dp_shard (3"),
+    (6, [*TP2, "--parallelism.dp_replicate", "2"], "Parallel degrees do not fit 6 rank(s)"),
+    (2, [*TP2, "--parallelism.dp_shard", "2"], "Parallel degrees do not fit 2 rank(s)"),
+])
+def test_multi_rank_and_tp_rules_refuse(world, argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(DENSE, argv=argv, world_size=world)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("world, argv", [
+    (8, [*TP2, "--training.seq_len", "96", "--training.loss_chunks", "16"]),  # 96 / (16 x 2) = 3 rows per chunk
+    (8, [*TP2, "--parallelism.dp_shard", "4"]),
+    (8, [*TP2, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"]),
+    (6, ["--model.backend", "native", "--parallelism.tp", "3", "--training.seq_len", "255"]),
+])
+def test_multi_rank_and_tp_rules_accept(world, argv):
+    load_config(DENSE, argv=argv, world_size=world)
