@@ -210,3 +210,21 @@ def test_python_row_at_the_support_matrix_bounds(monkeypatch, py, status):
     got = _rows(doctor.software_checks(False))["python"]
     assert got == (status, f"{py[0]}.{py[1]}", "" if status == "ok" else
                    "use Python 3.12-3.14 (Neuron 2.33 TorchNeuron release notes (support matrix))")
+
+
+def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):
+    """torch, torchtitan, transformers absent (the metadata reader finds none of them): each row fails with its fix;
+    an installed nki is judged by its version in the software rows too."""
+    from workbench import doctor
+
+    _installed(monkeypatch, tmp_path, nki="0.6.2")
+    found = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda dist: None if dist in ("torch", "torchtitan", "transformers") else found(dist))
+    rows = _rows(doctor.software_checks(on_neuron=True))
+    assert rows["torch"] == ("fail", "not installed",
+                             "on trn2: install torch-neuronx (it brings torch 2.14.0); elsewhere: `make setup`")
+    for dist in ("torchtitan", "transformers"):
+        assert rows[dist] == ("fail", "not installed", "`make setup` (or `make setup-neuron` on trn2)")
+    assert rows["nki"][:2] == ("warn", "0.6.2; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
+    assert list(rows) == ["python", "torch", "torch-neuronx", "nki", "torchtitan", "transformers"]
