@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -96,9 +97,15 @@ def run(target: str, timeout: float, children: int) -> dict:
     patterns = TARGETS[target][1]
     mutmut = [sys.executable, "-m", "mutmut"]
     t0 = time.time()
-    proc = subprocess.run([*mutmut, "run", "--max-children", str(children), *patterns], cwd=folder, capture_output=True,
-                          text=True, timeout=timeout)
-    (folder / "run.log").write_text(proc.stdout + proc.stderr)
+    with open(folder / "run.log", "w") as log:  # mutmut records each result as it goes: a timeout keeps them
+        proc = subprocess.Popen([*mutmut, "run", "--max-children", str(children), *patterns], cwd=folder,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # mutmut's fork server and workers are in its session: stop them all
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            rc = "timeout"
     results = subprocess.run([*mutmut, "results", "--all", "true"], cwd=folder, capture_output=True, text=True)
     status = {}
     for line in results.stdout.splitlines():
@@ -110,7 +117,7 @@ def run(target: str, timeout: float, children: int) -> dict:
         counts[s] = counts.get(s, 0) + 1
     killed = counts.get("killed", 0) + counts.get("timeout", 0)
     tested = sum(n for s, n in counts.items() if s not in ("not checked", "skipped"))
-    return {"target": target, "rc": proc.returncode, "seconds": round(time.time() - t0), "counts": counts,
+    return {"target": target, "rc": rc, "seconds": round(time.time() - t0), "counts": counts,
             "killed_pct": round(100 * killed / tested, 1) if tested else None,
             "survived": sorted(k for k, s in status.items() if s in ("survived", "no tests"))}
 
@@ -138,10 +145,7 @@ def main(argv: list[str]) -> int:
     summary_path = SCRATCH / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     for target in targets:
-        try:
-            result = run(target, timeout, children)
-        except subprocess.TimeoutExpired:
-            result = {"target": target, "rc": "timeout", "seconds": timeout}
+        result = run(target, timeout, children)
         result["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         summary[target] = result
         summary_path.write_text(json.dumps(summary, indent=2))
