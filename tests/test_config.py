@@ -95,6 +95,18 @@ def test_cli_overrides_every_form():
     (["--training.seq_len", "100000"], "exceeds the model's max_seq_len"),
     (["--model.hf_checkpoint", "/nonexistent/ckpt"], "is not a directory"),
     (["steps", "3"], "options look like --section.key value"),
+    (["--optimizer.lr", "0"], "optimizer.lr must be positive; got 0.0. Set e.g. --optimizer.lr 3e-4."),
+    (["--checkpoint.interval", "0"], "checkpoint.interval must be positive; got 0."),
+    (["--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k=1: keep 0 (all) or at least 2, so that the last"),
+    (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k=-1: keep 0 (all) or at least 2"),
+    (["--profiling.enable", "true", "--profiling.start_step", "0"],
+     "profiling: start_step=0, steps=2 must profile at least one of the run's steps 1..30 (start_step within them"),
+    (["--profiling.enable", "true", "--profiling.start_step", "31"], "start_step=31, steps=2 must profile"),
+    (["--profiling.enable", "true", "--profiling.steps", "0"], "start_step=3, steps=0 must profile"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq must be positive; got 0."),
+    (["--training.holdout_docs", "-1"], "training.holdout_docs must be >= 0; got -1."),
+    (["--training.loss_chunks", "-1"], "training.loss_chunks=-1 must be 0 (plain loss) or divide"),
+    (["--training.loss_chunks", "3"], "training.loss_chunks=3 must be 0 (plain loss) or divide training.seq_len (128)"),
 ])
 def test_bad_input_is_a_clear_error(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -126,6 +138,17 @@ def test_world_size_drives_dp_validation():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="do not fit 4 rank"):
         validate(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--checkpoint.keep_latest_k", "0"], ["--checkpoint.keep_latest_k", "2"], ["--checkpoint.interval", "1"],
+    ["--profiling.enable", "true", "--profiling.start_step", "1", "--profiling.steps", "1"],
+    ["--profiling.enable", "true", "--profiling.start_step", "30"],
+    ["--profiling.start_step", "0"],  # only checked when profiling is on
+    ["--metrics.log_freq", "1"], ["--training.holdout_docs", "0"], ["--training.loss_chunks", "4"],
+])
+def test_boundary_values_that_are_accepted(argv):
+    load_config(DENSE, argv=argv)
 
 
 def test_help_lists_every_section():
