@@ -86,6 +86,8 @@ def test_checkpoint_file_size_checks(steps):
     assert check_checkpoint(step) == f"{f} is truncated ({size - 1:,} of {size:,} bytes)"
     f.write_bytes(data + b"\0")
     assert check_checkpoint(step) == f"{f} has {size + 1:,} bytes, {size:,} were written"
+    f.write_bytes(data[:-1])
+    assert verify_checkpoint(step) == f"{f} is truncated ({size - 1:,} of {size:,} bytes)"  # sizes before hashing
     f.write_bytes(data)
     assert check_checkpoint(step) is None
     f.unlink()
@@ -132,7 +134,7 @@ def test_metadata_reads_back_what_dcp_wrote(steps):
     md = checkpoint.read_metadata(steps / "step-2")
     assert md == pickle.loads((steps / "step-2" / ".metadata").read_bytes())
     assert checkpoint.shape_mismatches({"w": torch.zeros(64, 32), "b": torch.zeros(32)}, md) == []
-    assert checkpoint.shape_mismatches({"w": torch.zeros(32, 64), "x": torch.zeros(1), "n": 3}, md) == [
+    assert checkpoint.shape_mismatches({"n": 3, "w": torch.zeros(32, 64), "x": torch.zeros(1)}, md) == [
         "w: expected (32, 64), found (64, 32)", "x: expected (1,), found no such key"]
     many = {f"k{i}": torch.zeros(1) for i in range(5)}
     assert len(checkpoint.shape_mismatches(many, md)) == 3 and len(checkpoint.shape_mismatches(many, md, 5)) == 5
@@ -145,21 +147,55 @@ def manager(folder: Path, on_corrupt: str = "fallback") -> checkpoint.WorkbenchC
     return m
 
 
+def test_stale_checkpoints_without_a_complete_one(tmp_path):
+    save_step(tmp_path, 3, complete=False)  # a save in flight, or a killed one: nothing newer proves it stale
+    assert checkpoint.stale_checkpoints(tmp_path, 2) == [] and checkpoint.stale_checkpoints(tmp_path, 0) == []
+
+
 def test_resume_takes_the_newest_verified_step(steps, capsys):
     assert manager(steps)._find_load_step() == 10
+    assert manager(steps)._find_load_step(str(steps)) == 10  # its own folder named explicitly: the same checks
     out = capsys.readouterr().out
     assert "checkpoint step 12 is unusable" in out and "did not finish" in out and "resuming from step 10" in out
     f = shard(steps / "step-10")
     f.write_bytes(f.read_bytes()[:-8])
     assert manager(steps)._find_load_step() == 9
     assert f"checkpoint step 10 is unusable: {f} is truncated" in capsys.readouterr().out
-    with pytest.raises(CheckpointError, match=r"checkpoint step 10 is unusable: .* is truncated"):
+    with pytest.raises(CheckpointError, match=r"checkpoint step 10 is unusable: .* is truncated") as e:
         manager(steps, on_corrupt="error")._find_load_step()
+    assert e.value.fix == (f"move {steps / 'step-10'} away to resume from an older checkpoint, or set "
+                           "--checkpoint.on_corrupt fallback.")
 
 
 def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
     folder = tmp_path / "checkpoint"
     save_step(folder, 3, complete=False)
-    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 3: .*did not finish"):
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 3: .*did not finish") as e:
         manager(folder)._find_load_step()
+    assert e.value.fix == f"restore a checkpoint there, or move {tmp_path} away to start from scratch."
     assert manager(tmp_path / "empty")._find_load_step() == -1
+
+
+# ---- the run folder's metrics readers ------------------------------------------------------------------------------
+
+
+def test_read_and_trim_metrics(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        run_folder.read_metrics(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'} does not exist: the run logged no step (see its log), "
+                            f"or {tmp_path} is not a run folder.")
+    assert run_folder.read_metrics(tmp_path, missing_ok=True) == [] and run_folder.trim_metrics(tmp_path, 3) == 0
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3, 4, 5)) + "\n")
+    inode = path.stat().st_ino
+    assert run_folder.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
+    assert run_folder.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
+    assert [r["step"] for r in run_folder.read_metrics(tmp_path)] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+
+
+def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        run_folder.step_dir(tmp_path, "checkpoint", None)
+    assert str(e.value) == (f"No DCP checkpoint in {tmp_path / 'checkpoint'}: train with --checkpoint.enable true "
+                            "(and --checkpoint.interval N) to write one.")
