@@ -41,6 +41,8 @@ def test_summarize_run_skips_warmup_steps(tmp_path):
     assert (row["steps"], row["timed_steps"]) == (7, 5)
     # A run no longer than the warm-up is timed on its last step.
     assert bench.summarize_run(tmp_path, warmup_steps=10, nproc=1)["timed_steps"] == 1
+    last = bench.summarize_run(tmp_path, warmup_steps=7, nproc=1)  # exactly as long as the warm-up
+    assert (last["timed_steps"], last["step_time_median_s"]) == (1, 1.0)
 
 
 def test_bench_figures_by_hand_on_a_known_run(tmp_path):

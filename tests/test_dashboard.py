@@ -53,3 +53,43 @@ def test_no_steps_logged(tmp_path):
     board = Dashboard(tmp_path, total_steps=3, title="empty", live=False)
     assert board.poll() == 0
     assert re.fullmatch(r"empty: no steps logged \(FAILED after \d+ s\)\.", board.summary_text(ok=False))
+
+
+def test_medians_defaults_and_repeated_steps(tmp_path):
+    """Records without mfu / peak memory (written before those fields existed) count as 0; the medians pick the
+    middle of several distinct values; a step logged twice keeps its last record; wall time is this launch's."""
+    metrics = tmp_path / "metrics.jsonl"
+    board = Dashboard(tmp_path, total_steps=9, title="t", live=False)
+    assert list(board.frame().columns) == ["loss", "tokens_per_second"] and board.frame().empty
+    rows = [(1, 900.0, 0.9), (2, 100.0, 0.01), (3, 300.0, 0.03), (4, 200.0, 0.02), (5, 500.0, 0.05), (6, 400.0, 0.04)]
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0 * s, "tokens_per_second": t, "mfu": m}) + "\n"
+                               for s, t, m in rows) + json.dumps({"step": 6, "loss": 0.5, "tokens_per_second": 1.0})
+                       + "\n")
+    assert board.poll() == 7
+    text = board.summary_text()
+    # steps 2-6 (+ the repeated 6, mfu 0): tok/s sorted 1, 100, 200, 300, 400, 500 -> index 3 = 300; mfu sorted
+    # 0, .01, .02, .03, .04, .05 -> index 3 = 3.00%
+    assert "median 300 tok/s · median MFU 3.00% · " in text and re.search(r" · [0-5] s wall$", text), text
+    assert board._status_html(board.records[-1]).startswith("<code>step 6/9 · loss 0.5000 · 1 tok/s · MFU 0.00% · "
+                                                            "0.00 GiB")
+    assert board.frame().loc[6, "loss"] == 0.5 and list(board.frame().index) == [1, 2, 3, 4, 5, 6]
+    one = Dashboard(tmp_path / "one", total_steps=1, live=False)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "metrics.jsonl").write_text(record(1, tps=123.0))
+    assert one.poll() == 1 and "median 123 tok/s" in one.summary_text()  # a single step is its own median
+
+
+def test_a_truncated_or_rewritten_file_restarts_the_records(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(record(1) + record(2))
+    board = Dashboard(tmp_path, total_steps=5, live=False)
+    metrics.write_text(metrics.read_text() + record(3))
+    assert board.poll() == 1 and [r["step"] for r in board.records] == [3]
+    with open(metrics, "r+") as f:  # rewritten in place (same inode), shorter than what was read
+        f.truncate(0)
+        f.write(record(1, loss=9.0))
+    assert board.poll() == 1 and [(r["step"], r["loss"]) for r in board.records] == [(1, 9.0)]
+    with open(metrics, "r+") as f:  # rewritten in place, as long as before, another first record
+        f.write(record(1, loss=8.0) + record(2) + record(3) + record(4))
+    assert board.poll() == 4 and [(r["step"], r["loss"]) for r in board.records][0] == (1, 8.0)
+    assert [r["step"] for r in board.records] == [1, 2, 3, 4]
