@@ -147,6 +147,16 @@ def manager(folder: Path, on_corrupt: str = "fallback") -> checkpoint.WorkbenchC
     return m
 
 
+def test_stale_checkpoints_are_judged_against_the_newest_complete_one(tmp_path):
+    for step, complete in ((2, True), (6, True), (7, False), (8, True), (9, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / "checksums.json").write_text("{}")
+    # the partial 7 is older than the newest complete (8): a leftover; the partial 9 may be a save in flight
+    assert [p.name for p in checkpoint.stale_checkpoints(tmp_path, 2)] == ["step-2", "step-7"]
+    assert [p.name for p in checkpoint.stale_checkpoints(tmp_path, 0)] == ["step-7"]
+
+
 def test_stale_checkpoints_without_a_complete_one(tmp_path):
     save_step(tmp_path, 3, complete=False)  # a save in flight, or a killed one: nothing newer proves it stale
     assert checkpoint.stale_checkpoints(tmp_path, 2) == [] and checkpoint.stale_checkpoints(tmp_path, 0) == []
@@ -170,7 +180,8 @@ def test_resume_takes_the_newest_verified_step(steps, capsys):
 def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
     folder = tmp_path / "checkpoint"
     save_step(folder, 3, complete=False)
-    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*step 3: .*did not finish") as e:
+    save_step(folder, 5, complete=False)
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 3: ") as e:
         manager(folder)._find_load_step()
     assert e.value.fix == f"restore a checkpoint there, or move {tmp_path} away to start from scratch."
     assert manager(tmp_path / "empty")._find_load_step() == -1
