@@ -52,8 +52,12 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
                 + _names("workbench.notebook.dashboard", (), (("Dashboard", "poll"), ("Dashboard", "_status_html"),
                                                               ("Dashboard", "summary_text"), ("Dashboard", "frame"))),
                 ["tests/test_dashboard.py", "tests/test_bench.py"], ""),
-    "plan": (["workbench/plan.py"], _names("workbench.plan", ("_categories", "_tracker_class")),
+    # The memory plan's categorising part: the tracker's reference types -> categories, and the tracker that files
+    # tensors under them (its nested methods are mutants of `_tracker_class`).
+    "plan": (["workbench/plan.py"], _names("workbench.plan", ("_categories",)),
              ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
+    "plan_tracker": (["workbench/plan.py"], _names("workbench.plan", ("_tracker_class",)),
+                     ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
     "hf": (["workbench/hf.py"], _names("workbench.hf", ("unit_of", "plan_units", "_ignorable", "check_against")),
            ["tests/test_hf_io.py"], ""),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),
