@@ -126,6 +126,18 @@ def run(target: str, timeout: float, children: int) -> dict:
             "survived": sorted(k for k, s in status.items() if s in ("survived", "no tests"))}
 
 
+def table(summary: dict) -> str:
+    """The README's table of the last run: per target, mutants killed / tested (and not reached in its time)."""
+    lines = ["| target | killed | survived | not reached | killed % | seconds | when |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in summary.items():
+        c = r.get("counts", {})
+        killed, survived = c.get("killed", 0) + c.get("timeout", 0), c.get("survived", 0) + c.get("no tests", 0)
+        lines.append(f"| {name} | {killed} | {survived} | {c.get('not checked', 0)} | {r.get('killed_pct')} "
+                     f"| {r.get('seconds')} | {r.get('when')} |")
+    return "\n".join(lines)
+
+
 def _match(name: str, pattern: str) -> bool:
     import fnmatch
 
@@ -156,6 +168,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "survived"}), flush=True)
         for name in result.get("survived", []):
             print(f"    survived: {name}")
+    (SCRATCH / "summary.md").write_text(table(summary) + "\n")
     return 0
 
 
