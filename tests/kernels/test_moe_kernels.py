@@ -512,5 +512,23 @@ def test_neuron_custom_op_path_over_the_emulator(monkeypatch, lnc):
         autograd.neuron_moe_op.cache_clear()  # registers the two ops once per process
     T, K, E, D, F, bs, ids = EDGE_CASES["full_blocks_and_tail_pieces"]
     case = make_case(T, K, E, D, F, ids=ids)
+    calls = autograd.neuron_moe_op.cache_info()
     got = outputs_and_grads(autograd.blockwise_moe_auto, case, block_size=bs)  # the training entry point
+    after = autograd.neuron_moe_op.cache_info()
+    assert after.hits + after.misses == calls.hits + calls.misses + 1  # the custom op computed it
     assert_match(got, outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
+
+
+def test_training_entry_point_off_neuron_is_the_torch_reference(monkeypatch):
+    """`blockwise_moe_auto` on a CPU tensor: the torch reference, neither the custom op nor the emulated kernels."""
+    from workbench.kernels import autograd
+
+    def kernels(*args, **kwargs):
+        raise AssertionError("blockwise_moe_auto ran the NKI kernels for a CPU tensor")
+
+    monkeypatch.setattr(autograd.BlockwiseMoEFunction, "apply", kernels)
+    monkeypatch.setattr(autograd, "neuron_moe_op", kernels)
+    T, K, E, D, F, bs, ids = EDGE_CASES["full_blocks_and_tail_pieces"]
+    case = make_case(T, K, E, D, F, ids=ids)
+    assert_match(outputs_and_grads(autograd.blockwise_moe_auto, case, block_size=bs),
+                 outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=0)
