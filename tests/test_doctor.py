@@ -204,9 +204,12 @@ def test_pinned_package_rows(monkeypatch, tmp_path, dist, version, status):
 
 @pytest.mark.parametrize("py, status", [((3, 11), "fail"), ((3, 12), "ok"), ((3, 14), "ok"), ((3, 15), "fail")])
 def test_python_row_at_the_support_matrix_bounds(monkeypatch, py, status):
+    from collections import namedtuple
+
     from workbench import doctor
 
-    monkeypatch.setattr(sys, "version_info", (*py, 0, "final", 0))
+    version_info = namedtuple("version_info", "major minor micro releaselevel serial")  # sys.version_info's fields
+    monkeypatch.setattr(sys, "version_info", version_info(*py, 0, "final", 0))
     got = _rows(doctor.software_checks(False))["python"]
     assert got == (status, f"{py[0]}.{py[1]}", "" if status == "ok" else
                    "use Python 3.12-3.14 (Neuron 2.33 TorchNeuron release notes (support matrix))")

@@ -59,7 +59,8 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
     "plan_tracker": (["workbench/plan.py"], _names("workbench.plan", ("_tracker_class",)),
                      ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
     "hf": (["workbench/hf.py"], _names("workbench.hf", ("unit_of", "plan_units", "_ignorable", "check_against")),
-           ["tests/test_hf_io.py"], ""),
+           # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
+           ["tests/test_hf_io.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),
                ["tests/test_doctor.py"], ""),
     "autograd": (["workbench/kernels/autograd.py"],
