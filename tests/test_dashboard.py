@@ -93,3 +93,17 @@ def test_a_truncated_or_rewritten_file_restarts_the_records(tmp_path):
         f.write(record(1, loss=8.0) + record(2) + record(3) + record(4))
     assert board.poll() == 4 and [(r["step"], r["loss"]) for r in board.records][0] == (1, 8.0)
     assert [r["step"] for r in board.records] == [1, 2, 3, 4]
+
+
+def test_wording_after_step_one_failed_and_unknown_backend(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(record(1))
+    board = Dashboard(tmp_path, total_steps=4, title="r", live=False)
+    append(metrics, json.dumps({"step": 2, "loss": 2.0, "tokens_per_second": 10.0}) + "\n")
+    assert board.poll() == 1
+    assert "steps 2–2 of 4 (resumed after step 1) · " in board.summary_text()  # resumed from a step-1 checkpoint
+    assert board.summary_text(ok=False).startswith("r: FAILED · backend ? · ")
+    assert board._status_html(board.records[-1]).startswith("<code>step 2/4 (resumed after step 1) · loss 2.0000 · "
+                                                            "10 tok/s · MFU 0.00% · 0.00 GiB")
+    assert re.fullmatch(r"e: no steps logged \(finished after \d+ s\)\.",
+                        Dashboard(tmp_path / "e", total_steps=1, title="e", live=False).summary_text())
