@@ -156,7 +156,8 @@ def test_nki_row_not_installed(on_neuron, status):
     from workbench import doctor
 
     c = doctor.nki_check(None, on_neuron)
-    assert (c.status, c.value) == (status, "not installed; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
+    want = "not installed; kernels written for NKI 0.7.0 (Neuron SDK 2.33)"
+    assert (c.name, c.status, c.value) == ("nki", status, want)
     assert ("AWS's Neuron package index" in c.fix) == on_neuron and ("CPU emulator" in c.fix) != on_neuron
 
 
