@@ -4,6 +4,8 @@
 #               on PYTEST_WORKERS pytest-xdist workers (default 2: launches and kernels are single-threaded)
 #   make test-quick   lint + the tests that start no torchrun, no notebook kernel, no long emulator run (inner loop)
 #   make lint   ruff only
+#   make mutation   mutmut over the modules where a wrong answer is silent, each against its own fast tests, one after
+#               the other (not part of `make test`: tens of minutes on 2 cores); README "Mutation testing"
 # On a trn2 instance use `make setup-neuron` instead (installs into the active Neuron venv, never touches its torch).
 #
 # Python 3.12 because TorchNeuron (torch-neuronx 2.14.3) supports PyTorch 2.14.0 on Python 3.12-3.14 only.
@@ -19,7 +21,7 @@ PYTEST_WORKERS ?= 2
 # --dist loadfile: one file's tests on one worker (nbval runs a notebook's cells in order in one kernel).
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: setup setup-neuron demo test test-quick lint clean
+.PHONY: setup setup-neuron demo test test-quick lint mutation clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found (install python3.12, or pass PYTHON=/path/to/python3.12)"; exit 2; }
@@ -51,6 +53,14 @@ test: setup lint
 
 test-quick: setup lint
 	$(PYTEST) tests -m "not slow and not browser"
+
+# MUTATION_TARGETS: a subset (config checkpoint run_folder metrics plan hf doctor autograd); MUTATION_TIMEOUT: seconds
+# per target (its results so far are kept when it runs out); MUTATION_CHILDREN: mutants tested at once.
+MUTATION_TARGETS ?=
+MUTATION_TIMEOUT ?= 1800
+MUTATION_CHILDREN ?= 1
+mutation: setup
+	$(PY) tests/mutation/run_mutation.py $(MUTATION_TARGETS) --timeout $(MUTATION_TIMEOUT) --children $(MUTATION_CHILDREN)
 
 clean:
 	rm -rf outputs runs .pytest_cache

@@ -139,3 +139,26 @@ def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tup
         (run_dir,) = [p for p in (slot / "out").iterdir() if p.is_dir()]
         _SESSION_RUNS[key] = (run_dir, stdout.read_text())
     return _SESSION_RUNS[key]
+
+
+def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
+    """Draws every norm weight of a transformers model as 1 + N(0, 0.3) and every bias as N(0, 0.1), in place.
+
+    `from_config` leaves each RMSNorm weight exactly 1.0, so a checkpoint written from it hides a swapped or
+    dropped norm (q_norm/k_norm, input/post-attention, final) from every logit comparison. Qwen3 has no biases
+    (attention_bias=False; the MoE router has none); any a config adds are drawn too. Returns the names drawn.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    drawn = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                continue
+            drawn.append(name)
+    return drawn

@@ -1,8 +1,9 @@
 """Every backend against the original: transformers' own Qwen3 / Qwen3-MoE logits, through the production loader.
 
-litgpt's `test_against_original_*` pattern: shrink the config, build transformers' model (seeded random init),
-`save_pretrained` it, load that directory with `workbench.load_model(..., backend=B, hf_checkpoint=dir)` (the
-notebooks' and the trainer's loader, not the parity harness's) and `assert_close` the fp32 logits.
+litgpt's `test_against_original_*` pattern: shrink the config, build transformers' model (seeded random init, and
+random norm weights: `from_config` leaves them all 1.0, which hides a swapped norm), `save_pretrained` it, load
+that directory with `workbench.load_model(..., backend=B, hf_checkpoint=dir)` (the notebooks' and the trainer's
+loader, not the parity harness's) and `assert_close` the fp32 logits.
 Dense and MoE, tied and untied embeddings; nki_moe replaces MoE layers only, so it has no dense case.
 """
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import workbench
+from run_helpers import randomize_norms_and_biases
 from workbench import device, flavors
 
 device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
@@ -36,6 +38,10 @@ def test_logits_match_transformers(backend, kind, tied, tmp_path):
     shape = replace(DENSE if kind == "dense" else MOE, tied=tied)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+    drawn = randomize_norms_and_biases(reference)  # no norm weight left at 1.0: a swapped norm changes the logits
+    assert {n.split(".")[-2] for n in drawn} == {"input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+                                                 "norm"}
+    assert len(drawn) == 4 * shape.n_layers + 1
     if tied:
         assert reference.lm_head.weight is reference.model.embed_tokens.weight
     reference.save_pretrained(tmp_path)

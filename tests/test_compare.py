@@ -59,10 +59,7 @@ def test_hf_checkpoint_compared_with_itself_is_identical(hf_dir):
 
 @pytest.mark.parametrize("backend", ["nki_moe", "huggingface_v5"])
 def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
-    try:
-        cmp = compare.compare(hf_dir, hf_dir, backend_a="native", backend_b=backend, **SMALL)
-    except NotImplementedError as e:  # workbench.model.load_model has no builder for it yet
-        pytest.skip(str(e))
+    cmp = compare.compare(hf_dir, hf_dir, backend_a="native", backend_b=backend, **SMALL)
     assert cmp.b.startswith(f"{backend}:")
     assert (cmp.tensors[cmp.tensors.hf].status == "same keys").all() and (cmp.tensors.max_abs == 0).all()
     assert cmp.heldout["logits_max_abs_diff"] <= 1e-4

@@ -128,6 +128,18 @@ def test_cli_overrides_every_form():
     (["--training.seq_len", "100000"], "exceeds the model's max_seq_len"),
     (["--model.hf_checkpoint", "/nonexistent/ckpt"], "is not a directory"),
     (["steps", "3"], "options look like --section.key value"),
+    (["--optimizer.lr", "-0.001"], "optimizer.lr must be >= 0; got -0.001. Set e.g. --optimizer.lr 3e-4."),
+    (["--checkpoint.interval", "0"], "checkpoint.interval must be positive; got 0."),
+    (["--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k=1: keep 0 (all) or at least 2, so that the last"),
+    (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k=-1: keep 0 (all) or at least 2"),
+    (["--profiling.enable", "true", "--profiling.start_step", "0"],
+     "profiling: start_step=0, steps=2 must profile at least one of the run's steps 1..30 (start_step within them"),
+    (["--profiling.enable", "true", "--profiling.start_step", "31"], "start_step=31, steps=2 must profile"),
+    (["--profiling.enable", "true", "--profiling.steps", "0"], "start_step=3, steps=0 must profile"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq must be positive; got 0."),
+    (["--training.holdout_docs", "-1"], "training.holdout_docs must be >= 0; got -1."),
+    (["--training.loss_chunks", "-1"], "training.loss_chunks=-1 must be 0 (plain loss) or divide"),
+    (["--training.loss_chunks", "3"], "training.loss_chunks=3 must be 0 (plain loss) or divide training.seq_len (128)"),
 ])
 def test_bad_input_is_a_clear_error(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -159,6 +171,17 @@ def test_world_size_drives_dp_validation():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="do not fit 4 rank"):
         validate(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--checkpoint.keep_latest_k", "0"], ["--checkpoint.keep_latest_k", "2"], ["--checkpoint.interval", "1"],
+    ["--profiling.enable", "true", "--profiling.start_step", "1", "--profiling.steps", "1"],
+    ["--profiling.enable", "true", "--profiling.start_step", "30"],
+    ["--profiling.start_step", "0"],  # only checked when profiling is on
+    ["--metrics.log_freq", "1"], ["--training.holdout_docs", "0"], ["--training.loss_chunks", "4"],
+])
+def test_boundary_values_that_are_accepted(argv):
+    load_config(DENSE, argv=argv)
 
 
 def test_help_lists_every_section():
@@ -208,3 +231,56 @@ def test_each_backend_module_satisfies_the_backend_protocol(name):
     for member in ("model_config", "model_spec", "hf_adapter"):
         want = list(inspect.signature(getattr(backends.Backend, member)).parameters)[1:]  # without self
         assert list(inspect.signature(getattr(module, member)).parameters) == want, (name, member)
+
+
+# ---- the batch-size and parallel-degree rules at world size > 1 (data-parallel ranks = world / tp) ----------------
+
+TP2 = ["--model.backend", "native", "--parallelism.tp", "2", "--training.local_batch_size", "2"]
+
+
+@pytest.mark.parametrize("world, argv, accumulation", [
+    (8, [*TP2, "--training.global_batch_size", "8"], 1),  # 2 x (8 / 2) ranks = 8 per pass
+    (8, [*TP2, "--training.global_batch_size", "24"], 1),  # accumulation 1 = derived from the global batch
+    (8, [*TP2, "--training.global_batch_size", "24", "--training.gradient_accumulation_steps", "3"], 3),
+    (4, ["--training.local_batch_size", "3", "--training.global_batch_size", "24",
+         "--training.gradient_accumulation_steps", "2"], 2),  # FSDP only: 3 x 4 = 12 per pass
+    (8, [*TP2, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2",
+         "--training.global_batch_size", "16", "--training.gradient_accumulation_steps", "2"], 2),
+])
+def test_global_batch_size_over_several_ranks(world, argv, accumulation):
+    cfg = load_config(DENSE, argv=argv, world_size=world)
+    assert cfg.training.gradient_accumulation_steps == accumulation
+
+
+@pytest.mark.parametrize("world, argv, message", [
+    (8, [*TP2, "--training.global_batch_size", "12"],
+     "training.global_batch_size=12 must be a positive multiple of local_batch_size (2) x data-parallel ranks (4) "
+     "= 8."),
+    (8, [*TP2, "--training.global_batch_size", "4"], "= 8."),  # below one pass
+    (8, [*TP2, "--training.global_batch_size", "0"], "global_batch_size=0 must be a positive multiple"),
+    (8, [*TP2, "--training.global_batch_size", "16", "--training.gradient_accumulation_steps", "4"],
+     "training.gradient_accumulation_steps=4 contradicts global_batch_size=16 (2 accumulation steps); set only one"),
+    (4, ["--training.local_batch_size", "3", "--training.global_batch_size", "18"],
+     "local_batch_size (3) x data-parallel ranks (4) = 12."),
+    (6, ["--model.backend", "native", "--parallelism.tp", "3"],
+     "training.seq_len=128 must be divisible by parallelism.tp=3."),
+    (8, [*TP2, "--training.seq_len", "96", "--training.loss_chunks", "32"],
+     "training.loss_chunks=32 must be 0 (plain loss) or divide training.seq_len (96) per tensor-parallel rank"),
+    (8, [*TP2, "--parallelism.dp_shard", "3"], "Parallel degrees do not fit 8 rank(s): dp_shard (3"),
+    (6, [*TP2, "--parallelism.dp_replicate", "2"], "Parallel degrees do not fit 6 rank(s)"),
+    (2, [*TP2, "--parallelism.dp_shard", "2"], "Parallel degrees do not fit 2 rank(s)"),
+])
+def test_multi_rank_and_tp_rules_refuse(world, argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(DENSE, argv=argv, world_size=world)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("world, argv", [
+    (8, [*TP2, "--training.seq_len", "96", "--training.loss_chunks", "16"]),  # 96 / (16 x 2) = 3 rows per chunk
+    (8, [*TP2, "--parallelism.dp_shard", "4"]),
+    (8, [*TP2, "--parallelism.dp_shard", "2", "--parallelism.dp_replicate", "2"]),
+    (6, ["--model.backend", "native", "--parallelism.tp", "3", "--training.seq_len", "255"]),
+])
+def test_multi_rank_and_tp_rules_accept(world, argv):
+    load_config(DENSE, argv=argv, world_size=world)

@@ -123,3 +123,112 @@ def test_nki_not_installed_names_the_version_the_kernels_need(tmp_path):
     t = rows(doctor().stdout)
     assert t["nki"][0] == "ok" and "kernels written for NKI 0.7.0 (Neuron SDK 2.33)" in t["nki"][1]
     assert "CPU emulator, which models NKI 0.7.0" in t["nki"][1]
+
+
+# ---- the version rules in-process, at their boundaries (the doctor's own functions, stand-in package metadata) ----
+
+
+def _installed(monkeypatch, tmp_path, **versions: str) -> None:
+    """Puts pip's metadata for each `dist=version` first on sys.path: what `importlib.metadata` finds first."""
+    for dist, version in versions.items():
+        monkeypatch.syspath_prepend(str(fake_dist(tmp_path / dist, dist.replace("_", "-"), version)))
+
+
+def _rows(checks) -> dict[str, tuple[str, str, str]]:
+    return {c.name: (c.status, c.value, c.fix) for c in checks}
+
+
+@pytest.mark.parametrize("version, status", [("0.6.9", "warn"), ("0.7.0", "ok"), ("0.7.0+neuron", "ok"),
+                                             ("0.7.99", "ok"), ("0.8.0", "warn"), ("1.7.0", "warn")])
+def test_nki_row_at_the_boundary_versions(version, status):
+    from workbench import doctor
+
+    c = doctor.nki_check(version, on_neuron=True)
+    assert (c.name, c.status, c.value) == ("nki", status, f"{version}; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
+    if status == "ok":
+        assert c.fix == ""
+    else:  # older: what it lacks; newer: what it may have removed; both name the version to install
+        assert ("nl.fori_loop" in c.fix) == (version < "0.7") and "install nki 0.7.x" in c.fix
+
+
+@pytest.mark.parametrize("on_neuron, status", [(True, "warn"), (False, "ok")])
+def test_nki_row_not_installed(on_neuron, status):
+    from workbench import doctor
+
+    c = doctor.nki_check(None, on_neuron)
+    want = "not installed; kernels written for NKI 0.7.0 (Neuron SDK 2.33)"
+    assert (c.name, c.status, c.value) == ("nki", status, want)
+    assert ("AWS's Neuron package index" in c.fix) == on_neuron and ("CPU emulator" in c.fix) != on_neuron
+
+
+@pytest.mark.parametrize("version, status", [("2.14.0.0.1", "ok"), ("2.14.3.0.1234", "ok"), ("2.14", "fail"),
+                                             ("2.13.9", "fail"), ("2.15.0", "fail"), ("2.1.4", "fail")])
+def test_torch_neuronx_row_at_the_boundary_versions(monkeypatch, tmp_path, version, status):
+    from workbench import doctor
+
+    _installed(monkeypatch, tmp_path, torch_neuronx=version)
+    for on_neuron in (True, False):  # an installed torch-neuronx is judged the same on any host
+        got = _rows(doctor.software_checks(on_neuron))["torch-neuronx"]
+        assert got[:2] == (status, version) and ("2.14.3.* family" in got[2]) == (status == "fail")
+
+
+@pytest.mark.parametrize("on_neuron, status", [(True, "fail"), (False, "ok")])
+def test_torch_neuronx_row_not_installed(on_neuron, status):
+    from workbench import doctor
+
+    got = _rows(doctor.software_checks(on_neuron))["torch-neuronx"]
+    assert got[:2] == (status, "not installed")
+    assert ("AWS's Neuron package index" in got[2]) == on_neuron and ("only needed on Trainium" in got[2]) != on_neuron
+
+
+@pytest.mark.parametrize("version, on_neuron, status", [("2.14.0", True, "ok"), ("2.14.0+cpu", True, "ok"),
+                                                        ("2.14.1", True, "fail"), ("2.13.0", False, "warn")])
+def test_torch_row(monkeypatch, tmp_path, version, on_neuron, status):
+    from workbench import doctor
+
+    _installed(monkeypatch, tmp_path, torch=version)
+    got = _rows(doctor.software_checks(on_neuron))["torch"]
+    assert got[:2] == (status, version) and ("install torch==2.14.0" in got[2]) == (status != "ok")
+
+
+@pytest.mark.parametrize("dist, version, status", [("torchtitan", "0.3.0", "ok"), ("torchtitan", "0.3.0+git1", "ok"),
+                                                   ("torchtitan", "0.3.1", "warn"), ("transformers", "5.23.0", "ok"),
+                                                   ("transformers", "5.22.0", "warn")])
+def test_pinned_package_rows(monkeypatch, tmp_path, dist, version, status):
+    from workbench import doctor
+
+    _installed(monkeypatch, tmp_path, **{dist: version})
+    got = _rows(doctor.software_checks(False))[dist]
+    assert got[:2] == (status, version)
+    assert got[2] == ("" if status == "ok" else f"tested with {dist}=={doctor.SUPPORT[dist]} (pyproject.toml)")
+
+
+@pytest.mark.parametrize("py, status", [((3, 11), "fail"), ((3, 12), "ok"), ((3, 14), "ok"), ((3, 15), "fail")])
+def test_python_row_at_the_support_matrix_bounds(monkeypatch, py, status):
+    from collections import namedtuple
+
+    from workbench import doctor
+
+    version_info = namedtuple("version_info", "major minor micro releaselevel serial")  # sys.version_info's fields
+    monkeypatch.setattr(sys, "version_info", version_info(*py, 0, "final", 0))
+    got = _rows(doctor.software_checks(False))["python"]
+    assert got == (status, f"{py[0]}.{py[1]}", "" if status == "ok" else
+                   "use Python 3.12-3.14 (Neuron 2.33 TorchNeuron release notes (support matrix))")
+
+
+def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):
+    """torch, torchtitan, transformers absent (the metadata reader finds none of them): each row fails with its fix;
+    an installed nki is judged by its version in the software rows too."""
+    from workbench import doctor
+
+    _installed(monkeypatch, tmp_path, nki="0.6.2")
+    found = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda dist: None if dist in ("torch", "torchtitan", "transformers") else found(dist))
+    rows = _rows(doctor.software_checks(on_neuron=True))
+    assert rows["torch"] == ("fail", "not installed",
+                             "on trn2: install torch-neuronx (it brings torch 2.14.0); elsewhere: `make setup`")
+    for dist in ("torchtitan", "transformers"):
+        assert rows[dist] == ("fail", "not installed", "`make setup` (or `make setup-neuron` on trn2)")
+    assert rows["nki"][:2] == ("warn", "0.6.2; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
+    assert list(rows) == ["python", "torch", "torch-neuronx", "nki", "torchtitan", "transformers"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import workbench
-from run_helpers import run_train
+from run_helpers import randomize_norms_and_biases, run_train
 from workbench import device, errors, flavors, hf
 from workbench.config import load_config
 
@@ -35,7 +35,9 @@ def hf_model(shape: flavors.Qwen3Shape, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+    model = AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+    randomize_norms_and_biases(model, seed)  # from_config's norm weights are all 1.0: a swap would not show
+    return model
 
 
 def hf_logits(model_or_dir, ids: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,15 @@ def _train_module(*args: str, env=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("device", ["neuron", "cuda"])
-def test_forced_missing_device_is_one_line_exit_2(device):
-    proc = _train_module("--job.device", device)
+def test_forced_missing_device_is_one_line_exit_2(device, tmp_path):
+    import os
+
+    # Neither device for the launch, whatever this host has: an empty CUDA_VISIBLE_DEVICES hides every GPU from
+    # torch, and a torch_neuronx first on the path that fails to import stands for a host without TorchNeuron.
+    (tmp_path / "torch_neuronx.py").write_text("raise ImportError('no TorchNeuron in this test')\n")
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+    proc = _train_module("--job.device", device, env=env)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

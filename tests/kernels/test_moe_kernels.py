@@ -487,33 +487,48 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")
 @pytest.mark.parametrize("lnc", [1, 2])
-def test_neuron_custom_op_glue_over_the_emulator(monkeypatch, lnc):
-    """The Neuron path's custom op + register_autograd glue (`autograd.neuron_moe_op`: argument order, the
-    padded-row and gradient bookkeeping) run with torch.library.custom_op standing in for torch_neuronx.nki_op
-    (same decorator / register_autograd API) and the emulator running the kernels: output and all five grads
-    match the reference. What it cannot check: torch_neuronx itself and the device."""
+def test_neuron_custom_op_path_over_the_emulator(monkeypatch, lnc):
+    """`blockwise_moe_nki`'s on-Neuron branch itself (`neuron_moe_op()` called with the padded input, the plan's
+    tables and the weights; `register_autograd`'s padded-row and gradient bookkeeping), with the device check forced
+    true, torch.library.custom_op standing in for torch_neuronx.nki_op (same decorator / register_autograd API) and
+    the emulator running the kernels: output and all five grads match the reference, and the host path
+    (`BlockwiseMoEFunction`) is never taken. What it cannot check: torch_neuronx itself and the device."""
     import sys
     import types
 
     from workbench.kernels import autograd
-    from workbench.kernels.moe_reference import slot_weights
 
     fake = types.ModuleType("torch_neuronx")
     fake.nki_op = torch.library.custom_op
     monkeypatch.setitem(sys.modules, "torch_neuronx", fake)
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))
+    monkeypatch.setattr(autograd, "nki_on_device", lambda x: True)  # as for a tensor on a Neuron device
+
+    def host_path(*args, **kwargs):
+        raise AssertionError("blockwise_moe_nki took the host path with the device check true")
+
+    monkeypatch.setattr(autograd.BlockwiseMoEFunction, "apply", host_path)
     if lnc == 1:
         autograd.neuron_moe_op.cache_clear()  # registers the two ops once per process
-    op = autograd.neuron_moe_op()
-
-    def via_op(x, ids, w, wg, wu, wd, block_size):
-        plan, kplan = autograd.KernelPlan.build(ids, wg.shape[0], block_size, lnc)
-        slot_w = kplan.slot_weights(slot_weights(w, plan)).float().view(kplan.token_index.shape)
-        out = op(kplan.lnc, torch.nn.functional.pad(x, (0, 0, 0, 1)), kplan.token_index, slot_w, *kplan.tables(),
-                 kplan.slot_of_assignment, wg, wu, wd)[0]
-        return kplan.tokens(out)
-
     T, K, E, D, F, bs, ids = EDGE_CASES["full_blocks_and_tail_pieces"]
     case = make_case(T, K, E, D, F, ids=ids)
-    assert_match(outputs_and_grads(via_op, case, block_size=bs), outputs_and_grads(blockwise_moe, case, block_size=bs),
-                 rtol=1e-5)
+    calls = autograd.neuron_moe_op.cache_info()
+    got = outputs_and_grads(autograd.blockwise_moe_auto, case, block_size=bs)  # the training entry point
+    after = autograd.neuron_moe_op.cache_info()
+    assert after.hits + after.misses == calls.hits + calls.misses + 1  # the custom op computed it
+    assert_match(got, outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
+
+
+def test_training_entry_point_off_neuron_is_the_torch_reference(monkeypatch):
+    """`blockwise_moe_auto` on a CPU tensor: the torch reference, neither the custom op nor the emulated kernels."""
+    from workbench.kernels import autograd
+
+    def kernels(*args, **kwargs):
+        raise AssertionError("blockwise_moe_auto ran the NKI kernels for a CPU tensor")
+
+    monkeypatch.setattr(autograd.BlockwiseMoEFunction, "apply", kernels)
+    monkeypatch.setattr(autograd, "neuron_moe_op", kernels)
+    T, K, E, D, F, bs, ids = EDGE_CASES["full_blocks_and_tail_pieces"]
+    case = make_case(T, K, E, D, F, ids=ids)
+    assert_match(outputs_and_grads(autograd.blockwise_moe_auto, case, block_size=bs),
+                 outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=0)

@@ -1,0 +1,212 @@
+"""The checkpoint checks and the choice of the checkpoint to resume from, in-process on real DCP step folders
+(written by DCP through the workbench's checksumming writer, committed by `commit_checksums`): which one is "the
+newest" among several, every size/metadata refusal with its exact message, flipped bytes, and the resume order."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from workbench import checkpoint, run_folder
+from workbench.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
+from workbench.errors import CheckpointError
+
+# DCP in one process without a process group (what this file wants) warns that it assumes so
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def save_step(folder: Path, step: int, complete: bool = True) -> Path:
+    """A DCP checkpoint of two small tensors in `folder/step-N` (no checksums.json unless `complete`)."""
+    path = folder / f"step-{step}"
+    sums: dict = {}
+    g = torch.Generator().manual_seed(step)
+    state = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+    metadata = dcp.save(state, storage_writer=checkpoint._checksumming_writer(str(path), sums))
+    if complete:
+        commit_checksums(path, sums, metadata)
+    return path
+
+
+def shard(path: Path) -> Path:
+    return next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+
+
+@pytest.fixture
+def steps(tmp_path) -> Path:
+    """Complete saves at steps 2, 9, 10 (10 sorts before 9 as text) and an unfinished one at 12."""
+    folder = tmp_path / "run" / "checkpoint"
+    for s in (2, 9, 10):
+        save_step(folder, s)
+    save_step(folder, 12, complete=False)
+    return folder
+
+
+def test_newest_of_several_is_the_highest_complete_step(steps):
+    assert newest_complete(steps) == 10
+    assert sorted(run_folder.step_dirs(steps)) == [2, 9, 10, 12]
+    assert sorted(run_folder.step_dirs(steps, complete=True)) == [2, 9, 10]
+    assert run_folder.step_dir(steps.parent, "checkpoint", None) == steps / "step-10"
+    assert run_folder.step_dir(steps.parent, "checkpoint", 9) == steps / "step-9"
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint for step 12 in .*; available steps: 2, 9, 10\.$"):
+        run_folder.step_dir(steps.parent, "checkpoint", 12)
+    (steps / "step-7.tmp").mkdir()  # not a step folder
+    (steps / "notes-3").mkdir()
+    assert sorted(run_folder.step_dirs(steps)) == [2, 9, 10, 12]
+
+
+def test_no_checkpoint_folder():
+    assert newest_complete("/no/such/folder") is None and run_folder.step_dirs("/no/such/folder") == {}
+    with pytest.raises(FileNotFoundError, match="No DCP checkpoint in .*--checkpoint.enable true"):
+        run_folder.step_dir(Path("/no/such"), "checkpoint", None)
+
+
+def test_a_whole_checkpoint_passes_every_check(steps):
+    step = steps / "step-10"
+    assert check_checkpoint(step) is None and verify_checkpoint(step) is None
+    sums = json.loads((step / "checksums.json").read_text())
+    assert sums["hash"] == "xxh3_64" and sorted(sums["files"]) == sorted(p.name for p in step.iterdir()
+                                                                          if p.name != "checksums.json")
+    for name, entry in sums["files"].items():
+        assert entry["bytes"] == (step / name).stat().st_size > 0
+        assert entry["xxh3_64"] == checkpoint.file_checksum(step / name)
+
+
+def test_checkpoint_file_size_checks(steps):
+    step = steps / "step-10"
+    f = shard(step)
+    size = f.stat().st_size
+    data = f.read_bytes()
+    f.write_bytes(data[:-1])
+    assert check_checkpoint(step) == f"{f} is truncated ({size - 1:,} of {size:,} bytes)"
+    f.write_bytes(data + b"\0")
+    assert check_checkpoint(step) == f"{f} has {size + 1:,} bytes, {size:,} were written"
+    f.write_bytes(data[:-1])
+    assert verify_checkpoint(step) == f"{f} is truncated ({size - 1:,} of {size:,} bytes)"  # sizes before hashing
+    f.write_bytes(data)
+    assert check_checkpoint(step) is None
+    f.unlink()
+    assert check_checkpoint(step) == f"{f} is missing"
+
+
+def test_unfinished_or_unreadable_bookkeeping(steps):
+    assert check_checkpoint(steps / "step-12") == f"{steps / 'step-12' / 'checksums.json'} is missing (the save did " \
+                                                  "not finish)"
+    step = steps / "step-9"
+    (step / "checksums.json").write_text("{not json")
+    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (JSONDecodeError)"
+    (step / "checksums.json").write_text("{}")
+    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (KeyError)"
+
+
+def test_metadata_problems(steps):
+    step = steps / "step-10"
+    sums = json.loads((step / "checksums.json").read_text())
+    f = shard(step)
+    del sums["files"][f.name]  # a shard the metadata names but checksums.json does not list
+    (step / "checksums.json").write_text(json.dumps(sums))
+    assert check_checkpoint(step) == f"{f} has no checksum"
+    f.unlink()
+    assert check_checkpoint(step) == f"{f} is missing"
+    (step / ".metadata").write_bytes(b"x" * (step / ".metadata").stat().st_size)  # right size, not a pickle
+    sums["files"].pop(".metadata")
+    (step / "checksums.json").write_text(json.dumps(sums))
+    assert check_checkpoint(step) == f"{step / '.metadata'} is unreadable (UnpicklingError)"
+
+
+def test_flipped_byte_of_the_right_size_needs_the_checksum(steps):
+    step = steps / "step-10"
+    f = shard(step)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert check_checkpoint(step) is None  # sizes agree
+    assert verify_checkpoint(step) == f"{f} does not match its checksum (bytes changed after the save)"
+    assert checkpoint.verify_files(step, checkpoint.read_checksums(step), ["nope.distcp"]) is not None
+
+
+def test_metadata_reads_back_what_dcp_wrote(steps):
+    md = checkpoint.read_metadata(steps / "step-2")
+    assert md == pickle.loads((steps / "step-2" / ".metadata").read_bytes())
+    assert checkpoint.shape_mismatches({"w": torch.zeros(64, 32), "b": torch.zeros(32)}, md) == []
+    assert checkpoint.shape_mismatches({"n": 3, "w": torch.zeros(32, 64), "x": torch.zeros(1)}, md) == [
+        "w: expected (32, 64), found (64, 32)", "x: expected (1,), found no such key"]
+    many = {f"k{i}": torch.zeros(1) for i in range(5)}
+    assert len(checkpoint.shape_mismatches(many, md)) == 3 and len(checkpoint.shape_mismatches(many, md, 5)) == 5
+
+
+def manager(folder: Path, on_corrupt: str = "fallback") -> checkpoint.WorkbenchCheckpointManager:
+    """The resume logic of the checkpointer alone: its folder and config, none of torchtitan's state."""
+    m = object.__new__(checkpoint.WorkbenchCheckpointManager)
+    m.folder, m.wb_config = str(folder), SimpleNamespace(on_corrupt=on_corrupt)
+    return m
+
+
+def test_stale_checkpoints_are_judged_against_the_newest_complete_one(tmp_path):
+    for step, complete in ((2, True), (6, True), (7, False), (8, True), (9, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / "checksums.json").write_text("{}")
+    # the partial 7 is older than the newest complete (8): a leftover; the partial 9 may be a save in flight
+    assert [p.name for p in checkpoint.stale_checkpoints(tmp_path, 2)] == ["step-2", "step-7"]
+    assert [p.name for p in checkpoint.stale_checkpoints(tmp_path, 0)] == ["step-7"]
+
+
+def test_stale_checkpoints_without_a_complete_one(tmp_path):
+    save_step(tmp_path, 3, complete=False)  # a save in flight, or a killed one: nothing newer proves it stale
+    assert checkpoint.stale_checkpoints(tmp_path, 2) == [] and checkpoint.stale_checkpoints(tmp_path, 0) == []
+
+
+def test_resume_takes_the_newest_verified_step(steps, capsys):
+    assert manager(steps)._find_load_step() == 10
+    assert manager(steps)._find_load_step(str(steps)) == 10  # its own folder named explicitly: the same checks
+    out = capsys.readouterr().out
+    assert "checkpoint step 12 is unusable" in out and "did not finish" in out and "resuming from step 10" in out
+    f = shard(steps / "step-10")
+    f.write_bytes(f.read_bytes()[:-8])
+    assert manager(steps)._find_load_step() == 9
+    assert f"checkpoint step 10 is unusable: {f} is truncated" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=r"checkpoint step 10 is unusable: .* is truncated") as e:
+        manager(steps, on_corrupt="error")._find_load_step()
+    assert e.value.fix == (f"move {steps / 'step-10'} away to resume from an older checkpoint, or set "
+                           "--checkpoint.on_corrupt fallback.")
+
+
+def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
+    folder = tmp_path / "checkpoint"
+    save_step(folder, 3, complete=False)
+    save_step(folder, 5, complete=False)
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 3: ") as e:
+        manager(folder)._find_load_step()
+    assert e.value.fix == f"restore a checkpoint there, or move {tmp_path} away to start from scratch."
+    assert manager(tmp_path / "empty")._find_load_step() == -1
+
+
+# ---- the run folder's metrics readers ------------------------------------------------------------------------------
+
+
+def test_read_and_trim_metrics(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        run_folder.read_metrics(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'} does not exist: the run logged no step (see its log), "
+                            f"or {tmp_path} is not a run folder.")
+    assert run_folder.read_metrics(tmp_path, missing_ok=True) == [] and run_folder.trim_metrics(tmp_path, 3) == 0
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3, 4, 5)) + "\n")
+    inode = path.stat().st_ino
+    assert run_folder.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
+    assert run_folder.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
+    assert [r["step"] for r in run_folder.read_metrics(tmp_path)] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+
+
+def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        run_folder.step_dir(tmp_path, "checkpoint", None)
+    assert str(e.value) == (f"No DCP checkpoint in {tmp_path / 'checkpoint'}: train with --checkpoint.enable true "
+                            "(and --checkpoint.interval N) to write one.")

@@ -1,0 +1,109 @@
+"""The notebook dashboard's reading of metrics.jsonl without a notebook: only this launch's records (a resumed run
+appends to the file, a fresh run replaces it), lines still being written, and the "resumed" wording."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from workbench.notebook.dashboard import Dashboard
+
+
+def record(step: int, loss: float = 5.0, tps: float = 100.0) -> str:
+    return json.dumps({"step": step, "loss": loss, "tokens_per_second": tps, "mfu": 0.01, "step_time_s": 1.0,
+                       "peak_memory_bytes": 2**30, "backend": "native"}) + "\n"
+
+
+def append(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def test_a_resumed_launch_reads_only_its_own_steps_and_says_so(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(record(s) for s in range(1, 5)))  # the earlier launch, up to its checkpoint at 4
+    board = Dashboard(tmp_path, total_steps=10, title="run", live=False)
+    assert board.poll() == 0 and board.records == []
+    append(metrics, record(5, 4.0, 300.0) + record(6, 3.5, 100.0) + record(7, 3.0, 200.0)[:20])  # 7: half written
+    assert board.poll() == 2 and [r["step"] for r in board.records] == [5, 6]
+    append(metrics, record(7, 3.0, 200.0)[20:])
+    assert board.poll() == 1 and [r["step"] for r in board.records] == [5, 6, 7]
+    status = board._status_html(board.records[-1])
+    assert status.startswith("<code>step 7/10 (resumed after step 4) · loss 3.0000 · 200 tok/s · MFU 1.00% · 1.00 GiB")
+    text = board.summary_text()
+    # medians skip the launch's first step (warm-up): tok/s of steps 6, 7 -> sorted 100, 200 -> upper middle 200
+    assert re.fullmatch(r"run: finished · backend native · steps 5–7 of 10 \(resumed after step 4\) · loss 4\.0000 → "
+                        r"3\.0000 · median 200 tok/s · median MFU 1\.00% · \d+ s wall", text), text
+    assert list(board.frame().index) == [5, 6, 7]
+
+
+def test_a_fresh_launch_is_not_resumed_and_a_replaced_file_restarts_the_records(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(record(s, tps=999.0) for s in range(1, 9)))  # an old run in a reused folder
+    board = Dashboard(tmp_path, total_steps=3, title="fresh", live=False)
+    metrics.unlink()  # the fresh run starts a new file
+    metrics.write_text(record(1) + record(2))
+    assert board.poll() == 2 and [r["step"] for r in board.records] == [1, 2]
+    assert "resumed" not in board._status_html(board.records[-1]) and "resumed" not in board.summary_text()
+    assert "steps 1–2 of 3 · " in board.summary_text() and "median 100 tok/s" in board.summary_text()
+
+
+def test_no_steps_logged(tmp_path):
+    board = Dashboard(tmp_path, total_steps=3, title="empty", live=False)
+    assert board.poll() == 0
+    assert re.fullmatch(r"empty: no steps logged \(FAILED after \d+ s\)\.", board.summary_text(ok=False))
+
+
+def test_medians_defaults_and_repeated_steps(tmp_path):
+    """Records without mfu / peak memory (written before those fields existed) count as 0; the medians pick the
+    middle of several distinct values; a step logged twice keeps its last record; wall time is this launch's."""
+    metrics = tmp_path / "metrics.jsonl"
+    board = Dashboard(tmp_path, total_steps=9, title="t", live=False)
+    assert list(board.frame().columns) == ["loss", "tokens_per_second"] and board.frame().empty
+    rows = [(1, 900.0, 0.9), (2, 100.0, 0.01), (3, 300.0, 0.03), (4, 200.0, 0.02), (5, 500.0, 0.05), (6, 400.0, 0.04)]
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0 * s, "tokens_per_second": t, "mfu": m}) + "\n"
+                               for s, t, m in rows) + json.dumps({"step": 6, "loss": 0.5, "tokens_per_second": 1.0})
+                       + "\n")
+    assert board.poll() == 7
+    text = board.summary_text()
+    # steps 2-6 (+ the repeated 6, mfu 0): tok/s sorted 1, 100, 200, 300, 400, 500 -> index 3 = 300; mfu sorted
+    # 0, .01, .02, .03, .04, .05 -> index 3 = 3.00%
+    assert "median 300 tok/s · median MFU 3.00% · " in text and re.search(r" · [0-5] s wall$", text), text
+    assert board._status_html(board.records[-1]).startswith("<code>step 6/9 · loss 0.5000 · 1 tok/s · MFU 0.00% · "
+                                                            "0.00 GiB")
+    assert board.frame().loc[6, "loss"] == 0.5 and list(board.frame().index) == [1, 2, 3, 4, 5, 6]
+    one = Dashboard(tmp_path / "one", total_steps=1, live=False)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "metrics.jsonl").write_text(record(1, tps=123.0))
+    assert one.poll() == 1 and "median 123 tok/s" in one.summary_text()  # a single step is its own median
+
+
+def test_a_truncated_or_rewritten_file_restarts_the_records(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(record(1) + record(2))
+    board = Dashboard(tmp_path, total_steps=5, live=False)
+    metrics.write_text(metrics.read_text() + record(3))
+    assert board.poll() == 1 and [r["step"] for r in board.records] == [3]
+    with open(metrics, "r+") as f:  # rewritten in place (same inode), shorter than what was read
+        f.truncate(0)
+        f.write(record(1, loss=9.0))
+    assert board.poll() == 1 and [(r["step"], r["loss"]) for r in board.records] == [(1, 9.0)]
+    with open(metrics, "r+") as f:  # rewritten in place, as long as before, another first record
+        f.write(record(1, loss=8.0) + record(2) + record(3) + record(4))
+    assert board.poll() == 4 and [(r["step"], r["loss"]) for r in board.records][0] == (1, 8.0)
+    assert [r["step"] for r in board.records] == [1, 2, 3, 4]
+
+
+def test_wording_after_step_one_failed_and_unknown_backend(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(record(1))
+    board = Dashboard(tmp_path, total_steps=4, title="r", live=False)
+    append(metrics, json.dumps({"step": 2, "loss": 2.0, "tokens_per_second": 10.0}) + "\n")
+    assert board.poll() == 1
+    assert "steps 2–2 of 4 (resumed after step 1) · " in board.summary_text()  # resumed from a step-1 checkpoint
+    assert board.summary_text(ok=False).startswith("r: FAILED · backend ? · ")
+    assert board._status_html(board.records[-1]).startswith("<code>step 2/4 (resumed after step 1) · loss 2.0000 · "
+                                                            "10 tok/s · MFU 0.00% · 0.00 GiB")
+    assert re.fullmatch(r"e: no steps logged \(finished after \d+ s\)\.",
+                        Dashboard(tmp_path / "e", total_steps=1, title="e", live=False).summary_text())
