@@ -11,6 +11,7 @@ group backend ``neuron``; both are written from AWS's public docs and are unveri
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -163,3 +164,19 @@ def logical_nc_config(default: int = TRN2_LNC) -> int:
         raise ValueError(f"{LNC_ENV}={raw!r}: the Neuron SDK supports 1 or 2; export {LNC_ENV}=2 (trn2's default) "
                          "or 1, or unset it")
     return int(raw)
+
+
+@contextlib.contextmanager
+def compiled_for_lnc(lnc: int):
+    """Inside the block `NEURON_LOGICAL_NC_CONFIG` is `lnc`, the compiler's LNC a kernel launch must match (NKI
+    0.7.0); the previous value (or its absence) comes back afterwards. For tools that run the kernels at an LNC
+    of their own: the memory plan, the cost report, the nki-library conformance command."""
+    saved = os.environ.get(LNC_ENV)
+    os.environ[LNC_ENV] = str(lnc)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(LNC_ENV, None)
+        else:
+            os.environ[LNC_ENV] = saved

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from workbench.config import JobConfig, load_config, validate
-from workbench.device import LNC_ENV
+from workbench.device import compiled_for_lnc
 from workbench.errors import ConfigError, announce
 from workbench.run_folder import checkpoint_space
 
@@ -376,25 +376,20 @@ def _nki_kernels_planned(lnc: int, calls: list):
         if _NKI_SCOPE and _NKI_SCOPE[-1] == "recompute":
             _NKI_SCOPE.pop()
 
-    saved = backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.__dict__["build"]
-    saved_lnc = os.environ.get(LNC_ENV)
-    os.environ[LNC_ENV] = str(lnc)  # the kernels launch on the compiler's LNC (workbench.device.logical_nc_config)
-    backend.blockwise_moe_auto = experts
-    autograd.HOST_KERNELS = autograd.Kernels(_planned_kernel(nki_moe.moe_blockwise_fwd, calls),
-                                             _planned_kernel(nki_moe.moe_blockwise_bwd, calls))
-    autograd.KernelPlan.build = _kernel_plan_by_shape(autograd.KernelPlan.build)
-    hooks = (torch.nn.modules.module.register_module_forward_pre_hook(module_enters),
-             torch.nn.modules.module.register_module_forward_hook(module_leaves))
-    try:
-        yield
-    finally:
-        backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.build = saved
-        if saved_lnc is None:
-            os.environ.pop(LNC_ENV, None)
-        else:
-            os.environ[LNC_ENV] = saved_lnc
-        for hook in hooks:
-            hook.remove()
+    with compiled_for_lnc(lnc):  # the kernels launch on the compiler's LNC
+        saved = backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.__dict__["build"]
+        backend.blockwise_moe_auto = experts
+        autograd.HOST_KERNELS = autograd.Kernels(_planned_kernel(nki_moe.moe_blockwise_fwd, calls),
+                                                 _planned_kernel(nki_moe.moe_blockwise_bwd, calls))
+        autograd.KernelPlan.build = _kernel_plan_by_shape(autograd.KernelPlan.build)
+        hooks = (torch.nn.modules.module.register_module_forward_pre_hook(module_enters),
+                 torch.nn.modules.module.register_module_forward_hook(module_leaves))
+        try:
+            yield
+        finally:
+            backend.blockwise_moe_auto, autograd.HOST_KERNELS, autograd.KernelPlan.build = saved
+            for hook in hooks:
+                hook.remove()
 
 
 @contextlib.contextmanager

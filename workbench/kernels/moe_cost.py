@@ -22,7 +22,6 @@ counting them at that width is lower still: `summary()` reports it too (`rooflin
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -121,13 +120,11 @@ def run_layer(tokens: int, experts: int, top_k: int, hidden: int, ffn: int, lnc:
               dtype=torch.bfloat16, seed: int = 0) -> LayerRun:
     """Run one rank's layer forward + backward through the NKI kernels on the emulator at LNC `lnc` (the compiler's
     LNC is set to it for the call), counting each direction."""
-    from workbench.device import LNC_ENV
+    from workbench.device import compiled_for_lnc
     from workbench.kernels import blockwise_moe_nki
 
     x, ids, w, wg, wu, wd, dout = layer_inputs(tokens, experts, top_k, hidden, ffn, dtype, seed)
-    old = os.environ.get(LNC_ENV)
-    os.environ[LNC_ENV] = str(lnc)
-    try:
+    with compiled_for_lnc(lnc):
         t0 = time.perf_counter()
         with counters() as cf:
             out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=block_size)
@@ -135,11 +132,6 @@ def run_layer(tokens: int, experts: int, top_k: int, hidden: int, ffn: int, lnc:
         with counters() as cb:
             out.backward(dout)
         t2 = time.perf_counter()
-    finally:
-        if old is None:
-            os.environ.pop(LNC_ENV, None)
-        else:
-            os.environ[LNC_ENV] = old
     io_bytes = torch.empty((), dtype=dtype).element_size()
     shape = (tokens, top_k, experts, hidden, ffn, lnc, io_bytes)
     return LayerRun(cf, cb, roofline(*shape), roofline(*shape, grad_bytes=io_bytes), ids, (t1 - t0, t2 - t1))

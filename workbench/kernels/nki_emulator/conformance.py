@@ -23,7 +23,6 @@ import ast
 import contextlib
 import enum
 import math
-import os
 import sys
 import textwrap
 import traceback
@@ -144,16 +143,10 @@ def launch(kernel, lnc: int, kwargs: dict):
     import inspect
 
     bound = inspect.signature(kernel.func).bind(**kwargs)
-    # Compiled for the LNC it launches on, as AWS's tests compile it (from NKI 0.7.0 the two must agree: lnc-degree).
-    saved = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
-    os.environ["NEURON_LOGICAL_NC_CONFIG"] = str(lnc)
-    try:
+    from workbench.device import compiled_for_lnc
+
+    with compiled_for_lnc(lnc):  # compiled for the LNC it launches on, as AWS's tests compile it (NKI 0.7.0 checks)
         return kernel[lnc](*bound.args, **bound.kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop("NEURON_LOGICAL_NC_CONFIG")
-        else:
-            os.environ["NEURON_LOGICAL_NC_CONFIG"] = saved
 
 
 # -- the cases ------------------------------------------------------------------------------------------------------
