@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.kernels.test_nki_emulator import load, raises, store
+from workbench.device import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
 from workbench.kernels.nki_emulator import conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
@@ -21,8 +22,7 @@ def rand(*shape, seed=0):
 
 
 def run(body, *arrays, lnc=1):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEURON_LOGICAL_NC_CONFIG", str(lnc))  # the compiler's LNC equals the launch's (NKI >= 0.7.0)
+    with compiled_for_lnc(lnc):  # the compiler's LNC equals the launch's (NKI >= 0.7.0)
         return nki.jit(body)[lnc](*arrays)
 
 
