@@ -128,7 +128,7 @@ def test_cli_overrides_every_form():
     (["--training.seq_len", "100000"], "exceeds the model's max_seq_len"),
     (["--model.hf_checkpoint", "/nonexistent/ckpt"], "is not a directory"),
     (["steps", "3"], "options look like --section.key value"),
-    (["--optimizer.lr", "-0.001"], "optimizer.lr must be >= 0; got -0.001. Set e.g. --optimizer.lr 3e-4."),
+    (["--optimizer.lr", "0"], "optimizer.lr must be positive; got 0.0. Set e.g. --optimizer.lr 3e-4."),
     (["--checkpoint.interval", "0"], "checkpoint.interval must be positive; got 0."),
     (["--checkpoint.keep_latest_k", "1"], "checkpoint.keep_latest_k=1: keep 0 (all) or at least 2, so that the last"),
     (["--checkpoint.keep_latest_k", "-1"], "checkpoint.keep_latest_k=-1: keep 0 (all) or at least 2"),

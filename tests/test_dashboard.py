@@ -47,6 +47,9 @@ def test_a_fresh_launch_is_not_resumed_and_a_replaced_file_restarts_the_records(
     assert board.poll() == 2 and [r["step"] for r in board.records] == [1, 2]
     assert "resumed" not in board._status_html(board.records[-1]) and "resumed" not in board.summary_text()
     assert "steps 1–2 of 3 · " in board.summary_text() and "median 100 tok/s" in board.summary_text()
+    append(metrics, record(3))  # the new file is now the one being read: only the new record is new
+    assert board.poll() == 1 and [r["step"] for r in board.records] == [1, 2, 3]
+    assert board.poll() == 0
 
 
 def test_no_steps_logged(tmp_path):

@@ -270,13 +270,13 @@ def test_unwritable_dump_folder_is_one_line(tmp_path):
 
 # ---- values checked ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lr", ["-0.01", "-1e-12", "nan"])
-def test_negative_or_nan_lr_is_refused(lr):
+@pytest.mark.parametrize("lr", ["0", "-0.01", "-1e-12", "nan"])
+def test_non_positive_lr_is_refused(lr):
     from workbench.config import load_config
 
-    with pytest.raises(errors.ConfigError, match=rf"optimizer.lr must be >= 0; got {re.escape(str(float(lr)))}\."):
+    with pytest.raises(errors.ConfigError, match=rf"optimizer.lr must be positive; got {re.escape(str(float(lr)))}\."):
         load_config(ROOT / DENSE, ["--optimizer.lr", lr])
-    assert load_config(ROOT / DENSE, ["--optimizer.lr", "0"]).optimizer.lr == 0.0  # a frozen run is allowed
+    assert load_config(ROOT / DENSE, ["--optimizer.lr", "1e-30"]).optimizer.lr == 1e-30  # the edge: any positive lr
 
 
 @pytest.mark.parametrize("holdout", [0, 1])

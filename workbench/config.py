@@ -186,10 +186,10 @@ class Optimizer:
     """Adam epsilon."""
 
     def check(self, job: JobConfig, world_size: int) -> None:
-        # also NaN; a negative lr trains uphill without any other sign. 0 is allowed: a frozen run (AdamW's decay is
-        # lr-scaled too), which tests use to check that weights load and export unchanged.
-        if not self.lr >= 0:
-            raise ConfigError(f"optimizer.lr must be >= 0; got {self.lr}. Set e.g. --optimizer.lr 3e-4.")
+        # also NaN; a negative lr trains uphill without any other sign, and 0 trains nothing while looking like a run
+        # (a forgotten override, a typo).
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr must be positive; got {self.lr}. Set e.g. --optimizer.lr 3e-4.")
 
 
 @dataclass

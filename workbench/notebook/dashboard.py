@@ -163,7 +163,7 @@ class Dashboard:
             # that already outgrew the read position is caught by its different first record.
             if self._inode is not None and (inode != self._inode or size < self._offset
                                             or f.read(len(self._head)) != self._head):
-                self._offset, self._partial = 0, ""
+                self._offset, self._partial, self._head = 0, "", b""  # from now on, the new file's first bytes
                 self.records.clear()
             self._inode = inode
             if len(self._head) < _HEAD:  # the first bytes may still be being written
