@@ -187,6 +187,39 @@ def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
     assert manager(tmp_path / "empty")._find_load_step() == -1
 
 
+def _fresh_load_on_two_ranks(r: int, folder: str, port: int) -> None:
+    """One gloo rank of `test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none`."""
+    import time
+
+    import torch.distributed as dist
+    from torchtitan.components.checkpointer import dcp as titan_dcp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+    if r == 1:  # the slower rank: it looks at the checkpoint folder 2 s after rank 0 did
+        exists = titan_dcp.filesystem.exists
+        titan_dcp.filesystem.exists = lambda path: (time.sleep(2), exists(path))[1]
+    m = object.__new__(checkpoint.WorkbenchCheckpointManager)
+    m.folder, m.enable, m.load_only, m.keep_latest_k, m.interval = folder, True, False, 2, 2
+    m.wb_config = SimpleNamespace(on_corrupt="fallback", refuse_low_disk=False, total_steps=4)
+    m.initial_load_model_only, m.initial_load_in_hf, m.initial_load_in_hf_quantized = True, False, False
+    m.initial_load_path, m.sd_adapter = None, None
+    m.states = {checkpoint.MODEL: SimpleNamespace(model=[torch.nn.Linear(4, 4)])}
+    assert m.load() is False  # a fresh start on both ranks, the disk check after it
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none(tmp_path):
+    """torchtitan's `load` checks the folder per rank; rank 0 creates it right after. A slow rank 1 used to see the
+    folder, search it alone and take rank 0's disk-check broadcast for the list of steps (TypeError, seen in CI)."""
+    import torch.multiprocessing as mp
+
+    from run_helpers import free_port
+
+    mp.spawn(_fresh_load_on_two_ranks, args=(str(tmp_path / "checkpoint"), free_port()), nprocs=2)
+    assert (tmp_path / "checkpoint").is_dir() and list((tmp_path / "checkpoint").iterdir()) == []
+
+
 # ---- the run folder's metrics readers ------------------------------------------------------------------------------
 
 

@@ -247,6 +247,13 @@ class WorkbenchCheckpointManager(CheckpointManager):
         return found[0] if found else None
 
     def load(self, step: int = -1) -> bool:
+        if self.enable and not self.load_only:
+            # torchtitan asks each rank on its own whether the checkpoint folder exists, and rank 0 creates it (for
+            # the disk check below) once its own load is done: a slower rank then finds the folder, looks for
+            # checkpoints alone and meets rank 0's next collective instead. So every rank sees the folder first.
+            if rank() == 0:
+                Path(self.folder).mkdir(parents=True, exist_ok=True)
+            barrier()
         if self.enable and step != -1:  # an explicit --checkpoint.load_step: no fallback, just a clear error
             problem = self._verify(step)
             if problem:
