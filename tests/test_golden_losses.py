@@ -12,9 +12,9 @@ step 8); `python tests/test_golden_losses.py spread` measures that again. Under 
 last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a_small_change` shows that a
 small deliberate change (lr x 1.01, one token more per document, another seed) still fails the check.
 
-The 2-rank cases (and the 1-rank native ones) use exactly the arguments of runs other tests already make, so
-`cached_run` shares them within a pytest session; only the three 1-rank huggingface_v5/nki_moe cases are extra
-launches, shortened to `GOLDEN_STEPS` steps.
+The 2-rank cases (and the 1-rank native ones) use exactly the arguments of runs other tests already make (the first
+20 steps of the 30-step schedule, `FIRST_20_OF_30`), so `cached_run` shares them within a pytest session; only the
+three 1-rank huggingface_v5/nki_moe cases are extra launches, shortened to `GOLDEN_STEPS` steps.
 
 Regenerate deliberately, only after a change that is meant to move the curves (say which in the commit):
 
@@ -40,6 +40,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script too (regenerate, spread)
 from run_helpers import (  # noqa: E402
+    FIRST_20_OF_30,
     PINNED_ACTIVE,
     PINNED_CPU_PATH,
     ROOT,
@@ -53,22 +54,23 @@ ASSETS = Path(__file__).parent / "assets" / "losses"
 GOLDEN_STEPS = 8
 ATOL = 1e-6  # a pinned run repeats bit for bit; this only covers float -> JSON -> float
 SHORT = ("--training.steps", str(GOLDEN_STEPS))
+LONG = FIRST_20_OF_30  # the shared launches
 NATIVE, HF, NKI = ("--model.backend", "native"), ("--model.backend", "huggingface_v5"), \
     ("--model.backend", "nki_moe", "--model.moe_block_size", "32")
 HF_EXPORT = ("--checkpoint.export_hf", "true", "--checkpoint.export_dtype", "float32")
 
 # name -> (config, args, nproc). Arguments equal to another test's cached_run share its launch: keep them in step.
 CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
-    "dense-native-1rank": ("configs/cpu_dense.toml", NATIVE, 1),          # test_training_native
-    "dense-native-2rank": ("configs/cpu_dense.toml", NATIVE, 2),          # test_training_native
+    "dense-native-1rank": ("configs/cpu_dense.toml", NATIVE + LONG, 1),          # test_training_native
+    "dense-native-2rank": ("configs/cpu_dense.toml", NATIVE + LONG, 2),          # test_training_native
     "dense-huggingface_v5-1rank": ("configs/cpu_dense.toml", HF + SHORT, 1),
-    "dense-huggingface_v5-2rank": ("configs/cpu_dense.toml", HF, 2),      # test_huggingface_v5::dense_run
-    "moe-native-1rank": ("configs/cpu_moe.toml", NATIVE, 1),              # test_training_native
-    "moe-native-2rank": ("configs/cpu_moe.toml", NATIVE, 2),              # conftest::native_moe_2rank
+    "dense-huggingface_v5-2rank": ("configs/cpu_dense.toml", HF + LONG, 2),      # test_huggingface_v5::dense_run
+    "moe-native-1rank": ("configs/cpu_moe.toml", NATIVE + LONG, 1),              # test_training_native
+    "moe-native-2rank": ("configs/cpu_moe.toml", NATIVE + LONG, 2),              # conftest::native_moe_2rank
     "moe-huggingface_v5-1rank": ("configs/cpu_moe.toml", HF + SHORT, 1),
-    "moe-huggingface_v5-2rank": ("configs/cpu_moe.toml", HF + HF_EXPORT, 2),  # test_huggingface_v5::moe_run
+    "moe-huggingface_v5-2rank": ("configs/cpu_moe.toml", HF + LONG + HF_EXPORT, 2),  # test_huggingface_v5::moe_run
     "moe-nki_moe-1rank": ("configs/cpu_moe.toml", NKI + SHORT, 1),
-    "moe-nki_moe-2rank": ("configs/cpu_moe.toml", NKI, 2),                # test_nki_moe_backend
+    "moe-nki_moe-2rank": ("configs/cpu_moe.toml", NKI + LONG, 2),                # test_nki_moe_backend
 }
 
 
