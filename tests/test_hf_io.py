@@ -351,6 +351,7 @@ def test_failed_export_leaves_nothing(saved, tmp_path, monkeypatch):
     ("output.weight", "output"),
     ("blocks.1", "blocks"),                           # a numeric *leaf* is a parameter name, not a unit
     ("scale", ""),                                    # a root-level parameter belongs to the root
+    ("model.norm.weight", "model.norm"),             # the whole owner path
 ])
 def test_unit_of(key, unit):
     assert hf.unit_of(key) == unit
@@ -450,3 +451,17 @@ def test_check_against_lists_at_most_five_per_kind_and_counts_all():
     assert "shape mismatch (1): model.norm.weight expected [32], found [33]\n" in msg
     assert "unexpected (7): " + ", ".join(f"model.extra.{i}.weight [1]" for i in range(5)) + "\n" in msg
     assert "missing" not in msg
+
+
+def test_check_against_any_one_kind_alone_is_refused_and_lists_are_separated():
+    _, units = units_of(DENSE)
+    whole = {k: _Stored(*v.shape) for u in units for k, v in u.hf.items()}
+    only_missing = {k: v for k, v in whole.items() if k not in ("model.norm.weight", "model.embed_tokens.weight")}
+    with pytest.raises(errors.HFCheckpointError) as err:
+        hf.check_against(only_missing, units, DENSE, "d")
+    assert "\n  missing (2): model.embed_tokens.weight [512, 32], model.norm.weight [32]\n" in str(err.value)
+    two_shapes = {**whole, "model.norm.weight": _Stored(33), "model.layers.0.input_layernorm.weight": _Stored(31)}
+    with pytest.raises(errors.HFCheckpointError) as err:
+        hf.check_against(two_shapes, units, DENSE, "d")
+    assert ("shape mismatch (2): model.layers.0.input_layernorm.weight expected [32], found [31]; "
+            "model.norm.weight expected [32], found [33]\n") in str(err.value)
