@@ -247,13 +247,6 @@ class WorkbenchCheckpointManager(CheckpointManager):
         return found[0] if found else None
 
     def load(self, step: int = -1) -> bool:
-        if self.enable and not self.load_only:
-            # torchtitan asks each rank on its own whether the checkpoint folder exists, and rank 0 creates it (for
-            # the disk check below) once its own load is done: a slower rank then finds the folder, looks for
-            # checkpoints alone and meets rank 0's next collective instead. So every rank sees the folder first.
-            if rank() == 0:
-                Path(self.folder).mkdir(parents=True, exist_ok=True)
-            barrier()
         if self.enable and step != -1:  # an explicit --checkpoint.load_step: no fallback, just a clear error
             problem = self._verify(step)
             if problem:
@@ -356,8 +349,9 @@ class WorkbenchCheckpointManager(CheckpointManager):
         _say(f"workbench: warning: {message}")
 
     def _disk_space_message(self, estimate: int) -> str | None:
+        # Creates nothing: torchtitan's `_load` asks each rank on its own whether the folder exists, so a folder rank 0
+        # made here could send a slower rank searching it alone into rank 0's next collective (seen in CI).
         folder = Path(self.folder)
-        folder.mkdir(parents=True, exist_ok=True)
         newest = newest_complete(folder)
         # A checkpoint on disk is the best measure; else the estimate (the optimizer's own state is not asked for:
         # materialising it before the first step would advance Adam's step count and change the run).
