@@ -37,6 +37,7 @@ that, only its last step is timed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -139,8 +140,9 @@ def _failure(tail: Iterable[str]) -> str:
 
 
 def run_backend(config: str | Path, backend: str, *, out: Path, overrides: list[str], nproc: int,
-                warmup_steps: int, show_progress: bool = True) -> dict[str, Any]:
-    """Trains one path (torchrun subprocess) and returns its matrix row; never raises for a failed run."""
+                warmup_steps: int, show_progress: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+    """Trains one path (torchrun subprocess) and returns its matrix row; never raises for a failed run (nor for
+    one stopped at `timeout_s`: its row says so and keeps the steps it logged)."""
     from tqdm.auto import tqdm
 
     from workbench.train import train
@@ -159,8 +161,12 @@ def run_backend(config: str | Path, backend: str, *, out: Path, overrides: list[
     progress = _Progress(out / "runs" / f"{backend}.log", bar)
     row["run_dir"] = str(job.run_dir)
     try:
-        train(job, nproc=nproc, stream=progress)
+        train(job, nproc=nproc, stream=progress, timeout_s=timeout_s)
         row.update(status="ok", **summarize_run(job.run_dir, warmup_steps, nproc))
+    except subprocess.TimeoutExpired:
+        row.update(status="timed out", error=f"stopped after the {timeout_s:.0f} s limit")
+        with contextlib.suppress(FileNotFoundError, KeyError, ValueError, IndexError, statistics.StatisticsError):
+            row.update(**summarize_run(job.run_dir, warmup_steps, nproc))
     except (subprocess.CalledProcessError, FileNotFoundError, KeyError, ValueError) as e:
         row.update(status="failed", error=_failure(progress.tail) if isinstance(e, subprocess.CalledProcessError)
                    else f"{type(e).__name__}: {e}")

@@ -67,6 +67,9 @@ class Model:
     """Model family; only qwen3 (dense and MoE) is supported."""
     flavor: str = ""
     """Qwen3 flavor: 0.6B 1.7B 4B 8B 14B 32B 30B-A3B 235B-A22B, tiny / tiny-moe (CPU); empty = from hf_checkpoint."""
+    n_layers: int = 0
+    """Decoder layers; 0 = the flavor's. Fewer makes a shallower copy of the flavor with its real layer shapes
+    (benchmarks, memory checks, debugging); not with hf_checkpoint (the checkpoint fixes its depth)."""
     backend: Backend = "native"
     """Training path: huggingface_v5 (transformers' modeling), native (torchtitan), nki_moe (NKI experts)."""
     norm_type: str = "RMSNorm"
@@ -104,6 +107,9 @@ class Model:
                 f"model.flavor is not set. Choose one of {', '.join(flavors.FLAVORS)}, or set model.hf_checkpoint "
                 "to infer it from the checkpoint's config.json."
             )
+        if self.n_layers < 0 or (self.n_layers and self.hf_checkpoint):
+            raise ConfigError(f"model.n_layers={self.n_layers}: give a positive number of decoder layers (0 = the "
+                              "flavor's), and none with model.hf_checkpoint, whose config.json fixes the depth.")
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
         except FlavorError as e:
@@ -399,10 +405,14 @@ class JobConfig:
     def _resolved(self) -> tuple[str, Qwen3Shape]:
         from workbench import flavors
 
-        key = (self.model.flavor, self.model.hf_checkpoint)
+        key = (self.model.flavor, self.model.hf_checkpoint, self.model.n_layers)
         cached = self.__dict__.get("_shape_cache")  # not a dataclass field: never in to_dict / config.toml
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_shape_cache"] = (key, flavors.resolve(*key))
+            name, shape = flavors.resolve(*key[:2])
+            if self.model.n_layers:  # a shallower (or deeper) copy: not the published model any more
+                name = f"{name}-{self.model.n_layers}L"
+                shape = dataclasses.replace(shape, n_layers=self.model.n_layers, official_params=0.0)
+            cached = self.__dict__["_shape_cache"] = (key, (name, shape))
         return cached[1]
 
     @property

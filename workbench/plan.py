@@ -504,9 +504,12 @@ def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bo
         proc = subprocess.run(cmd, capture_output=True, text=True)
     finally:
         os.unlink(f.name)
-    if proc.returncode not in (0, 1):
-        raise RuntimeError(f"memory plan failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
+    try:  # 0 fits, 1 does not (both print the plan); anything else, or no plan printed (a traceback exits 1)
+        if proc.returncode in (0, 1):
+            return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        pass
+    raise RuntimeError(f"memory plan failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -710,15 +713,26 @@ def bar_chart(plans: dict[str, dict], capacity_bytes: float | None = None):
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
 
 
+def launch_device(device_kind: str) -> str:
+    """The --device a launch on `device_kind` is planned for: the GPU by its name (an H200 has 141 GB, not an
+    H100's 80), else `DEVICE_OF_KIND`."""
+    if device_kind == "cuda":
+        import torch
+
+        if "H200" in torch.cuda.get_device_name(0):
+            return "h200"
+    return DEVICE_OF_KIND.get(device_kind, "cpu")
+
+
 def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict:
     """The plan of a launch of `job` on `world_size` ranks of `device_kind` (with suggestions), from a subprocess,
-    cached by a hash of the resolved config, world size and device. On cuda the capacity is an H100's, on neuron
-    a trn2 rank's.
+    cached by a hash of the resolved config, world size and device. On cuda the capacity is the GPU's
+    (`launch_device`: an H200's or else an H100's), on neuron a trn2 rank's.
 
     Raises:
         RuntimeError: the planner failed.
     """
-    device = DEVICE_OF_KIND.get(device_kind, "cpu")
+    device = launch_device(device_kind)
     key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
     cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
     if cache.is_file():
@@ -785,6 +799,7 @@ class AllocatorPeak:
         self.module = None if kind == "cpu" else getattr(torch, kind, None)  # torch.neuron: once torch_neuronx imports
         self.profiler = None
         self.base = 0
+        self.resident = 0  # bytes held when the window opened (parameters, optimizer state, ...)
 
     @property
     def source(self) -> str:
@@ -796,10 +811,11 @@ class AllocatorPeak:
         if self.module is not None:
             self.module.synchronize()
             self.module.reset_peak_memory_stats()
+            self.resident = int(self.module.memory_allocated())
             return
         import torch
 
-        self.base = self._live_bytes()
+        self.base = self.resident = self._live_bytes()
         self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
         self.profiler.__enter__()
 
@@ -876,9 +892,14 @@ def check_on_launch(trainer) -> None:
     report = {"device": kind, "world_size": world, "source": meter.source, "steps": []}
     if planned is not None:
         runtime = planned["categories"].get("device runtime", 0)
+        cats = planned["categories"]
         report["plan"] = {"peak_bytes": planned["peak_bytes"], "tensor_bytes": planned["peak_bytes"] - runtime,
                           "device_runtime_bytes": runtime, "capacity_bytes": planned["capacity_bytes"],
-                          "device": planned["device"], "sdpa": planned.get("sdpa", {}).get("kernel")}
+                          "device": planned["device"], "sdpa": planned.get("sdpa", {}).get("kernel"),
+                          # what a steady-state step starts with: its parameters and optimizer state (the
+                          # gradients were freed by zero_grad), comparable with `AllocatorPeak.resident`
+                          "resident_bytes": cats["sharded parameters"] + cats["optimizer state"],
+                          "categories": cats}
     open_window = [False]
 
     def before_forward(*_):
@@ -892,29 +913,36 @@ def check_on_launch(trainer) -> None:
         open_window[0] = False
         step = steps.pop(0)
         # MiB as fp32: a dtype every backend's all_gather takes (a byte count needs int64 or fp64)
-        mine = torch.tensor([meter.stop() / MiB], dtype=torch.float32, device=trainer.device)
+        mine = torch.tensor([meter.stop() / MiB, meter.resident / MiB], dtype=torch.float32, device=trainer.device)
         every = [torch.zeros_like(mine) for _ in range(world)]
         if world > 1:
             dist.all_gather(every, mine)
         else:
             every = [mine]
         if rank == 0:
-            _report_step(report, step, [int(float(t) * MiB) for t in every], Path(trainer.config.dump_folder))
+            _report_step(report, step, [int(float(t[0]) * MiB) for t in every], Path(trainer.config.dump_folder),
+                         resident=[int(float(t[1]) * MiB) for t in every])
 
     trainer.model_parts[0].register_forward_pre_hook(before_forward, prepend=True)  # before FSDP's all-gather
     trainer.optimizers.register_step_post_hook(after_optimizer_step)
 
 
-def _report_step(report: dict, step: int, measured: list[int], run_dir: Path) -> None:
-    """Rank 0: add one step's per-rank peaks to the report, rewrite memory_check.json, print the line."""
+def _report_step(report: dict, step: int, measured: list[int], run_dir: Path, resident: list[int] | None = None
+                 ) -> None:
+    """Rank 0: add one step's per-rank peaks (and what each rank held when the step began, `resident`) to the
+    report, rewrite memory_check.json, print the line."""
     from workbench.trainer import say
 
     top = max(range(len(measured)), key=measured.__getitem__)
     entry = {"step": step, "measured_bytes": measured, "max_bytes": measured[top], "max_rank": top}
+    if resident is not None:
+        entry["resident_bytes"] = resident[top]
     line = f"memory step {step}: measured peak {measured[top] / GiB:.2f} GiB (rank {top} of {len(measured)})"
     if "plan" in report:
         plan_ = report["plan"]
         entry["measured_over_plan"] = measured[top] / plan_["tensor_bytes"]
+        if resident is not None and plan_.get("resident_bytes"):
+            entry["resident_over_plan"] = resident[top] / plan_["resident_bytes"]
         line += (f", plan {plan_['tensor_bytes'] / GiB:.2f} GiB of tensors ({plan_['device']}): measured/plan "
                  f"{entry['measured_over_plan']:.3f}; the plan's peak with the device runtime "
                  f"{plan_['peak_bytes'] / GiB:.2f} of {plan_['capacity_bytes'] / GiB:.0f} GiB")

@@ -18,10 +18,12 @@ module (so `python -m workbench.train` works), and the function in it is `train`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from workbench.config import JobConfig, help_text, load_config
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[str] | None = None,
-          stream=None) -> Path:
+          stream=None, timeout_s: float | None = None) -> Path:
     """Python API: trains `job` with `nproc` ranks (torchrun in a subprocess) and returns the run folder.
 
     Args:
@@ -147,9 +149,12 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         nproc: processes (ranks) on this machine.
         extra_args: more `--section.key value` overrides.
         stream: a callable receiving each output line (default: print).
+        timeout_s: wall-clock limit; past it the job gets SIGTERM (every rank finishes its step and stops, as on
+            Ctrl-C), then SIGKILL 60 s later.
 
     Raises:
         subprocess.CalledProcessError: training failed (the output was streamed before).
+        subprocess.TimeoutExpired: the run outlasted `timeout_s`.
     """
     if not isinstance(job, JobConfig):
         job = load_config(job, argv=extra_args, world_size=nproc)
@@ -164,9 +169,30 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        stream(line)
-    if proc.wait() != 0:
+    expired = threading.Event()
+
+    def stop() -> None:  # torchrun forwards SIGTERM to its ranks; SIGKILL if they do not stop in time
+        expired.set()
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+            return
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, stop) if timeout_s else None
+    if timer:
+        timer.daemon = True
+        timer.start()
+    try:
+        for line in proc.stdout:
+            stream(line)
+        code = proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(cmd, timeout_s)
+    if code != 0:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return job.run_dir
 
