@@ -48,7 +48,8 @@ def test_throughput_rows_agree_with_the_runs_metrics(tiny):
         timed = records[results["warmup_steps"]:]
         assert row["tokens_per_s"] == pytest.approx(statistics.median(r["tokens_per_second"] for r in timed))
         assert row["tokens_per_s"] == pytest.approx(2 * 128 / row["step_time_median_s"], rel=0.10)  # batch 2 x 128
-        assert 0 < row["mfu"] < 1
+        assert 0 < row["mfu"] < 1 and row["step_time_p90_s"] >= row["step_time_median_s"]
+        assert row["time_to_first_step_s"] > row["first_step_s"] > 0 and row["peak_memory_gib"] > 0
         # The H200 column by hand: 6 x active matmul weights + causal attention, per token, over 989 TFLOP/s.
         shape = flavors.get_shape(row["flavor"])
         mm = shape.n_layers * (shape.dim * shape.n_heads * shape.head_dim * 2 + shape.dim * shape.n_kv_heads

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from run_helpers import ROOT, read_metrics
+from run_helpers import ROOT
 from workbench import bench
 
 
@@ -78,7 +76,7 @@ def test_speed_vs_native_by_hand(tmp_path, monkeypatch):
     """native at 256 tokens per 1 s step, huggingface_v5 at 256 per 4 s: 0.25 of native (and native 1.0)."""
     import workbench.train
 
-    def fake_train(job, nproc, stream):
+    def fake_train(job, nproc, stream, timeout_s=None):
         _write_run(job.run_dir, [1.0] * 4 if job.model.backend == "native" else [4.0] * 4, backend=job.model.backend)
         return job.run_dir
 
@@ -93,7 +91,7 @@ def test_a_failing_path_is_reported_and_the_others_still_run(tmp_path, monkeypat
     """run_matrix with the launcher stubbed: one path crashes, one does not apply, one succeeds."""
     import workbench.train
 
-    def fake_train(job, nproc, stream):
+    def fake_train(job, nproc, stream, timeout_s=None):
         if job.model.backend == "huggingface_v5":
             stream("Traceback (most recent call last):\n")
             stream("RuntimeError: boom in the HF path\n")
@@ -125,7 +123,7 @@ def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
     from workbench.config import load_config
     from workbench.kernels.moe_cost import trn2_moe_layer
 
-    def fake_train(job, nproc, stream):
+    def fake_train(job, nproc, stream, timeout_s=None):
         _write_run(job.run_dir, [5.0, 1.0, 1.0], backend=job.model.backend)
         return job.run_dir
 
@@ -140,29 +138,23 @@ def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
     assert "**Modeled, not measured:**" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.slow
-def test_bench_matrix_of_all_three_paths(tmp_path):
-    """The command of the acceptance criterion, with few steps: all three paths, plausible and consistent numbers."""
-    steps, warmup = 5, 2
-    proc = subprocess.run([sys.executable, "-m", "workbench.bench", "--job.config_file", "configs/cpu_moe.toml",
-                           "--steps", str(steps), "--warmup-steps", str(warmup), "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+def test_the_command_line_runs_the_matrix_and_says_where_it_wrote(tmp_path, monkeypatch, capsys):
+    """`python -m workbench.bench` end to end with the launcher stubbed (the real three-path launches are
+    tests/test_accelerator_check.py's: the same `run_backend`)."""
+    import workbench.train
+
+    def fake_train(job, nproc, stream, timeout_s=None):
+        _write_run(job.run_dir, [5.0, 1.0, 2.0, 1.0], backend=job.model.backend)
+        return job.run_dir
+
+    monkeypatch.setattr(workbench.train, "train", fake_train)
+    code = bench.main(["--job.config_file", str(ROOT / "configs/cpu_moe.toml"), "--steps", "4", "--warmup-steps", "1",
+                       "--out", str(tmp_path), "--backends", "native,nki_moe"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"wrote {tmp_path / 'bench.csv'}, bench.md, bench.png" in out
     df = pd.read_csv(tmp_path / "bench.csv")
-    failed = df[df.status != "ok"]
-    assert failed.empty, f"paths failed: {failed[['backend', 'error']].to_dict('records')}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0
-    assert list(df.backend) == ["huggingface_v5", "native", "nki_moe"]
+    assert list(df.backend) == ["native", "nki_moe"] and (df.status == "ok").all()
+    assert (df.step_time_median_s == 1.0).all() and (df.tokens_per_s == 256.0).all()
     assert (tmp_path / "bench.png").stat().st_size > 0 and "| native | ok |" in (tmp_path / "bench.md").read_text()
-    tokens_per_step = 2 * 128  # cpu_moe: local_batch_size 2 x seq_len 128, one rank
-    for row in df.itertuples():
-        records = read_metrics(row.run_dir)
-        assert len(records) == steps
-        assert 0 < row.mfu < 1
-        jsonl_tps = statistics.median(r["tokens_per_second"] for r in records[warmup:])
-        assert row.tokens_per_s == pytest.approx(jsonl_tps, rel=0.10)
-        assert row.tokens_per_s == pytest.approx(tokens_per_step / row.step_time_median_s, rel=0.10)
-        assert row.step_time_p90_s >= row.step_time_median_s
-        assert row.time_to_first_step_s > row.first_step_s > 0 and row.peak_memory_gib > 0
-    # Same config, data and seed: native and nki_moe compute the same model.
-    by = df.set_index("backend")
-    assert by.loc["nki_moe", "final_loss"] == pytest.approx(by.loc["native", "final_loss"], abs=1e-3)
+    assert bench.main(["--job.config_file", str(ROOT / "configs/cpu_moe.toml"), "--backends", "nope",
+                       "--out", str(tmp_path)]) == 2
