@@ -19,7 +19,7 @@ key for key. State the HF format cannot hold is compared too, under the model's 
 torchtitan's aux-loss-free `expert_bias_E` buffers change routing, so a DCP checkpoint trained with
 `model.moe_load_balance_coeff > 0` and its HF export have equal weights but different logits; a side without
 such a buffer counts as zeros (routing without a bias). Logits and perplexity use the first rows of a held-out
-slice of the corpus (`workbench.data.heldout_tokens`: the last document in the fixed order); generations use the
+slice of the corpus (`workbench.data.loader.heldout_tokens`: the last document in the fixed order); generations use the
 real tokenizer (`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
 """
 
@@ -189,7 +189,7 @@ def heldout_batch(seq_len: int, rows: int, vocab_size: int, dataset: str = "shak
     Raises:
         ValueError: the held-out slice is shorter than one row.
     """
-    from workbench.data import heldout_tokens
+    from workbench.data.loader import heldout_tokens
 
     tokens = heldout_tokens(dataset, tokenizer_path)
     rows = min(rows, len(tokens) // (seq_len + 1))
