@@ -15,6 +15,7 @@ The package, torch-free except `loader`:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 from pathlib import Path
@@ -59,7 +60,15 @@ def tokenizer_dir(path: str = "") -> Path:
 
 def tokenizer_hash(path: str = "") -> str:
     """sha256 of the tokenizer.json (a prepared dataset is only valid for the tokenizer that made it)."""
-    return hashlib.sha256((tokenizer_dir(path) / "tokenizer.json").read_bytes()).hexdigest()
+    f = tokenizer_dir(path) / "tokenizer.json"
+    st = f.stat()
+    return _file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # the cache key: a changed file is hashed again
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_tokenizer(path: str = ""):

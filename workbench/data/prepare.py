@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -279,14 +280,22 @@ _WORKER: dict = {}
 
 
 def _init_worker(job: dict, q) -> None:
-    from tokenizers import Tokenizer
-
     if job.get("one_thread"):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: `--workers` is the parallelism
-    tok = Tokenizer.from_file(job["tokenizer"])
+    st = Path(job["tokenizer"]).stat()
+    tok = _tokenizer(job["tokenizer"], st.st_size, st.st_mtime_ns)
     _WORKER.update(job, tok=tok, sep=tok.token_to_id(DOC_SEPARATOR), queue=q)
     if _WORKER["sep"] is None:
         raise ValueError(f"The tokenizer has no {DOC_SEPARATOR!r} token to separate documents.")
+
+
+@functools.cache
+def _tokenizer(path: str, size: int, mtime_ns: int):
+    """The tokenizer of a tokenizer.json, loaded once per process (size and mtime in the key)."""
+    from tokenizers import Tokenizer
+
+    del size, mtime_ns
+    return Tokenizer.from_file(path)
 
 
 def _split(text: str) -> list[str]:
@@ -509,13 +518,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strict", action="store_true", help="refuse bad rows instead of skipping them")
     p.add_argument("--text-field", default="text", help="key / column of the text (default: text)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the bundled Qwen3)")
+    p.add_argument("--shard-mb", type=float, default=SHARD_BYTES / 2**20, help="source MiB per shard (default 16)")
     v = sub.add_parser("verify", help="check every shard of OUT against its sha256")
     v.add_argument("out")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.src, args.out, workers=args.workers, strict=args.strict, text_field=args.text_field,
-                    tokenizer_path=args.tokenizer)
+                    tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1))
         else:
             Prepared(args.out, tokenizer_path=None, check_source=False).verify()
             print(f"workbench data: {args.out}: every shard matches its sha256")
