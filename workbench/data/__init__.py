@@ -105,9 +105,9 @@ def source_root(dataset: str) -> Path:
             raise DatasetError(f"training.dataset={dataset!r} is a symlink loop.",
                                "point it at the real data.") from None
         raise DatasetError(
-            f"training.dataset={dataset!r} does not exist.", "use 'shakespeare' (bundled), a prepared folder "
+            f"training.dataset={dataset!r} does not exist. Use 'shakespeare' (bundled), a prepared folder "
             "(python -m workbench.data prepare SRC OUT) or a path to .txt/.md files or folders, .jsonl, .parquet "
-            "or a Hugging Face save_to_disk folder.") from None
+            "or a Hugging Face save_to_disk folder.", "point --training.dataset at existing data.") from None
     return root
 
 

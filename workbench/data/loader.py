@@ -102,6 +102,9 @@ class Stream:
         if n <= 0:
             raise DatasetError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(prepared)} "
                                f"in {name!r}).", "lower --training.holdout_docs (0 for a single-document dataset).")
+        if not 0 <= prepared.manifest["first_text_document"] < n:
+            raise DatasetError(f"training.dataset={name!r}: its {n} training document(s) hold no text (empty, "
+                               "whitespace or <|endoftext|> only).", "point --training.dataset at files with text.")
         self.prepared, self.seed, self.n = prepared, seed, n
         self.lengths = prepared.lengths[:n]
         self.total = int(self.lengths.sum())  # tokens per epoch

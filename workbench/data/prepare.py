@@ -236,11 +236,16 @@ def _check(record: dict) -> dict:
 def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
     counts = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_documents", "bad_rows")}
     bad = [b for r in records for b in r["bad_examples"]][:BAD_EXAMPLES]
-    if counts["text_documents"] == 0:
+    if counts["documents"] == 0:
         where = f" (first: {'; '.join(bad)})" if bad else ""
-        raise DatasetError(
-            f"{plan['source']}: no document with text: {counts['documents']} document(s), {counts['bad_rows']} bad "
-            f"row(s){where}.", "point training.dataset at documents with text.")
+        raise DatasetError(f"{plan['source']}: no documents: {counts['bad_rows']} bad row(s){where}.",
+                           "point training.dataset at documents with text.")
+    first_text, before = -1, 0  # global index of the first document with text (-1: none)
+    for r in records:
+        if first_text < 0 and r["first_text"] >= 0:
+            first_text = before + r["first_text"]
+        before += r["documents"]
+    counts["first_text_document"] = first_text
     manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field")}
     manifest |= {**counts, "bad_examples": bad, "separator": DOC_SEPARATOR, "dtype": "uint32",
                  "shards": [{k: r[k] for k in ("name", "documents", "tokens", "sha256")} for r in records]}
@@ -324,6 +329,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     tok, sep, field = w["tok"], w["sep"], w["text_field"]
     ends: list[int] = []
     n_tokens = text_docs = bad = 0
+    first_text = -1  # the shard's first document with text
     bad_examples: list[str] = []
     batch: list[str] = []
     batch_chars = 0
@@ -358,7 +364,9 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
                 if len(text) > MAX_DOCUMENT_BYTES:
                     return {"error": f"{where}: a document of {len(text):,} characters is over the limit of "
                                      f"{MAX_DOCUMENT_BYTES:,}.", "fix": "split it into smaller documents."}
-                text_docs += bool(text.replace(DOC_SEPARATOR, "").strip())
+                if text.replace(DOC_SEPARATOR, "").strip():
+                    first_text = len(ends) if first_text < 0 else first_text
+                    text_docs += 1
                 if len(text) > CHUNK_CHARS:  # bounded memory: pieces, written as they are tokenized
                     flush()
                     for piece in _split(text):
@@ -383,7 +391,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     crc, sha = _scan(sdir, name)
     crc.tofile(sdir / f"{name}.crc")
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
-              "bad_rows": bad, "bad_examples": bad_examples, "sha256": sha}
+              "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "sha256": sha}
     _atomic_write(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
     return record
 
