@@ -44,7 +44,7 @@ from workbench.data import DOC_SEPARATOR, document_sources, source_root, tokeniz
 from workbench.data.sources import plan_units, read_unit
 from workbench.errors import DatasetError
 
-FORMAT = 1
+FORMAT = 2  # bumped whenever the folder's layout or manifest changes
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
 BLOCK_TOKENS = 16384  # 64 KiB of uint32: the unit of the read-time crc check
 CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about this many characters
@@ -164,7 +164,7 @@ def _complete(out: Path, identity: dict) -> dict | None:
     if not m.is_file():
         return None
     manifest = json.loads(m.read_text())
-    for key, what in (("text_field", "text field"), ("tokenizer_sha256", "tokenizer"),
+    for key, what in (("format", "format version"), ("text_field", "text field"), ("tokenizer_sha256", "tokenizer"),
                       ("fingerprint", "source fingerprint"), ("source", "source")):
         if manifest.get(key) != identity[key]:
             raise DatasetError(
@@ -442,6 +442,9 @@ class Prepared:
             raise DatasetError(f"{self.folder} {state}.", "run python -m workbench.data prepare SRC "
                                f"{self.folder} (it resumes where it stopped).")
         self.manifest = json.loads(m.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise DatasetError(f"{self.folder} has prepared-data format {self.manifest.get('format')}; this "
+                               f"workbench reads format {FORMAT}.", f"delete {self.folder} and prepare again.")
         if tokenizer_path is not None and (want := tokenizer_hash(tokenizer_path)) != self.manifest["tokenizer_sha256"]:
             raise DatasetError(
                 f"{self.folder} was prepared with tokenizer sha256 {self.manifest['tokenizer_sha256'][:16]}, but "
