@@ -323,7 +323,13 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     `report(source_chars, tokens)` is called as it goes (in a pool: through the progress queue)."""
     i, units = task
     w = _WORKER
-    report = report or (lambda b, t: w["queue"].put((b, t)))
+    send = report or (lambda b, t: w["queue"].put((b, t)))
+    reported = 0
+
+    def report(chars: int, tokens: int) -> None:  # characters as they go; the bar counts source bytes
+        nonlocal reported
+        reported += chars
+        send(chars, tokens)
     sdir = Path(w["dir"])
     name = f"{i:05d}"
     tok, sep, field = w["tok"], w["sep"], w["text_field"]
@@ -388,6 +394,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     np.asarray(ends, dtype=np.int64).tofile(sdir / f"{name}.docs.tmp")
     os.replace(sdir / f"{name}.docs.tmp", sdir / f"{name}.docs")
     os.replace(tmp, sdir / f"{name}.tokens")
+    send(max(sum(u["bytes"] for u in units) - reported, 0), 0)  # the rest of the shard's bytes (JSON, escapes)
     crc, sha = _scan(sdir, name)
     crc.tofile(sdir / f"{name}.crc")
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
