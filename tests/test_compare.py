@@ -57,6 +57,20 @@ def test_hf_checkpoint_compared_with_itself_is_identical(hf_dir):
     assert cmp.heldout["tokens"] == 2 * 32 and 1 < cmp.heldout["ppl_a"] < 1e6
 
 
+def test_heldout_perplexity_per_mixture_member(hf_dir, tmp_path, monkeypatch):
+    """A mixture dataset: perplexity on each member's held-out rows besides the pooled one."""
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("Now is the winter of our discontent. " * 40)
+    b.write_text("1, 2, 3, 4, 5, 6, 7, 8, 9, 10. " * 40)
+    side = compare.Loaded("native", "native", load_model(ROOT / "configs/cpu_moe.toml", backend="native"), "")
+    cmp = compare.compare_models(side, side, **SMALL, dataset=f"{a}:0.5,{b}:0.5")
+    ppl = {k: v for k, v in cmp.heldout.items() if k.startswith("ppl_a ")}
+    assert list(ppl) == [f"ppl_a {a}", f"ppl_a {b}"]
+    assert all(1 < v < 1e6 for v in ppl.values()) and len(set(ppl.values())) == 2
+    assert cmp.heldout[f"ppl_b {a}"] == ppl[f"ppl_a {a}"]
+
+
 @pytest.mark.parametrize("backend", ["nki_moe", "huggingface_v5"])
 def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
     cmp = compare.compare(hf_dir, hf_dir, backend_a="native", backend_b=backend, **SMALL)

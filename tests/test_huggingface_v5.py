@@ -163,7 +163,7 @@ def test_resume_continues_exactly(dense_run, outdir):
 def test_export_loads_in_transformers(moe_run):
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
-    from workbench.data import PackedDataset
+    from workbench.data.loader import PackedDataset
 
     model, info = AutoModelForCausalLM.from_pretrained(moe_run / "hf", output_loading_info=True)
     assert isinstance(model, Qwen3MoeForCausalLM)

@@ -220,16 +220,22 @@ def _one_line_failure(proc, code: int, start: str) -> str:
     return lines[0].split("traceback : ")[-1].strip()
 
 
-@pytest.mark.slow
-def test_undecodable_dataset_is_one_line_on_every_rank(tmp_path):
+def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
+    """Bytes that are not UTF-8 are a bad row, skipped and located in the launcher's check (before any process
+    group); `prepare --strict` refuses them in one line (tests/test_data.py)."""
+    from workbench.config import load_config
+    from workbench.data.loader import resolve
+    from workbench.data.prepare import Prepared
+    from workbench.train import check_inputs
+
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "data"
     data.mkdir()
-    (data / "a.txt").write_text("To be, or not to be.")  # text, so check_inputs passes ...
-    (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)  # ... and training meets this
-    proc = run_train(DENSE, "--training.dataset", str(data), "--training.holdout_docs", "0", "--training.steps", "2",
-                     "--job.dump_folder", str(tmp_path / "out"), nproc=2, check=False)
-    line = _one_line_failure(proc, 2, "workbench: config error: training.dataset:")
-    assert f"{data / 'b.txt'} is not UTF-8 text (byte 12: " in line and "iconv" in line
+    (data / "a.txt").write_text("To be, or not to be.")
+    (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)
+    check_inputs(load_config(ROOT / DENSE, ["--training.dataset", str(data), "--training.holdout_docs", "0"]))
+    m = Prepared(resolve(str(data))).manifest
+    assert (m["documents"], m["bad_rows"], m["bad_examples"]) == (1, 1, [f"{data / 'b.txt'}:1 (not UTF-8 (byte 12))"])
 
 
 @pytest.mark.parametrize("damage", ["config", "truncated"])
@@ -280,10 +286,11 @@ def test_non_positive_lr_is_refused(lr):
 
 
 @pytest.mark.parametrize("holdout", [0, 1])
-def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdout):
+def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdout, monkeypatch):
     from workbench.config import load_config
     from workbench.train import check_inputs
 
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.txt").write_text("")
@@ -300,10 +307,10 @@ def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdo
 
 
 def test_undecodable_text_names_the_file_and_offset(tmp_path):
-    from workbench.data import read_document
+    from workbench.data.prepare import prepare
 
     f = tmp_path / "latin1.txt"
     f.write_bytes("naïve café".encode("latin-1"))
     with pytest.raises(errors.DatasetError) as refused:
-        read_document(("file", f), "text")
-    assert f"{f} is not UTF-8 text (byte 2: b'\\xefve ')" in refused.value.one_line()
+        prepare(str(f), tmp_path / "p", strict=True, progress=False)
+    assert f"bad row {f}:1: not UTF-8 (byte 2) (prepare --strict)" in refused.value.one_line()

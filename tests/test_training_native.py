@@ -4,6 +4,7 @@ writes the run folder, checkpoints, and resumes exactly, including after SIGKILL
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -67,11 +68,20 @@ def test_resume_continues_exactly(uninterrupted, outdir):
     args = (*COMMON, "--job.dump_folder", str(outdir))
     run_train(DENSE, *args, "--training.steps", "5", nproc=2)
     assert (outdir / "cpu_dense" / "checkpoint" / "step-5" / ".metadata").is_file()
+    shutil.copytree(outdir / "cpu_dense", outdir / "one_rank" / "cpu_dense")
     proc = run_train(DENSE, *args, "--training.steps", "10", nproc=2)  # the same command, relaunched
     assert "steps 6-10" in proc.stdout
     resumed = losses_by_step(outdir / "cpu_dense")
     for step in range(6, 11):
         assert abs(resumed[step] - uninterrupted[step]) <= 1e-6, (step, resumed[step], uninterrupted[step])
+    # The 2-rank checkpoint resumed on 1 rank with the same global batch (local batch 2 x 2): the data position is
+    # global, so steps 6-10 see the same rows; only the order of the fp32 reductions differs.
+    proc = run_train(DENSE, *COMMON, "--job.dump_folder", str(outdir / "one_rank"), "--training.steps", "10",
+                     "--training.local_batch_size", "4", nproc=1)
+    assert "steps 6-10" in proc.stdout
+    one = losses_by_step(outdir / "one_rank" / "cpu_dense")
+    for step in range(6, 11):
+        assert abs(one[step] - uninterrupted[step]) <= 1e-4, (step, one[step], uninterrupted[step])
 
 
 def test_sigkill_loses_at_most_one_interval(uninterrupted, outdir):

@@ -19,7 +19,7 @@ key for key. State the HF format cannot hold is compared too, under the model's 
 torchtitan's aux-loss-free `expert_bias_E` buffers change routing, so a DCP checkpoint trained with
 `model.moe_load_balance_coeff > 0` and its HF export have equal weights but different logits; a side without
 such a buffer counts as zeros (routing without a bias). Logits and perplexity use the first rows of a held-out
-slice of the corpus (`workbench.data.heldout_tokens`: the last document in the fixed order); generations use the
+slice of the corpus (`workbench.data.loader.heldout_tokens`: the last document in the fixed order); generations use the
 real tokenizer (`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
 """
 
@@ -189,9 +189,12 @@ def heldout_batch(seq_len: int, rows: int, vocab_size: int, dataset: str = "shak
     Raises:
         ValueError: the held-out slice is shorter than one row.
     """
-    from workbench.data import heldout_tokens
+    from workbench.data.loader import heldout_tokens
 
-    tokens = heldout_tokens(dataset, tokenizer_path)
+    return _rows(heldout_tokens(dataset, tokenizer_path), seq_len, rows, vocab_size)
+
+
+def _rows(tokens: torch.Tensor, seq_len: int, rows: int, vocab_size: int) -> torch.Tensor:
     rows = min(rows, len(tokens) // (seq_len + 1))
     if rows < 1:
         raise ValueError(f"The held-out slice has {len(tokens)} tokens, fewer than one row of {seq_len + 1}; "
@@ -216,6 +219,22 @@ def heldout_eval(a: Loaded, b: Loaded, batch: torch.Tensor) -> dict[str, float]:
     return {"logits_max_abs_diff": diff.max().item(), "logits_mean_abs_diff": diff.mean().item(),
             "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
             "ppl_a": perplexity(la, labels), "ppl_b": perplexity(lb, labels), "tokens": labels.numel()}
+
+
+@torch.no_grad()
+def heldout_per_member(a: Loaded, b: Loaded, dataset: str, seq_len: int, rows: int) -> dict[str, float]:
+    """For a mixture `training.dataset` ("A:0.7,B:0.3"): both perplexities on each member's held-out rows, as
+    "ppl_a <member>" / "ppl_b <member>"; nothing for a single dataset."""
+    from workbench.data.loader import heldout_sets, mixture
+
+    if len(mixture(dataset)) < 2:
+        return {}
+    out = {}
+    for name, tokens in heldout_sets(dataset, a.tokenizer_path).items():
+        batch = _rows(tokens, seq_len, rows, a.vocab_size)
+        for side, m in (("a", a), ("b", b)):
+            out[f"ppl_{side} {name}"] = perplexity(m.model(batch[:, :-1]).float(), batch[:, 1:])
+    return out
 
 
 @torch.no_grad()
@@ -292,7 +311,8 @@ def compare_models(a: Loaded, b: Loaded, *, seq_len: int = 128, rows: int = 4,
     (hf_a, extra_a), (hf_b, extra_b) = comparable_state(a), comparable_state(b)
     tensors = pd.concat([tensor_diffs(hf_a, hf_b), tensor_diffs(extra_a, extra_b, hf=False)], ignore_index=True)
     batch = heldout_batch(seq_len, rows, a.vocab_size, dataset, a.tokenizer_path)
-    return Comparison(a.label, b.label, tensors, heldout_eval(a, b, batch), generations(a, b, prompts, max_new_tokens),
+    heldout = heldout_eval(a, b, batch) | heldout_per_member(a, b, dataset, seq_len, rows)
+    return Comparison(a.label, b.label, tensors, heldout, generations(a, b, prompts, max_new_tokens),
                       {"seq_len": batch.shape[1] - 1, "rows": batch.shape[0], "dataset": dataset})
 
 

@@ -233,7 +233,9 @@ class Training:
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward to save memory."""
     dataset: str = "shakespeare"
-    """'shakespeare' (bundled corpus) or a path: a .txt/.md file or folder, .jsonl, or .parquet files."""
+    """'shakespeare' (bundled corpus), a prepared folder (python -m workbench.data prepare SRC OUT), or a raw path
+    (.txt/.md files or folders, .jsonl, .parquet, a `datasets` save_to_disk folder; prepared into a cache on first
+    use); a mixture is 'A:0.7,B:0.3'."""
     dataset_text_field: str = "text"
     """Column / key holding the document text in JSONL and parquet files."""
     loss_chunks: int = 0

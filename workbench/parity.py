@@ -14,7 +14,7 @@ Given a directory written by transformers (`config.json` + `*.safetensors`), the
 
 and reports per backend: the max-abs difference of its logits from the reference's on one batch, its step-0
 loss, and the per-step loss differences after N identical training steps — same packed rows from
-`workbench.data.PackedDataset`, same seed, fp32 on CPU, AdamW with the same hyper-parameters, one process, a
+`workbench.data.loader.PackedDataset`, same seed, fp32 on CPU, AdamW with the same hyper-parameters, one process, a
 plain loop (no FSDP: sharding does not change the math and is tested by the training tests).
 
 Output: a pandas DataFrame (one row per model, reference first) and, when asked, a JSON file with the same rows
@@ -85,7 +85,7 @@ def load_hf_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def make_batches(settings: Settings, vocab_size: int) -> list[Batch]:
     """`steps` batches of packed rows (the training stream of `workbench.data`), ids folded into the vocab."""
-    from workbench.data import PackedDataset
+    from workbench.data.loader import PackedDataset
 
     rows = iter(PackedDataset(settings.dataset, "", settings.seq_len, seed=settings.seed))
     batches = []

@@ -75,23 +75,22 @@ def run(job: JobConfig, info=None) -> Path:
 def check_inputs(job: JobConfig) -> None:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts.
 
+    A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
+    under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains.
+
     Raises:
-        ConfigError: naming the bad path or setting (a DatasetError for a dataset without text).
+        ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
+    from workbench.data.loader import Stream, open_dataset
 
     try:
         data.tokenizer_dir(job.model.tokenizer_path)
-        sources = data.document_sources(job.training.dataset, job.training.dataset_text_field)
-    except (FileNotFoundError, KeyError) as e:
-        raise ConfigError(str(e).strip('"')) from None
-    if len(sources) <= job.training.holdout_docs:
-        raise ConfigError(
-            f"training.holdout_docs={job.training.holdout_docs} leaves no training documents ({len(sources)} in "
-            f"{job.training.dataset!r}); lower --training.holdout_docs."
-        )
-    data.check_has_text(sources[:len(sources) - job.training.holdout_docs], job.training.dataset,
-                        job.training.dataset_text_field)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    for name, prepared, _ in open_dataset(job.training.dataset, job.model.tokenizer_path,
+                                          job.training.dataset_text_field):
+        Stream(prepared, job.job.seed, job.training.holdout_docs, name)  # refuses a holdout that leaves nothing
 
 
 def _exit(e: WorkbenchError) -> None:

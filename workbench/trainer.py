@@ -38,6 +38,7 @@ from torchtitan.trainer import Trainer
 from workbench import data, neuron_adjustments, plan, profiling
 from workbench.checkpoint import WorkbenchCheckpointManager, newest_complete
 from workbench.config import JobConfig, resolved_dtype
+from workbench.data.loader import PackedTextDataLoader
 from workbench.dist_utils import StopRequest, broadcast
 from workbench.dist_utils import rank as _rank
 from workbench.errors import NonFiniteError, RunError, RunFolderError, StoppedError
@@ -357,7 +358,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
             disable_color_printing=True, jsonl_path=str(run_dir / "metrics.jsonl"), backend=job.model.backend,
             total_steps=job.training.steps, peak_flops=profiling.peak_flops(device_kind, dtype),
         ),
-        dataloader=data.PackedTextDataLoader.Config(
+        dataloader=PackedTextDataLoader.Config(
             dataset=job.training.dataset, text_field=job.training.dataset_text_field,
             tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
         ),

