@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.test_nki_emulator import load, raises, store
+from tests.kernels.test_nki_emulator import evict, load, raises, store
 from workbench.device import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
-from workbench.kernels.nki_emulator import conformance, counters, timing
+from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
 from workbench.kernels.nki_emulator import language as nl
 
@@ -350,19 +350,78 @@ def test_matmul_accumulate_none_opens_then_continues_a_group_and_is_transpose():
 
 
 # -- rules ------------------------------------------------------------------------------------------------------------
-def test_moving_unwritten_data_is_fine_computing_on_it_is_not():
-    def moved_then_computed(x):
-        tile = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile[:, 0:2], src=x)
-        copy = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=copy, src=tile)  # moves the unwritten half along
-        out = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=copy[:, 0:2])  # the written half is fine
-        twice = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=twice, data1=copy, data2=copy, op=nl.add)  # arithmetic on garbage
+def _padded_tokens(x):
+    """A (4, 2) token tile of which only rows 0-2 are written (row 3: padding nobody wrote), the way AWS's
+    blockwise_mm_bwd leaves a block's padding tokens."""
+    tokens = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf, name="tokens")  # [hidden, token]: stationary
+    nisa.dma_copy(dst=tokens[:, 0:3], src=x)
+    return tokens
 
-    with raises("uninitialized-read"):
-        run(moved_then_computed, rand(2, 2))
+
+def test_poison_in_discarded_padding_rows_passes():
+    # the matmul, elementwise ops and reductions all read the unwritten padding token (hardware reads whatever is
+    # there); its poison stays in its own result row, which the kernel never stores: no error, exact values
+    x, w = rand(2, 3), rand(2, 5, seed=1)
+
+    def kernel(a, b):
+        tokens = _padded_tokens(a)
+        acc = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=tokens, moving=load(b))
+        act = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=act, op=nl.silu, data=acc)
+        total = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=total, op=nl.add, data=act, axis=1)
+        scaled = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=scaled, data=act, op0=nl.multiply, operand0=total)
+        out = nl.ndarray((3, 5), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=scaled[0:3, :])  # the padding row is discarded
+        return out
+
+    h = x.T.astype(np.float64) @ w
+    silu = h / (1 + np.exp(-h))
+    np.testing.assert_allclose(run(kernel, x, w), silu * silu.sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_poison_reaching_an_output_names_its_allocation_and_line():
+    x, w = rand(2, 3), rand(2, 5, seed=1)
+
+    def matmul_row(a, b):  # the padding token's output row is stored too
+        acc = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=_padded_tokens(a), moving=load(b))
+        return evict(acc)
+
+    def moved_then_computed(a):  # moved along unwritten, then computed on, then returned
+        copy = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=copy, src=_padded_tokens(a))
+        twice = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=twice, data1=copy, data2=copy, op=nl.add)
+        return store(twice)
+
+    line = _padded_tokens.__code__.co_firstlineno + 3  # the nl.ndarray line
+    where = rf"tokens \(nl.sbuf, \(2, 4\) float32\) allocated at test_emulator_api.py:{line}"
+    with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] kernel output .* holds 5 of 20 .*{where}"):
+        run(matmul_row, x, w)
+    with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] kernel output .* holds 2 of 8 .*{where}"):
+        run(moved_then_computed, x)
+
+
+def test_poison_used_as_an_index_or_loop_bound_raises():
+    def offset_from_garbage(x):
+        rows = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="rows")
+        copy = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=copy, src=rows)  # the unwritten offset moves along
+        tile = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x.ap(pattern=[[4, 1], [1, 4]], scalar_offset=copy))
+
+    def bound_from_garbage(x):
+        count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="count")
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, count)
+
+    for kernel, name in ((offset_from_garbage, "rows"), (bound_from_garbage, "count")):
+        with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] .* index, offset or loop bound .*{name} "
+                           r"\(nl.sbuf"):
+            run(kernel, rand(4, 4))
 
 
 def test_partition_int_index_moves_by_dma_but_not_into_an_engine():

@@ -3,8 +3,11 @@
 Everything is stored in torch CPU tensors of the declared dtype, so a bfloat16 tile really holds bfloat16 values
 (every store rounds to nearest-even through `Tensor.copy_`). Each storage also carries an "initialised" mask:
 NKI allocations are not initialised ("note that memory allocation does not initialize",
-https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html), so reading an element
-that no instruction wrote raises instead of silently returning garbage.
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html). An element no
+instruction wrote is *poison*: hardware reads whatever is there, so reading it is not an error; every result it
+contributes to is poison too (`read_data` gives the mask, each instruction propagates it), and only poison that
+reaches a kernel output or a value used as an index, offset or loop bound raises `uninitialized-read`, naming
+the allocation it came from and the line that allocated it.
 
 On-chip capacity is tracked per kernel call: a storage counts while any view of it is alive (CPython
 reference counting frees it deterministically when the kernel drops its last reference).
@@ -156,12 +159,16 @@ class _Budget:
 class _Storage:
     """One allocation: the values, an initialised mask, and (PSUM) a mask of elements last written by nc_matmul."""
 
-    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "__weakref__")
+    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "poison_from", "__weakref__")
 
     def __init__(self, data: torch.Tensor, buffer: Buffer, name: str, initialised: bool):
         self.data = data
         self.buffer = buffer
         self.name = name
+        # the allocations (name, memory, allocating line) whose unwritten elements this storage may hold as poison
+        self.poison_from: list[str] = [] if initialised else [
+            f"{name or 'unnamed'} ({buffer}, {tuple(data.shape)} {str(data.dtype).removeprefix('torch.')}) "
+            f"allocated at {_runtime.call_site()}"]
         # owner core of private memories (SBUF, PSUM, nl.hbm); None for shared HBM (kernel args, nl.shared_hbm)
         launch = _runtime.current()
         self.shared = buffer is SHARED_HBM or launch is None
@@ -343,16 +350,24 @@ class Tensor:
             launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
+        """The values, for a use that cannot carry poison (an index, offset, register or loop bound): an unwritten
+        element raises `uninitialized-read`."""
         self._access("r")
         if not bool(self._init.all()):
-            _uninitialized(self._storage, f"{self} is read before every element was written (NKI allocations are "
-                           "not initialised)")
+            _uninitialized(self._storage, f"{self} is used as an index, offset or loop bound before every element "
+                           "was written (NKI allocations are not initialised)")
         return self._data.clone()
+
+    def read_data(self):
+        """(values, poison mask or None when every element was written) for an instruction computing on them."""
+        self._access("r")
+        return self._data.clone(), _poison(self._storage, self._init)
 
     def read_moved(self):
         """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
         arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
+        _poison(self._storage, self._init)
         return self._data.clone(), self._init.clone()
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, init=None) -> None:
@@ -364,6 +379,7 @@ class Tensor:
             value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
         value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
         written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
+        _taint(self._storage, written)
         if keep is None:
             self._data.copy_(value)
             self._init.copy_(written)
@@ -499,19 +515,25 @@ class AccessPattern:
             launch.record(self.root._storage, kind, int(start), self.pattern, outer)
         return flat, keep
 
-    def read(self, skip: bool = False):
-        """The viewed values; with skip=True also the mask of elements actually transferred (else None)."""
-        flat, keep = self._flat_index("r", skip)
-        init = self.root._storage.init.reshape(-1)[flat]
-        if not bool((init if keep is None else init | ~keep).all()):
-            _uninitialized(self.root._storage, f"{self} reads elements never written")
-        value = self.root._storage.data.reshape(-1)[flat].clone()
-        return (value, keep) if skip else value
+    def read(self):
+        """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read`."""
+        flat, _ = self._flat_index("r")
+        if not bool(self.root._storage.init.reshape(-1)[flat].all()):
+            _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "
+                           "written")
+        return self.root._storage.data.reshape(-1)[flat].clone()
+
+    def read_data(self):
+        """(values, poison mask or None) for an instruction computing on them (see Tensor.read_data)."""
+        flat, _ = self._flat_index("r")
+        return self.root._storage.data.reshape(-1)[flat].clone(), _poison(self.root._storage,
+                                                                         self.root._storage.init.reshape(-1)[flat])
 
     def read_moved(self, skip: bool = False):
         """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
         flat, keep = self._flat_index("r", skip)
         init = self.root._storage.init.reshape(-1)[flat]
+        _poison(self.root._storage, init if keep is None else init | ~keep)
         return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
@@ -525,6 +547,7 @@ class AccessPattern:
         value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
+        _taint(storage, written)
         _bits(storage.data).view(-1)[flat] = _bits(value)
         storage.init.view(-1)[flat] = written
         if storage.mm is not None:
@@ -550,6 +573,34 @@ def _check_owner(storage: _Storage) -> None:
                         "(and nl.hbm is private); exchange data through nl.shared_hbm and a core_barrier", URL_LNC)
 
 
+def _poison(storage: _Storage, init: torch.Tensor):
+    """The poison mask of elements `init` of `storage` that an instruction reads (None when all were written);
+    the instruction's writes then record the storage's poison sources as theirs (`_taint`)."""
+    if bool(init.all()):
+        return None
+    launch = _runtime.current()
+    if launch is not None:
+        launch.taint.extend(s for s in storage.poison_from if s not in launch.taint)
+    return ~init
+
+
+def _taint(storage: _Storage, written: torch.Tensor) -> None:
+    """A write that stores poison (`written` False somewhere) makes the running instruction's poison sources this
+    storage's too; every write ends the instruction's reading, so the sources are cleared."""
+    launch = _runtime.current()
+    if launch is None:
+        return
+    if launch.taint and not bool(written.all()):
+        storage.poison_from.extend(s for s in launch.taint if s not in storage.poison_from)
+    launch.taint.clear()
+
+
+def poison_report(storage: _Storage) -> str:
+    """Where the poison in `storage` came from, for an `uninitialized-read` message."""
+    sources = storage.poison_from or ["an unknown allocation"]
+    return "poison (never written, or computed from elements never written) from " + "; ".join(sources)
+
+
 def _uninitialized(storage: _Storage, detail: str) -> None:
     """Raise `uninitialized-read`, or under LNC > 1 on shared HBM defer it to the next barrier.
 
@@ -559,6 +610,7 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
     anything else fail).
     """
     launch = _runtime.current()
+    detail = f"{detail}: {poison_report(storage)}"
     error = violation("uninitialized-read", detail, URL_TILING)
     if launch is None or launch.lnc == 1 or not storage.shared:
         raise error
@@ -686,7 +738,9 @@ def _to_output(t: Any, as_torch: bool):
                         f"HBM, visible to every core of the LNC), got {t!r}", URL_MEMORY)
     value = t._data.clone()
     if not bool(t._init.all()):
-        raise violation("uninitialized-read", f"kernel output {t} is returned before every element was written",
+        bad = int((~t._init).sum())
+        raise violation("uninitialized-read", f"kernel output {t} holds {bad} of {t._init.numel()} elements that are "
+                        f"{poison_report(t._storage)}; write every output element (padding rows included)",
                         URL_TILING)
     if as_torch:
         return value
