@@ -139,7 +139,9 @@ class _Budget:
                     live -= heapq.heappop(ends)[1]
                 live += t[1]
                 heapq.heappush(ends, (max(t[3], start), t[1]))
-                if t[8] is not None:
+                if t[8] is not None and t[3] > t[2]:  # a placed tile no instruction uses touches no address:
+                    # nki-library's allocator opens a scope, reserves tiles it never uses, closes it and places the
+                    # next tile on the same bytes, all between two instructions
                     placed = [p for p in placed if p[0] >= start]
                     _check_overlap(t, placed, kind)
                     placed.append((max(t[3], start), t[8], t[4], t[5]))
@@ -159,16 +161,21 @@ class _Budget:
 class _Storage:
     """One allocation: the values, an initialised mask, and (PSUM) a mask of elements last written by nc_matmul."""
 
-    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "poison_from", "__weakref__")
+    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "origin", "poison_from", "derived",
+                 "__weakref__")
 
     def __init__(self, data: torch.Tensor, buffer: Buffer, name: str, initialised: bool):
         self.data = data
         self.buffer = buffer
         self.name = name
-        # the allocations (name, memory, allocating line) whose unwritten elements this storage may hold as poison
-        self.poison_from: list[str] = [] if initialised else [
+        # Poison bookkeeping: `origin` names this allocation and its line (its never-written elements are poison
+        # from it); `derived` (made at the first poisoned write) marks elements an instruction wrote as poison, and
+        # `poison_from` the allocations that poison came from. Only poison paths pay for it.
+        self.origin = None if initialised else (
             f"{name or 'unnamed'} ({buffer}, {tuple(data.shape)} {str(data.dtype).removeprefix('torch.')}) "
-            f"allocated at {_runtime.call_site()}"]
+            f"allocated at {_runtime.call_site()}")
+        self.poison_from: list[str] = []
+        self.derived: torch.Tensor | None = None
         # owner core of private memories (SBUF, PSUM, nl.hbm); None for shared HBM (kernel args, nl.shared_hbm)
         launch = _runtime.current()
         self.shared = buffer is SHARED_HBM or launch is None
@@ -355,20 +362,24 @@ class Tensor:
         self._access("r")
         if not bool(self._init.all()):
             _uninitialized(self._storage, f"{self} is used as an index, offset or loop bound before every element "
-                           "was written (NKI allocations are not initialised)")
+                           "was written (NKI allocations are not initialised)", ~self._init, self._derived)
         return self._data.clone()
 
     def read_data(self):
         """(values, poison mask or None when every element was written) for an instruction computing on them."""
         self._access("r")
-        return self._data.clone(), _poison(self._storage, self._init)
+        return self._data.clone(), _poison(self._storage, self._init, self._derived)
 
     def read_moved(self):
         """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
         arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
-        _poison(self._storage, self._init)
+        _poison(self._storage, self._init, self._derived)
         return self._data.clone(), self._init.clone()
+
+    def _derived(self, derived: torch.Tensor) -> torch.Tensor:
+        """This view of the storage's `derived` mask (laid out like `init`)."""
+        return derived.as_strided(self._init.size(), self._init.stride(), self._init.storage_offset())
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, init=None) -> None:
         """Store `value` (cast to the dtype); `keep` (oob_mode.skip) limits which elements are written, `init`
@@ -379,14 +390,17 @@ class Tensor:
             value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
         value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
         written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
-        _taint(self._storage, written)
+        derived = _taint(self._storage, written)
+        keep = None if keep is None else keep.reshape(self.shape)  # oob_mode.skip: skipped elements keep their value
+        if derived is not None:
+            view = self._derived(derived)
+            view.copy_(~written if keep is None else torch.where(keep, ~written, view))
         if keep is None:
             self._data.copy_(value)
             self._init.copy_(written)
             if self._mm is not None:
                 self._mm.fill_(by_matmul)
             return
-        keep = keep.reshape(self.shape)  # oob_mode.skip: elements whose transfer was skipped keep their value
         self._data.copy_(torch.where(keep, value, self._data))
         self._init.copy_(torch.where(keep, written, self._init))
         if self._mm is not None:
@@ -518,22 +532,24 @@ class AccessPattern:
     def read(self):
         """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read`."""
         flat, _ = self._flat_index("r")
-        if not bool(self.root._storage.init.reshape(-1)[flat].all()):
+        init = self.root._storage.init.reshape(-1)[flat]
+        if not bool(init.all()):
             _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "
-                           "written")
+                           "written", ~init, lambda d: d.reshape(-1)[flat])
         return self.root._storage.data.reshape(-1)[flat].clone()
 
     def read_data(self):
         """(values, poison mask or None) for an instruction computing on them (see Tensor.read_data)."""
         flat, _ = self._flat_index("r")
-        return self.root._storage.data.reshape(-1)[flat].clone(), _poison(self.root._storage,
-                                                                         self.root._storage.init.reshape(-1)[flat])
+        storage = self.root._storage
+        return storage.data.reshape(-1)[flat].clone(), _poison(storage, storage.init.reshape(-1)[flat],
+                                                               lambda d: d.reshape(-1)[flat])
 
     def read_moved(self, skip: bool = False):
         """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
         flat, keep = self._flat_index("r", skip)
         init = self.root._storage.init.reshape(-1)[flat]
-        _poison(self.root._storage, init if keep is None else init | ~keep)
+        _poison(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
         return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
@@ -547,7 +563,9 @@ class AccessPattern:
         value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
-        _taint(storage, written)
+        derived = _taint(storage, written)
+        if derived is not None:
+            derived.view(-1)[flat] = ~written
         _bits(storage.data).view(-1)[flat] = _bits(value)
         storage.init.view(-1)[flat] = written
         if storage.mm is not None:
@@ -573,35 +591,53 @@ def _check_owner(storage: _Storage) -> None:
                         "(and nl.hbm is private); exchange data through nl.shared_hbm and a core_barrier", URL_LNC)
 
 
-def _poison(storage: _Storage, init: torch.Tensor):
-    """The poison mask of elements `init` of `storage` that an instruction reads (None when all were written);
-    the instruction's writes then record the storage's poison sources as theirs (`_taint`)."""
+def _poison(storage: _Storage, init: torch.Tensor, derived_at):
+    """The poison mask of elements `init` of `storage` that an instruction reads (None when all were written).
+
+    Records where that poison came from for the instruction's writes (`_taint`): the storage's own allocation for
+    elements never written, its `poison_from` for elements an instruction wrote as poison (`derived_at(mask)`
+    selects the read elements of a storage-shaped mask)."""
     if bool(init.all()):
         return None
+    poison = ~init
     launch = _runtime.current()
     if launch is not None:
-        launch.taint.extend(s for s in storage.poison_from if s not in launch.taint)
-    return ~init
+        launch.taint.extend(s for s in _sources(storage, poison, derived_at) if s not in launch.taint)
+    return poison
 
 
-def _taint(storage: _Storage, written: torch.Tensor) -> None:
-    """A write that stores poison (`written` False somewhere) makes the running instruction's poison sources this
-    storage's too; every write ends the instruction's reading, so the sources are cleared."""
+def _sources(storage: _Storage, poison: torch.Tensor, derived_at=None) -> list[str]:
+    """The allocations the `poison` elements of `storage` came from."""
+    derived = None if storage.derived is None else (derived_at(storage.derived) if derived_at else storage.derived)
+    own = derived is None or bool((poison & ~derived).any())
+    via = derived is not None and bool((poison & derived).any())
+    return ([storage.origin] if own and storage.origin else []) + (storage.poison_from if via else [])
+
+
+def _taint(storage: _Storage, written: torch.Tensor):
+    """Record a write into `storage`: where it stores poison (`written` False) the running instruction's poison
+    sources become the storage's; returns the storage's `derived` mask for the caller to update at the written
+    elements (None while no poison was ever written there). Every write ends the instruction's reading, so the
+    instruction's sources are cleared."""
     launch = _runtime.current()
     if launch is None:
-        return
-    if launch.taint and not bool(written.all()):
+        return storage.derived
+    if not bool(written.all()):
         storage.poison_from.extend(s for s in launch.taint if s not in storage.poison_from)
+        if storage.derived is None:
+            storage.derived = torch.zeros(storage.init.shape, dtype=torch.bool)
     launch.taint.clear()
+    return storage.derived
 
 
-def poison_report(storage: _Storage) -> str:
-    """Where the poison in `storage` came from, for an `uninitialized-read` message."""
-    sources = storage.poison_from or ["an unknown allocation"]
+def poison_report(storage: _Storage, poison: torch.Tensor | None = None, derived_at=None) -> str:
+    """Where the poison in `storage` (the elements `poison`, default all) came from, for `uninitialized-read`."""
+    poison = ~storage.init if poison is None else poison
+    sources = _sources(storage, poison, derived_at) or ["an unknown allocation"]
     return "poison (never written, or computed from elements never written) from " + "; ".join(sources)
 
 
-def _uninitialized(storage: _Storage, detail: str) -> None:
+def _uninitialized(storage: _Storage, detail: str, poison: torch.Tensor, derived_at) -> None:
     """Raise `uninitialized-read`, or under LNC > 1 on shared HBM defer it to the next barrier.
 
     Cores run one at a time, so reading what the other core writes later in the same epoch finds it unwritten
@@ -610,7 +646,7 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
     anything else fail).
     """
     launch = _runtime.current()
-    detail = f"{detail}: {poison_report(storage)}"
+    detail = f"{detail}: {poison_report(storage, poison, derived_at)}"
     error = violation("uninitialized-read", detail, URL_TILING)
     if launch is None or launch.lnc == 1 or not storage.shared:
         raise error
@@ -740,7 +776,8 @@ def _to_output(t: Any, as_torch: bool):
     if not bool(t._init.all()):
         bad = int((~t._init).sum())
         raise violation("uninitialized-read", f"kernel output {t} holds {bad} of {t._init.numel()} elements that are "
-                        f"{poison_report(t._storage)}; write every output element (padding rows included)",
+                        f"{poison_report(t._storage, ~t._init, t._derived)}; write every output element (padding "
+                        "rows included)",
                         URL_TILING)
     if as_torch:
         return value

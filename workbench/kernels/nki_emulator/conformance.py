@@ -264,8 +264,10 @@ def _blockwise_mm_bwd(lib: Path, lnc: int, hidden=1024, tokens=512, expert=2, bl
 
 
 case("moe_bwd/blockwise_mm_bwd")(lambda lib: _blockwise_mm_bwd(lib, 2))
-case("moe_bwd/blockwise_mm_bwd_small_T", "blockwise_mm_bwd")(
+case("moe_bwd/blockwise_mm_bwd T 8 B 128", "blockwise_mm_bwd")(
     lambda lib: _blockwise_mm_bwd(lib, 2, hidden=256, tokens=8, expert=2, block=128, top_k=2, inter=128))
+case("moe_bwd/blockwise_mm_bwd T 8 B 256", "blockwise_mm_bwd")(
+    lambda lib: _blockwise_mm_bwd(lib, 2, hidden=256, tokens=8, expert=2, block=256, top_k=2, inter=128))
 
 
 def run_pair(kernel, reference, inputs: dict, lnc: int, bf16_keys=(), preserve_lower_precision=False):

@@ -204,11 +204,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             return
         (s, s_poison), (mv, m_poison) = _data(stationary), _data(moving)
         result = s.T @ mv
-        # out[i, j] = sum_k s[k, i] * mv[k, j]: a poison element of stationary column i poisons output row i, one of
-        # moving column j output column j (padding rows of a token tile stay in the padding rows of the result)
-        poison = None if s_poison is None and m_poison is None else (
-            (torch.zeros(m, dtype=torch.bool) if s_poison is None else s_poison.reshape(k_s, m).any(0))[:, None]
-            | (torch.zeros(n, dtype=torch.bool) if m_poison is None else m_poison.reshape(k_m, n).any(0))[None, :])
+        poison = None if s_poison is None and m_poison is None else _matmul_poison(s, s_poison, mv, m_poison)
         # accumulate=None (NKI 0.3 has no such parameter; 0.4+ default): continue the accumulation group when
         # every dst element was last written by nc_matmul, else open one (overwrite). Interpretation: nki-library's
         # kernels accumulate over H tiles into freshly allocated PSUM with no accumulate argument.
@@ -224,6 +220,20 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         current().stats.pe_flops += 2 * k_s * m * n
 
     emit("tensor", op, run, matmul_work(stationary, moving))
+
+
+def _matmul_poison(s, s_poison, mv, m_poison) -> torch.Tensor:
+    """Which elements of out = s.T @ mv are poison: out[i, j] = sum_k s[k, i] * mv[k, j], so a poison s[k, i]
+    poisons out[i, j] unless mv[k, j] is an exact (written) zero, and likewise for a poison mv[k, j]. So the padding
+    columns of a token tile stay in the padding rows of the result, and a transpose by a matmul against an identity
+    moves poison only where it moves the element. Assumption, stated in docs/nki_emulator.md: what unwritten memory
+    holds is finite (stale data), so garbage times an exact zero is zero, as on hardware unless it happens to hold
+    a NaN/Inf bit pattern."""
+    zero = torch.zeros((), dtype=torch.bool)
+    s_poison = zero.expand(s.shape) if s_poison is None else s_poison.reshape(s.shape)
+    m_poison = zero.expand(mv.shape) if m_poison is None else m_poison.reshape(mv.shape)
+    live_s, live_m = ((s != 0) | s_poison).float(), ((mv != 0) | m_poison).float()  # may contribute a nonzero
+    return (s_poison.float().T @ live_m + live_s.T @ m_poison.float()) > 0
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
