@@ -229,7 +229,9 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tens
                                 "in the same order on every core", URL_MEMORY)
             return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
     fill = float("nan") if dtype in FLOAT_DTYPES else False if dtype is torch.bool else torch.iinfo(dtype).min
-    storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
+    data = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype) if dtype is dtypes.E4M3 else \
+        torch.full(shape, fill, dtype=dtype)  # e4m3: its NaN pattern
+    storage = _Storage(data, buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
     if not buffer.on_chip:
@@ -256,6 +258,10 @@ def _placement(shape, dtype, buffer: Buffer, address) -> tuple[int, int, int, in
 
 def _from_array(value, buffer: Buffer, name: str) -> Tensor:
     data = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
+    if data.dtype is dtypes.E4M3:
+        raise NotImplementedError(f"kernel argument {name} is a torch float8_e4m3fnuz tensor: the emulator stores "
+                                  "nl.float8_e4m3 (IEEE e4m3, max 240) in that torch type as IEEE bit patterns, so "
+                                  "fnuz values would be misread; pass float32/bfloat16 and cast in the kernel")
     if data.dtype not in dtypes.STORED:
         hint = " (cast index tensors to int32)" if data.dtype == torch.int64 else ""
         raise NotImplementedError(f"kernel argument {name} has dtype {data.dtype}; emulated: {dtypes.STORED}{hint}")
@@ -363,19 +369,19 @@ class Tensor:
         if not bool(self._init.all()):
             _uninitialized(self._storage, f"{self} is used as an index, offset or loop bound before every element "
                            "was written (NKI allocations are not initialised)", ~self._init, self._derived)
-        return self._data.clone()
+        return dtypes.values(self._data.clone())
 
     def read_data(self):
         """(values, poison mask or None when every element was written) for an instruction computing on them."""
         self._access("r")
-        return self._data.clone(), _poison(self._storage, self._init, self._derived)
+        return dtypes.values(self._data.clone()), _poison(self._storage, self._init, self._derived)
 
     def read_moved(self):
         """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
         arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
         _poison(self._storage, self._init, self._derived)
-        return self._data.clone(), self._init.clone()
+        return dtypes.values(self._data.clone()), self._init.clone()
 
     def _derived(self, derived: torch.Tensor) -> torch.Tensor:
         """This view of the storage's `derived` mask (laid out like `init`)."""
@@ -401,7 +407,7 @@ class Tensor:
             if self._mm is not None:
                 self._mm.fill_(by_matmul)
             return
-        self._data.copy_(torch.where(keep, value, self._data))
+        _bits(self._data).copy_(torch.where(keep, _bits(value), _bits(self._data)))
         self._init.copy_(torch.where(keep, written, self._init))
         if self._mm is not None:
             self._mm.copy_(torch.where(keep, by_matmul, self._mm))
@@ -536,13 +542,13 @@ class AccessPattern:
         if not bool(init.all()):
             _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "
                            "written", ~init, lambda d: d.reshape(-1)[flat])
-        return self.root._storage.data.reshape(-1)[flat].clone()
+        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone())
 
     def read_data(self):
         """(values, poison mask or None) for an instruction computing on them (see Tensor.read_data)."""
         flat, _ = self._flat_index("r")
         storage = self.root._storage
-        return storage.data.reshape(-1)[flat].clone(), _poison(storage, storage.init.reshape(-1)[flat],
+        return dtypes.values(storage.data.reshape(-1)[flat].clone()), _poison(storage, storage.init.reshape(-1)[flat],
                                                                lambda d: d.reshape(-1)[flat])
 
     def read_moved(self, skip: bool = False):
@@ -550,7 +556,7 @@ class AccessPattern:
         flat, keep = self._flat_index("r", skip)
         init = self.root._storage.init.reshape(-1)[flat]
         _poison(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
-        return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
+        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone()), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
         flat, own = self._flat_index("w", skip)
@@ -574,11 +580,13 @@ class AccessPattern:
 
 View = (Tensor, AccessPattern)
 
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, dtypes.E4M3: torch.uint8,
+           torch.float8_e5m2: torch.uint8, torch.float8_e4m3fn: torch.uint8}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same bits under a dtype torch can scatter into (torch has no index_put for uint16/uint32)."""
+    """The same bits under a dtype torch can scatter into and select from (no index_put for uint16/uint32; the
+    float8 types are moved as bytes)."""
     return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
 
 
@@ -772,7 +780,7 @@ def _to_output(t: Any, as_torch: bool):
     if not isinstance(t, Tensor) or t.buffer is not SHARED_HBM:
         raise violation("kernel-output", f"kernels return tensors allocated in nl.shared_hbm (outputs live in shared "
                         f"HBM, visible to every core of the LNC), got {t!r}", URL_MEMORY)
-    value = t._data.clone()
+    value = dtypes.values(t._data.clone())  # float8_e4m3 outputs come back as their float32 values
     if not bool(t._init.all()):
         bad = int((~t._init).sum())
         raise violation("uninitialized-read", f"kernel output {t} holds {bad} of {t._init.numel()} elements that are "

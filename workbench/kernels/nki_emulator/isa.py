@@ -595,7 +595,8 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engin
         old, old_init, _ = _read_moved(dst)  # elements not taken keep dst's value, poison or not
         poison = torch.where(take, False if s_poison is None else s_poison.reshape(dst.shape),
                              ~old_init.reshape(dst.shape))
-        dst.write(torch.where(take, value.reshape(dst.shape).to(dst.dtype), old.reshape(dst.shape)),
+        dst.write(torch.where(take, dtypes.values(dtypes.cast(value.reshape(dst.shape), dst.dtype)).to(old.dtype),
+                              old.reshape(dst.shape)),
                   init=_clean(dst, None if p_poison is None else p_poison.reshape(dst.shape) | poison,
                               poison if bool(poison.any()) else None))
 
