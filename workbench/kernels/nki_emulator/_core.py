@@ -380,7 +380,7 @@ class Tensor:
         """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
         arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
-        _poison(self._storage, self._init, self._derived)
+        _moved(self._storage, self._init, self._derived)
         return dtypes.values(self._data.clone()), self._init.clone()
 
     def _derived(self, derived: torch.Tensor) -> torch.Tensor:
@@ -396,7 +396,7 @@ class Tensor:
             value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
         value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
         written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
-        derived = _taint(self._storage, written)
+        derived = _taint(self._storage, None if init is None else written)
         keep = None if keep is None else keep.reshape(self.shape)  # oob_mode.skip: skipped elements keep their value
         if derived is not None:
             view = self._derived(derived)
@@ -555,7 +555,7 @@ class AccessPattern:
         """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
         flat, keep = self._flat_index("r", skip)
         init = self.root._storage.init.reshape(-1)[flat]
-        _poison(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
+        _moved(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
         return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone()), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
@@ -569,7 +569,7 @@ class AccessPattern:
         value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
-        derived = _taint(storage, written)
+        derived = _taint(storage, None if init is None else written)
         if derived is not None:
             derived.view(-1)[flat] = ~written
         _bits(storage.data).view(-1)[flat] = _bits(value)
@@ -614,6 +614,14 @@ def _poison(storage: _Storage, init: torch.Tensor, derived_at):
     return poison
 
 
+def _moved(storage: _Storage, init: torch.Tensor, derived_at) -> None:
+    """A data movement reads elements `init` of `storage`: where it moves poison, its write finds out (the moved
+    written-mask) and only then are the sources looked up (`_taint`), so a clean movement costs no extra check."""
+    launch = _runtime.current()
+    if launch is not None:
+        launch.moved.append((storage, init, derived_at))
+
+
 def _sources(storage: _Storage, poison: torch.Tensor, derived_at=None) -> list[str]:
     """The allocations the `poison` elements of `storage` came from."""
     derived = None if storage.derived is None else (derived_at(storage.derived) if derived_at else storage.derived)
@@ -622,19 +630,23 @@ def _sources(storage: _Storage, poison: torch.Tensor, derived_at=None) -> list[s
     return ([storage.origin] if own and storage.origin else []) + (storage.poison_from if via else [])
 
 
-def _taint(storage: _Storage, written: torch.Tensor):
-    """Record a write into `storage`: where it stores poison (`written` False) the running instruction's poison
-    sources become the storage's; returns the storage's `derived` mask for the caller to update at the written
-    elements (None while no poison was ever written there). Every write ends the instruction's reading, so the
-    instruction's sources are cleared."""
+def _taint(storage: _Storage, written: torch.Tensor | None):
+    """Record a write into `storage`: where it stores poison (`written` False; None: a write of computed values
+    with no poison) the running instruction's poison sources become the storage's. Returns the storage's `derived`
+    mask for the caller to update at the written elements (None while no poison was ever written there). Every
+    write ends the instruction's reading, so the instruction's sources are cleared."""
     launch = _runtime.current()
     if launch is None:
         return storage.derived
-    if not bool(written.all()):
+    if written is not None and not bool(written.all()):
+        for source, init, derived_at in launch.moved:
+            if not bool(init.all()):
+                launch.taint.extend(s for s in _sources(source, ~init, derived_at) if s not in launch.taint)
         storage.poison_from.extend(s for s in launch.taint if s not in storage.poison_from)
         if storage.derived is None:
             storage.derived = torch.zeros(storage.init.shape, dtype=torch.bool)
     launch.taint.clear()
+    launch.moved.clear()
     return storage.derived
 
 
