@@ -219,7 +219,8 @@ def test_python_row_at_the_support_matrix_bounds(monkeypatch, py, status):
     monkeypatch.setattr(sys, "version_info", version_info(*py, 0, "final", 0))
     got = _rows(doctor.software_checks(False))["python"]
     assert got == (status, f"{py[0]}.{py[1]}", "" if status == "ok" else
-                   "use Python 3.12-3.14 (Neuron 2.33 TorchNeuron release notes (support matrix))")
+                   "use Python 3.12-3.14 (TorchNeuron release notes of Neuron 2.33.0 and "
+                   "2.34.0 (support matrix))")
 
 
 def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):
