@@ -71,12 +71,12 @@ def test_trn2_host_without_torch_neuronx_fails_with_fix(tmp_path):
     assert t["memory per rank"] == ("ok", "24 GiB HBM")
 
 
-@pytest.mark.parametrize("version, status", [("2.14.3.0.1234", "ok"), ("2.13.3.0.1234", "fail")])
+@pytest.mark.parametrize("version, status", [("2.14.3.1.52", "ok"), ("2.13.3.0.1234", "fail")])
 def test_torch_neuronx_version_against_the_support_matrix(tmp_path, version, status):
     site = fake_dist(tmp_path, "torch-neuronx", version)
     proc = doctor(dev_dir=trn2_host(tmp_path), extra_path=site, NEURON_LOGICAL_NC_CONFIG="2")
     t = rows(proc.stdout)
-    assert t["torch-neuronx"] == (status, version if status == "ok" else t["torch-neuronx"][1])
+    assert t["torch-neuronx"] == (status, f"{version} (Neuron SDK 2.34)" if status == "ok" else t["torch-neuronx"][1])
     if status == "fail":
         assert "2.14.3.* family" in t["torch-neuronx"][1]
 
@@ -161,15 +161,21 @@ def test_nki_row_not_installed(on_neuron, status):
     assert ("AWS's Neuron package index" in c.fix) == on_neuron and ("CPU emulator" in c.fix) != on_neuron
 
 
-@pytest.mark.parametrize("version, status", [("2.14.0.0.1", "ok"), ("2.14.3.0.1234", "ok"), ("2.14", "fail"),
-                                             ("2.13.9", "fail"), ("2.15.0", "fail"), ("2.1.4", "fail")])
-def test_torch_neuronx_row_at_the_boundary_versions(monkeypatch, tmp_path, version, status):
+@pytest.mark.parametrize("version, status, sdk", [
+    ("2.14.3.0.1234", "ok", "2.33"), ("2.14.3.1.52", "ok", "2.34"),  # the matrix: SDK 2.33 and 2.34 families
+    ("2.14.3.1", "ok", "2.34"), ("2.14.0.0.1", "warn", None), ("2.14.3.2.1", "warn", None),  # 2.14, not in it
+    ("2.14", "fail", None), ("2.13.9", "fail", None), ("2.13.3.1.52", "fail", None),  # 2.34's PyTorch 2.13 family
+    ("2.15.0", "fail", None), ("2.1.4", "fail", None)])
+def test_torch_neuronx_row_at_the_boundary_versions(monkeypatch, tmp_path, version, status, sdk):
     from workbench import doctor
 
     _installed(monkeypatch, tmp_path, torch_neuronx=version)
     for on_neuron in (True, False):  # an installed torch-neuronx is judged the same on any host
         got = _rows(doctor.software_checks(on_neuron))["torch-neuronx"]
-        assert got[:2] == (status, version) and ("2.14.3.* family" in got[2]) == (status == "fail")
+        assert got[:2] == (status, f"{version} (Neuron SDK {sdk})" if sdk else version)
+        assert ("2.14.3.* family" in got[2]) == (status == "fail")
+        assert ("not checked against (known: 2.14.3.0.* (SDK 2.33), 2.14.3.1.* (SDK 2.34))" in got[2]) == (
+            status == "warn")
 
 
 @pytest.mark.parametrize("on_neuron, status", [(True, "fail"), (False, "ok")])
@@ -213,7 +219,8 @@ def test_python_row_at_the_support_matrix_bounds(monkeypatch, py, status):
     monkeypatch.setattr(sys, "version_info", version_info(*py, 0, "final", 0))
     got = _rows(doctor.software_checks(False))["python"]
     assert got == (status, f"{py[0]}.{py[1]}", "" if status == "ok" else
-                   "use Python 3.12-3.14 (Neuron 2.33 TorchNeuron release notes (support matrix))")
+                   "use Python 3.12-3.14 (TorchNeuron release notes of Neuron 2.33.0 and "
+                   "2.34.0 (support matrix))")
 
 
 def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):

@@ -259,6 +259,46 @@ def test_first_launch_check_skips_a_device_without_allocator_statistics(capsys):
     assert not model._forward_pre_hooks and not trainer.optimizers._optimizer_step_post_hooks
 
 
+def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_device():
+    """SDK 2.34: torch.accelerator's memory functions work on Neuron, so the check reads them there; where the current
+    accelerator is another device (or none), torch.<kind> (torch.neuron on SDK 2.33) as before. A stand-in `torch`
+    namespace (no neuron device here) whose accelerator keeps real byte counts: the window's peak is what it holds."""
+    from types import SimpleNamespace
+
+    class Accelerator:  # torch.accelerator's ALLOCATOR_API, counting the bytes "allocated" since the last reset
+        def __init__(self, kind):
+            self.kind, self.peak, self.calls = kind, 0, []
+
+        def is_available(self):
+            return True
+
+        def current_accelerator(self):
+            return SimpleNamespace(type=self.kind)
+
+        def synchronize(self):
+            self.calls.append("synchronize")
+
+        def reset_peak_memory_stats(self):
+            self.calls.append("reset")
+            self.peak = 0
+
+        def max_memory_allocated(self):
+            return self.peak
+
+    neuron_module = SimpleNamespace()  # SDK 2.33's torch.neuron without allocator statistics
+    for current, module, name in (("neuron", "accelerator", "torch.accelerator"), ("cuda", "neuron", "torch.neuron")):
+        fake = SimpleNamespace(accelerator=Accelerator(current), neuron=neuron_module)
+        meter = plan.AllocatorPeak("neuron", [], None, torch_module=fake)
+        assert meter.module is getattr(fake, module) and meter.name == name
+        assert meter.source == f"{name}.max_memory_allocated() after {name}.synchronize()"
+    meter = plan.AllocatorPeak("neuron", [], None, torch_module=SimpleNamespace(accelerator=Accelerator("neuron")))
+    meter.start()
+    meter.module.peak = 3 * GiB  # what the device allocator saw during the window
+    assert meter.stop() == 3 * GiB and meter.module.calls == ["synchronize", "reset", "synchronize"]
+    # this host: torch.accelerator has no device, so cpu keeps its own path and neuron finds no torch.neuron
+    assert plan.allocator_module("cpu") == (None, "") and plan.allocator_module("neuron") == (None, "torch.neuron")
+
+
 def test_memory_measure_takes_only_its_values(capsys):
     assert plan.main(["--job.memory_measure", "sometimes", *TINY]) == 2
     assert "job.memory_measure" in capsys.readouterr().err

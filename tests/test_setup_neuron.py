@@ -61,10 +61,11 @@ def test_setup_neuron_refuses_without_torch(tmp_path):
 
 def test_setup_neuron_checks_the_nki_the_kernels_are_written_for(tmp_path):
     """The check table setup-neuron prints before installing has the nki row: an NKI older than 0.7 warns (and
-    does not stop the install)."""
-    site = tmp_path / "site" / "nki-0.6.0.dist-info"
-    site.mkdir(parents=True)
-    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: nki\nVersion: 0.6.0\n")
+    does not stop the install); an SDK 2.34 torch-neuronx (2.14.3.1.*) is in the matrix and is pinned as found."""
+    for name, version in (("nki", "0.6.0"), ("torch_neuronx", "2.14.3.1.52")):
+        site = tmp_path / "site" / f"{name}-{version}.dist-info"
+        site.mkdir(parents=True)
+        (site / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site.parent), str(ROOT)])}
     proc = subprocess.run([sys.executable, "-m", "workbench.setup_neuron", "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -72,3 +73,6 @@ def test_setup_neuron_checks_the_nki_the_kernels_are_written_for(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if line[6:].startswith("nki "))
     assert row.startswith("warn") and "kernels written for NKI 0.7.0" in row and "nl.fori_loop" in row
     assert "kept as installed:" in proc.stdout and "nki==0.6.0" in proc.stdout
+    assert "torch-neuronx==2.14.3.1.52" in proc.stdout
+    tnx = next(line for line in proc.stdout.splitlines() if line[6:].startswith("torch-neuronx "))
+    assert tnx.startswith("ok") and tnx.endswith("2.14.3.1.52 (Neuron SDK 2.34)")

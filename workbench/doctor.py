@@ -18,16 +18,18 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-# TorchNeuron's support matrix (Neuron 2.33 release notes, "Release Notes for Neuron Component: TorchNeuron"):
-# torch-neuronx 2.14.3.0.* <-> PyTorch 2.14.0, Python 3.12 / 3.13 / 3.14. The rest are this project's pins.
+# TorchNeuron's support matrix ("Release Notes for Neuron Component: TorchNeuron", Neuron 2.33.0 and the
+# torch-neuronx v2.34.0 release notes): the PyTorch 2.14 package family of each Neuron SDK, Python 3.12 / 3.13 / 3.14,
+# "install torch-neuronx==2.14.* with PyTorch 2.14". The rest are this project's pins.
 SUPPORT = {
     "python": ((3, 12), (3, 14)),
     "torch": "2.14.0",
-    "torch-neuronx": "2.14.",  # version prefix of the package family that matches torch 2.14.0
+    "torch-neuronx": "2.14.",  # version prefix of the package families that match torch 2.14.0
     "torchtitan": "0.3.0",
     "transformers": "5.23.0",
 }
-MATRIX_SOURCE = "Neuron 2.33 TorchNeuron release notes (support matrix)"
+NEURON_SDKS = {"2.14.3.0": "2.33", "2.14.3.1": "2.34"}  # torch-neuronx family (PyTorch 2.14) -> Neuron SDK
+MATRIX_SOURCE = "TorchNeuron release notes of Neuron 2.33.0 and 2.34.0 (support matrix)"
 
 # trn2.48xlarge: 16 Trainium2 chips, 8 physical NeuronCore-v3 and 96 GiB HBM each (AWS Neuron docs, "Trainium2
 # Architecture Guide for NKI": https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/arch/trainium2_arch.html;
@@ -86,8 +88,12 @@ def software_checks(on_neuron: bool) -> list[Check]:
         checks.append(Check("torch-neuronx", "fail" if on_neuron else "ok", "not installed",
                             "install torch-neuronx 2.14.3.* from AWS's Neuron package index, then `make setup-neuron`"
                             if on_neuron else "only needed on Trainium"))
+    elif (sdk := neuron_sdk(tnx)) is not None:
+        checks.append(Check("torch-neuronx", "ok", f"{tnx} (Neuron SDK {sdk})"))
     elif tnx.startswith(SUPPORT["torch-neuronx"]):
-        checks.append(Check("torch-neuronx", "ok", tnx))
+        families = ", ".join(f"{f}.* (SDK {s})" for f, s in NEURON_SDKS.items())
+        checks.append(Check("torch-neuronx", "warn", tnx, f"a PyTorch 2.14 family this workbench was not checked "
+                            f"against (known: {families}); read its release notes, or install one of those"))
     else:
         checks.append(Check("torch-neuronx", "fail", tnx,
                             f"the workbench needs the 2.14.3.* family (PyTorch 2.14.0) ({MATRIX_SOURCE})"))
@@ -103,6 +109,11 @@ def software_checks(on_neuron: bool) -> list[Check]:
             checks.append(Check(dist, "ok" if good else "warn", v,
                                 "" if good else f"tested with {dist}=={SUPPORT[dist]} (pyproject.toml)"))
     return checks
+
+
+def neuron_sdk(torch_neuronx: str) -> str | None:
+    """The Neuron SDK whose torch-neuronx family `torch_neuronx` belongs to ('2.14.3.1.52' -> '2.34'), or None."""
+    return NEURON_SDKS.get(".".join(_base(torch_neuronx).split(".")[:4]))
 
 
 def kernels_nki_version() -> tuple[str, str]:

@@ -1,10 +1,13 @@
-"""MoE expert matmuls without `torch._grouped_mm`: the fallbacks behind `model.moe_experts_impl`.
+"""MoE expert matmuls with and without `torch._grouped_mm`: the choices behind `model.moe_experts_impl`.
 
 Both MoE paths that compute experts with grouped GEMMs (native: torchtitan's `GroupedExperts`; huggingface_v5:
-transformers' experts kernels) call `torch._grouped_mm`, which the TorchNeuron documentation does not confirm for
-the `neuron` device. `model.moe_experts_impl` picks how the experts run:
+transformers' experts kernels) call `torch._grouped_mm`. On the `neuron` device that is AWS's own recipe path from
+Neuron SDK 2.34: its TorchTitan Neuron MoE recipes (Qwen3-30B-A3B, DeepSeek-V3-16B, GPT-OSS-20B; TP4 x FSDP16 on
+Trn2) "now use upstream torch._grouped_mm and the models' own attention, not Neuron blockwise MoE kernels", at about
+1.3x the MFU of the 2.33 recipes (torch-neuronx v2.34.0 release notes). Under SDK 2.33 it was unconfirmed for
+`neuron`; the fallbacks below stay for that SDK and for checking. `model.moe_experts_impl` picks how the experts run:
 
-    grouped_mm   torch._grouped_mm (default; what CPU and CUDA run)
+    grouped_mm   torch._grouped_mm (default; what CPU and CUDA run, and AWS's 2.34 Neuron MoE recipes)
     batched_mm   each expert's tokens padded to the largest group -> one batched matmul (`torch.bmm`)
     loop         one matmul per expert over its token rows
 

@@ -777,14 +777,33 @@ CHECK_STEPS = 2
 
 
 ALLOCATOR_API = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated")
-"""What `AllocatorPeak` calls on torch.cuda / torch.neuron (the check is skipped, saying so, where one is missing)."""
+"""What `AllocatorPeak` calls on torch.accelerator / torch.cuda / torch.neuron (the check is skipped, saying so,
+where one is missing)."""
+
+
+def allocator_module(kind: str, torch_module=None):
+    """(module, its name) whose ALLOCATOR_API reads device `kind`'s allocator; (None, ...) on cpu or when missing.
+
+    `torch.accelerator` (device-generic, torch >= 2.9) when the current accelerator is `kind` and has the API: the
+    torch-neuronx v2.34.0 release notes say its memory functions work on Neuron from SDK 2.34. Else `torch.<kind>`:
+    torch.cuda, or torch.neuron (SDK 2.33, once torch_neuronx imports). `torch_module` replaces `torch` (tests)."""
+    if kind == "cpu":
+        return None, ""
+    if torch_module is None:
+        import torch as torch_module
+    acc = getattr(torch_module, "accelerator", None)
+    current = acc.current_accelerator() if acc is not None and acc.is_available() else None
+    if current is not None and current.type == kind and all(hasattr(acc, f) for f in ALLOCATOR_API):
+        return acc, "torch.accelerator"
+    return getattr(torch_module, kind, None), f"torch.{kind}"
 
 
 class AllocatorPeak:
     """Peak bytes of the tensors this rank holds during a window, from the device's own allocator.
 
-    cuda / neuron: the caching allocator's peak (`torch.cuda` / `torch.neuron`: `max_memory_allocated` after
-    `synchronize()`, peak reset at the window's start). The Neuron allocator is asynchronous: its memory-profiling
+    cuda / neuron: the caching allocator's peak (`max_memory_allocated` after `synchronize()`, peak reset at the
+    window's start) through `torch.accelerator` where it serves the device (Neuron from SDK 2.34), else
+    `torch.cuda` / `torch.neuron` (`allocator_module`). The Neuron allocator is asynchronous: its memory-profiling
     guide says to synchronize before reading any statistic
     (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/torch/guides/memory-profiling-guide.html).
     cpu: there are no allocator statistics, so the c10 CPU allocator's own allocation events (torch.profiler with
@@ -792,11 +811,9 @@ class AllocatorPeak:
     tensors alive at the start (parameters, buffers, gradients, optimizer state).
     """
 
-    def __init__(self, kind: str, model_parts, optimizers):
-        import torch
-
+    def __init__(self, kind: str, model_parts, optimizers, torch_module=None):
         self.kind, self.model_parts, self.optimizers = kind, model_parts, optimizers
-        self.module = None if kind == "cpu" else getattr(torch, kind, None)  # torch.neuron: once torch_neuronx imports
+        self.module, self.name = allocator_module(kind, torch_module)
         self.profiler = None
         self.base = 0
         self.resident = 0  # bytes held when the window opened (parameters, optimizer state, ...)
@@ -805,7 +822,7 @@ class AllocatorPeak:
     def source(self) -> str:
         if self.module is None:
             return "c10 CPU allocator events (torch.profiler profile_memory) + live parameters/optimizer state"
-        return f"torch.{self.kind}.max_memory_allocated() after torch.{self.kind}.synchronize()"
+        return f"{self.name}.max_memory_allocated() after {self.name}.synchronize()"
 
     def start(self) -> None:
         if self.module is not None:
@@ -878,7 +895,7 @@ def check_on_launch(trainer) -> None:
         return
     meter = AllocatorPeak(kind, trainer.model_parts, trainer.optimizers)
     if kind != "cpu" and not all(hasattr(meter.module, f) for f in ALLOCATOR_API):
-        say(f"memory check: skipped, torch.{kind} lacks one of {', '.join(ALLOCATOR_API)}")
+        say(f"memory check: skipped, {meter.name} lacks one of {', '.join(ALLOCATOR_API)}")
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -2,7 +2,8 @@
 *current* Python — the Neuron DLAMI's venv — without ever replacing the torch that torch-neuronx installed.
 
 What it does, in order, printing each step:
-1. Checks Python, torch and torch-neuronx against TorchNeuron's support matrix (`workbench.doctor.SUPPORT`) and nki
+1. Checks Python, torch and torch-neuronx against TorchNeuron's support matrix (`workbench.doctor.SUPPORT`: the
+   PyTorch 2.14 families of Neuron SDK 2.33, torch-neuronx 2.14.3.0.*, and 2.34, 2.14.3.1.*, `NEURON_SDKS`) and nki
    against the version the NKI kernels are written for (0.7.x; older or newer warns why: `doctor.nki_check`);
    stops (exit 2) on a failure unless `--force`. torch must already be installed: on trn2 it comes with
    torch-neuronx from AWS's Neuron package index; this command never installs torch.

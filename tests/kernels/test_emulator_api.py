@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.test_nki_emulator import load, raises, store
+from tests.kernels.test_nki_emulator import evict, load, raises, store
 from workbench.device import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
-from workbench.kernels.nki_emulator import conformance, counters, timing
+from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
 from workbench.kernels.nki_emulator import language as nl
 
@@ -54,15 +54,83 @@ def test_float8_e5m2_and_e4m3fn_round_like_their_torch_types():
     np.testing.assert_array_equal(run(kernel, x), want)
 
 
+def _e4m3_reference(x: float) -> float:
+    """IEEE 754 rounding (nearest, ties to even) of x to 1-4-3 bits, bias 7, written independently of the
+    emulator: enumerate the finite values by their fields, pick the nearest, an exact tie to the even mantissa;
+    past 240 + half its spacing (16 / 2) the result overflows to inf."""
+    if math.isnan(x):
+        return math.nan
+    grid = [(m * 2.0**-9, m) for m in range(8)] + [((1 + m / 8) * 2.0 ** (e - 7), m) for e in range(1, 15)
+                                                   for m in range(8)]
+    a = abs(x)
+    if a >= 248:
+        return math.copysign(math.inf, x)
+    best = min(grid, key=lambda vm: (abs(vm[0] - a), vm[1] % 2))  # nearest; a tie goes to the even mantissa
+    return math.copysign(best[0], x)
+
+
+E4M3_EDGES = [240.0, 239.0, 232.0, 244.0, 247.99, 248.0, 1000.0, -248.0, 2.0**-6, 2.0**-9, 7 * 2.0**-9, 2.0**-10,
+              1.5 * 2.0**-10, 3 * 2.0**-10, 0.0, -0.0, 1.0625, 1.1875, 17.0, 19.0, float("inf"), float("nan")]
+
+
+def test_float8_e4m3_is_trn2s_ieee_e4m3_bit_exactly():
+    """nl.float8_e4m3 (trn2's IEEE-style e4m3, max 240): every store rounds like the reference above. Edges: max 240
+    (239 and 244 round to it, 244 < 248; 232, a tie between 224 and 240, to 224), 248 (a tie between 240 and 256)
+    and beyond overflow to inf, min normal 2^-6, subnormals 2^-9 .. 7 * 2^-9, 2^-10 (a tie between 0 and 2^-9: to
+    0), ties at 1.0625 -> 1.0 and 1.1875 -> 1.25 (even mantissas), 17 -> 16, 19 -> 20; NaN stays NaN; all 256 bit
+    patterns decode as IEEE."""
+    x = np.array([E4M3_EDGES], dtype=np.float32)
+
+    def kernel(a):
+        fp8 = load(a, nl.float8_e4m3)  # the DMA casts fp32 -> e4m3
+        twice = nl.ndarray(a.shape, dtype=nl.float8_e4m3, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=twice, src=fp8)  # e4m3 -> e4m3 is exact
+        return store(twice, nl.float32)
+
+    got = run(kernel, x)[0]
+    want = np.array([_e4m3_reference(float(v)) for v in x[0]], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert np.signbit(got[E4M3_EDGES.index(0.0) + 1]) and got.tolist()[:8] == [240, 240, 224, 240, 240, float("inf"),
+                                                                            float("inf"), float("-inf")]
+    table = nki.dtypes.E4M3_VALUES
+    assert table[0x77] == 240 and table[0x08] == 2.0**-6 and table[0x01] == 2.0**-9 and table[0xF8] == -math.inf
+    assert math.isnan(table[0x79]) and math.isnan(table[0xFF])
+    assert table[0x80] == 0 and math.copysign(1, table[0x80]) < 0
+    bits = nki.dtypes.e4m3_bits(table[~torch.isnan(table)])  # every finite/infinite pattern encodes back to itself
+    assert bits.tolist() == [b for b in range(256) if not math.isnan(table[b])]
+
+
+def test_float8_e5m2_is_ieee_e5m2_bit_exactly():
+    """nl.float8_e5m2 (bias 15, max 57344, inf, NaN), stored as torch's float8_e5m2: the same edges against the same
+    kind of independent reference (57344 + 4096 = 61440 ties to inf; 2^-17 ties to 0; 2^-16 the smallest)."""
+    edges = [57344.0, 61439.0, 61440.0, 1e6, 2.0**-14, 2.0**-16, 2.0**-17, 1.5 * 2.0**-17, 2.5 * 2.0**-16, 0.0,
+             1.125, 1.375, -3.0, float("inf"), float("nan")]
+
+    def reference(v):
+        if math.isnan(v):
+            return math.nan
+        grid = [(m * 2.0**-16, m) for m in range(4)] + [((1 + m / 4) * 2.0 ** (e - 15), m) for e in range(1, 31)
+                                                        for m in range(4)]
+        if abs(v) >= 61440:
+            return math.copysign(math.inf, v)
+        return math.copysign(min(grid, key=lambda vm: (abs(vm[0] - abs(v)), vm[1] % 2))[0], v)
+
+    def kernel(a):
+        return store(load(a, nl.float8_e5m2), nl.float32)
+
+    got = run(kernel, np.array([edges], dtype=np.float32))[0]
+    np.testing.assert_array_equal(got, np.array([reference(v) for v in edges], dtype=np.float32))
+
+
 def test_unmodelled_dtypes_and_lossy_int_stores_raise_not_implemented():
     def fp8_e4m3_tile(_):
-        nl.ndarray((2, 2), dtype=nl.float8_e4m3, buffer=nl.sbuf)
+        nl.ndarray((2, 2), dtype=nl.tfloat32, buffer=nl.sbuf)
 
     def fractional_into_int(x):
         tile = nl.ndarray(x.shape, dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=tile, src=load(x))
 
-    with pytest.raises(NotImplementedError, match="float8_e4m3"):
+    with pytest.raises(NotImplementedError, match="tfloat32"):
         run(fp8_e4m3_tile, rand(2, 2))
     with pytest.raises(NotImplementedError, match="float-to-int"):
         run(fractional_into_int, np.full((2, 2), 0.5, dtype=np.float32))
@@ -350,19 +418,78 @@ def test_matmul_accumulate_none_opens_then_continues_a_group_and_is_transpose():
 
 
 # -- rules ------------------------------------------------------------------------------------------------------------
-def test_moving_unwritten_data_is_fine_computing_on_it_is_not():
-    def moved_then_computed(x):
-        tile = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=tile[:, 0:2], src=x)
-        copy = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=copy, src=tile)  # moves the unwritten half along
-        out = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=copy[:, 0:2])  # the written half is fine
-        twice = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=twice, data1=copy, data2=copy, op=nl.add)  # arithmetic on garbage
+def _padded_tokens(x):
+    """A (4, 2) token tile of which only rows 0-2 are written (row 3: padding nobody wrote), the way AWS's
+    blockwise_mm_bwd leaves a block's padding tokens."""
+    tokens = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf, name="tokens")  # [hidden, token]: stationary
+    nisa.dma_copy(dst=tokens[:, 0:3], src=x)
+    return tokens
 
-    with raises("uninitialized-read"):
-        run(moved_then_computed, rand(2, 2))
+
+def test_poison_in_discarded_padding_rows_passes():
+    # the matmul, elementwise ops and reductions all read the unwritten padding token (hardware reads whatever is
+    # there); its poison stays in its own result row, which the kernel never stores: no error, exact values
+    x, w = rand(2, 3), rand(2, 5, seed=1)
+
+    def kernel(a, b):
+        tokens = _padded_tokens(a)
+        acc = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=tokens, moving=load(b))
+        act = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=act, op=nl.silu, data=acc)
+        total = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=total, op=nl.add, data=act, axis=1)
+        scaled = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=scaled, data=act, op0=nl.multiply, operand0=total)
+        out = nl.ndarray((3, 5), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=scaled[0:3, :])  # the padding row is discarded
+        return out
+
+    h = x.T.astype(np.float64) @ w
+    silu = h / (1 + np.exp(-h))
+    np.testing.assert_allclose(run(kernel, x, w), silu * silu.sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_poison_reaching_an_output_names_its_allocation_and_line():
+    x, w = rand(2, 3), rand(2, 5, seed=1)
+
+    def matmul_row(a, b):  # the padding token's output row is stored too
+        acc = nl.ndarray((4, 5), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=_padded_tokens(a), moving=load(b))
+        return evict(acc)
+
+    def moved_then_computed(a):  # moved along unwritten, then computed on, then returned
+        copy = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=copy, src=_padded_tokens(a))
+        twice = nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=twice, data1=copy, data2=copy, op=nl.add)
+        return store(twice)
+
+    line = _padded_tokens.__code__.co_firstlineno + 3  # the nl.ndarray line
+    where = rf"tokens \(nl.sbuf, \(2, 4\) float32\) allocated at test_emulator_api.py:{line}"
+    with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] kernel output .* holds 5 of 20 .*{where}"):
+        run(matmul_row, x, w)
+    with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] kernel output .* holds 2 of 8 .*{where}"):
+        run(moved_then_computed, x)
+
+
+def test_poison_used_as_an_index_or_loop_bound_raises():
+    def offset_from_garbage(x):
+        rows = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="rows")
+        copy = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=copy, src=rows)  # the unwritten offset moves along
+        tile = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x.ap(pattern=[[4, 1], [1, 4]], scalar_offset=copy))
+
+    def bound_from_garbage(x):
+        count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="count")
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, count)
+
+    for kernel, name in ((offset_from_garbage, "rows"), (bound_from_garbage, "count")):
+        with pytest.raises(NkiRuleError, match=rf"\[uninitialized-read\] .* index, offset or loop bound .*{name} "
+                           r"\(nl.sbuf"):
+            run(kernel, rand(4, 4))
 
 
 def test_partition_int_index_moves_by_dma_but_not_into_an_engine():

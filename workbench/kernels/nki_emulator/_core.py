@@ -3,8 +3,11 @@
 Everything is stored in torch CPU tensors of the declared dtype, so a bfloat16 tile really holds bfloat16 values
 (every store rounds to nearest-even through `Tensor.copy_`). Each storage also carries an "initialised" mask:
 NKI allocations are not initialised ("note that memory allocation does not initialize",
-https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html), so reading an element
-that no instruction wrote raises instead of silently returning garbage.
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/tiling-overview.html). An element no
+instruction wrote is *poison*: hardware reads whatever is there, so reading it is not an error; every result it
+contributes to is poison too (`read_data` gives the mask, each instruction propagates it), and only poison that
+reaches a kernel output or a value used as an index, offset or loop bound raises `uninitialized-read`, naming
+the allocation it came from and the line that allocated it.
 
 On-chip capacity is tracked per kernel call: a storage counts while any view of it is alive (CPython
 reference counting frees it deterministically when the kernel drops its last reference).
@@ -136,7 +139,9 @@ class _Budget:
                     live -= heapq.heappop(ends)[1]
                 live += t[1]
                 heapq.heappush(ends, (max(t[3], start), t[1]))
-                if t[8] is not None:
+                if t[8] is not None and t[3] > t[2]:  # a placed tile no instruction uses touches no address:
+                    # nki-library's allocator opens a scope, reserves tiles it never uses, closes it and places the
+                    # next tile on the same bytes, all between two instructions
                     placed = [p for p in placed if p[0] >= start]
                     _check_overlap(t, placed, kind)
                     placed.append((max(t[3], start), t[8], t[4], t[5]))
@@ -156,12 +161,21 @@ class _Budget:
 class _Storage:
     """One allocation: the values, an initialised mask, and (PSUM) a mask of elements last written by nc_matmul."""
 
-    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "__weakref__")
+    __slots__ = ("data", "init", "mm", "buffer", "name", "core", "shared", "origin", "poison_from", "derived",
+                 "__weakref__")
 
     def __init__(self, data: torch.Tensor, buffer: Buffer, name: str, initialised: bool):
         self.data = data
         self.buffer = buffer
         self.name = name
+        # Poison bookkeeping: `origin` names this allocation and its line (its never-written elements are poison
+        # from it); `derived` (made at the first poisoned write) marks elements an instruction wrote as poison, and
+        # `poison_from` the allocations that poison came from. Only poison paths pay for it.
+        self.origin = None if initialised else (
+            f"{name or 'unnamed'} ({buffer}, {tuple(data.shape)} {str(data.dtype).removeprefix('torch.')}) "
+            f"allocated at {_runtime.call_site()}")
+        self.poison_from: list[str] = []
+        self.derived: torch.Tensor | None = None
         # owner core of private memories (SBUF, PSUM, nl.hbm); None for shared HBM (kernel args, nl.shared_hbm)
         launch = _runtime.current()
         self.shared = buffer is SHARED_HBM or launch is None
@@ -215,7 +229,9 @@ def allocate(shape, dtype, buffer: Buffer, name: str = "", address=None) -> Tens
                                 "in the same order on every core", URL_MEMORY)
             return Tensor(storage, storage.data, storage.init, storage.mm, root=True)
     fill = float("nan") if dtype in FLOAT_DTYPES else False if dtype is torch.bool else torch.iinfo(dtype).min
-    storage = _Storage(torch.full(shape, fill, dtype=dtype), buffer, name, initialised=False)
+    data = torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype) if dtype is dtypes.E4M3 else \
+        torch.full(shape, fill, dtype=dtype)  # e4m3: its NaN pattern
+    storage = _Storage(data, buffer, name, initialised=False)
     if buffer is SHARED_HBM:
         launch.shared.append(storage)
     if not buffer.on_chip:
@@ -242,6 +258,10 @@ def _placement(shape, dtype, buffer: Buffer, address) -> tuple[int, int, int, in
 
 def _from_array(value, buffer: Buffer, name: str) -> Tensor:
     data = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))
+    if data.dtype is dtypes.E4M3:
+        raise NotImplementedError(f"kernel argument {name} is a torch float8_e4m3fnuz tensor: the emulator stores "
+                                  "nl.float8_e4m3 (IEEE e4m3, max 240) in that torch type as IEEE bit patterns, so "
+                                  "fnuz values would be misread; pass float32/bfloat16 and cast in the kernel")
     if data.dtype not in dtypes.STORED:
         hint = " (cast index tensors to int32)" if data.dtype == torch.int64 else ""
         raise NotImplementedError(f"kernel argument {name} has dtype {data.dtype}; emulated: {dtypes.STORED}{hint}")
@@ -343,17 +363,29 @@ class Tensor:
             launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
+        """The values, for a use that cannot carry poison (an index, offset, register or loop bound): an unwritten
+        element raises `uninitialized-read`."""
         self._access("r")
         if not bool(self._init.all()):
-            _uninitialized(self._storage, f"{self} is read before every element was written (NKI allocations are "
-                           "not initialised)")
-        return self._data.clone()
+            _uninitialized(self._storage, f"{self} is used as an index, offset or loop bound before every element "
+                           "was written (NKI allocations are not initialised)", ~self._init, self._derived)
+        return dtypes.values(self._data.clone())
+
+    def read_data(self):
+        """(values, poison mask or None when every element was written) for an instruction computing on them."""
+        self._access("r")
+        return dtypes.values(self._data.clone()), _poison(self._storage, self._init, self._derived)
 
     def read_moved(self):
         """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
         arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
-        return self._data.clone(), self._init.clone()
+        _moved(self._storage, self._init, self._derived)
+        return dtypes.values(self._data.clone()), self._init.clone()
+
+    def _derived(self, derived: torch.Tensor) -> torch.Tensor:
+        """This view of the storage's `derived` mask (laid out like `init`)."""
+        return derived.as_strided(self._init.size(), self._init.stride(), self._init.storage_offset())
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, init=None) -> None:
         """Store `value` (cast to the dtype); `keep` (oob_mode.skip) limits which elements are written, `init`
@@ -364,14 +396,18 @@ class Tensor:
             value = torch.where(init, value.reshape(self.shape), torch.zeros((), dtype=value.dtype))
         value = dtypes.cast(value.reshape(self.shape), self.dtype)  # fp32 -> bf16 rounds to nearest-even
         written = torch.ones(self.shape, dtype=torch.bool) if init is None else init
+        derived = _taint(self._storage, None if init is None else written)
+        keep = None if keep is None else keep.reshape(self.shape)  # oob_mode.skip: skipped elements keep their value
+        if derived is not None:
+            view = self._derived(derived)
+            view.copy_(~written if keep is None else torch.where(keep, ~written, view))
         if keep is None:
             self._data.copy_(value)
             self._init.copy_(written)
             if self._mm is not None:
                 self._mm.fill_(by_matmul)
             return
-        keep = keep.reshape(self.shape)  # oob_mode.skip: elements whose transfer was skipped keep their value
-        self._data.copy_(torch.where(keep, value, self._data))
+        _bits(self._data).copy_(torch.where(keep, _bits(value), _bits(self._data)))
         self._init.copy_(torch.where(keep, written, self._init))
         if self._mm is not None:
             self._mm.copy_(torch.where(keep, by_matmul, self._mm))
@@ -499,20 +535,28 @@ class AccessPattern:
             launch.record(self.root._storage, kind, int(start), self.pattern, outer)
         return flat, keep
 
-    def read(self, skip: bool = False):
-        """The viewed values; with skip=True also the mask of elements actually transferred (else None)."""
-        flat, keep = self._flat_index("r", skip)
+    def read(self):
+        """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read`."""
+        flat, _ = self._flat_index("r")
         init = self.root._storage.init.reshape(-1)[flat]
-        if not bool((init if keep is None else init | ~keep).all()):
-            _uninitialized(self.root._storage, f"{self} reads elements never written")
-        value = self.root._storage.data.reshape(-1)[flat].clone()
-        return (value, keep) if skip else value
+        if not bool(init.all()):
+            _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "
+                           "written", ~init, lambda d: d.reshape(-1)[flat])
+        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone())
+
+    def read_data(self):
+        """(values, poison mask or None) for an instruction computing on them (see Tensor.read_data)."""
+        flat, _ = self._flat_index("r")
+        storage = self.root._storage
+        return dtypes.values(storage.data.reshape(-1)[flat].clone()), _poison(storage, storage.init.reshape(-1)[flat],
+                                                               lambda d: d.reshape(-1)[flat])
 
     def read_moved(self, skip: bool = False):
         """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
         flat, keep = self._flat_index("r", skip)
         init = self.root._storage.init.reshape(-1)[flat]
-        return self.root._storage.data.reshape(-1)[flat].clone(), init, keep
+        _moved(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
+        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone()), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
         flat, own = self._flat_index("w", skip)
@@ -525,6 +569,9 @@ class AccessPattern:
         value = dtypes.cast(value, storage.data.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
+        derived = _taint(storage, None if init is None else written)
+        if derived is not None:
+            derived.view(-1)[flat] = ~written
         _bits(storage.data).view(-1)[flat] = _bits(value)
         storage.init.view(-1)[flat] = written
         if storage.mm is not None:
@@ -533,11 +580,13 @@ class AccessPattern:
 
 View = (Tensor, AccessPattern)
 
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, dtypes.E4M3: torch.uint8,
+           torch.float8_e5m2: torch.uint8, torch.float8_e4m3fn: torch.uint8}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same bits under a dtype torch can scatter into (torch has no index_put for uint16/uint32)."""
+    """The same bits under a dtype torch can scatter into and select from (no index_put for uint16/uint32; the
+    float8 types are moved as bytes)."""
     return t.view(_SIGNED[t.dtype]) if t.dtype in _SIGNED else t
 
 
@@ -550,7 +599,65 @@ def _check_owner(storage: _Storage) -> None:
                         "(and nl.hbm is private); exchange data through nl.shared_hbm and a core_barrier", URL_LNC)
 
 
-def _uninitialized(storage: _Storage, detail: str) -> None:
+def _poison(storage: _Storage, init: torch.Tensor, derived_at):
+    """The poison mask of elements `init` of `storage` that an instruction reads (None when all were written).
+
+    Records where that poison came from for the instruction's writes (`_taint`): the storage's own allocation for
+    elements never written, its `poison_from` for elements an instruction wrote as poison (`derived_at(mask)`
+    selects the read elements of a storage-shaped mask)."""
+    if bool(init.all()):
+        return None
+    poison = ~init
+    launch = _runtime.current()
+    if launch is not None:
+        launch.taint.extend(s for s in _sources(storage, poison, derived_at) if s not in launch.taint)
+    return poison
+
+
+def _moved(storage: _Storage, init: torch.Tensor, derived_at) -> None:
+    """A data movement reads elements `init` of `storage`: where it moves poison, its write finds out (the moved
+    written-mask) and only then are the sources looked up (`_taint`), so a clean movement costs no extra check."""
+    launch = _runtime.current()
+    if launch is not None:
+        launch.moved.append((storage, init, derived_at))
+
+
+def _sources(storage: _Storage, poison: torch.Tensor, derived_at=None) -> list[str]:
+    """The allocations the `poison` elements of `storage` came from."""
+    derived = None if storage.derived is None else (derived_at(storage.derived) if derived_at else storage.derived)
+    own = derived is None or bool((poison & ~derived).any())
+    via = derived is not None and bool((poison & derived).any())
+    return ([storage.origin] if own and storage.origin else []) + (storage.poison_from if via else [])
+
+
+def _taint(storage: _Storage, written: torch.Tensor | None):
+    """Record a write into `storage`: where it stores poison (`written` False; None: a write of computed values
+    with no poison) the running instruction's poison sources become the storage's. Returns the storage's `derived`
+    mask for the caller to update at the written elements (None while no poison was ever written there). Every
+    write ends the instruction's reading, so the instruction's sources are cleared."""
+    launch = _runtime.current()
+    if launch is None:
+        return storage.derived
+    if written is not None and not bool(written.all()):
+        for source, init, derived_at in launch.moved:
+            if not bool(init.all()):
+                launch.taint.extend(s for s in _sources(source, ~init, derived_at) if s not in launch.taint)
+        storage.poison_from.extend(s for s in launch.taint if s not in storage.poison_from)
+        if storage.derived is None:
+            storage.derived = torch.zeros(storage.init.shape, dtype=torch.bool)
+    launch.taint.clear()
+    launch.moved.clear()
+    return storage.derived
+
+
+def poison_report(storage: _Storage, poison: torch.Tensor | None = None, derived_at=None) -> str:
+    """Where the poison in `storage` (the elements `poison`, default all) came from, for `uninitialized-read`."""
+    poison = ~storage.init if poison is None else poison
+    sources = _sources(storage, poison, derived_at) or ["an unknown allocation"]
+    return "poison (never written, or computed from elements never written) from " + "; ".join(sources)
+
+
+def _uninitialized(storage: _Storage, detail: str, poison: torch.Tensor, derived_at) -> None:
     """Raise `uninitialized-read`, or under LNC > 1 on shared HBM defer it to the next barrier.
 
     Cores run one at a time, so reading what the other core writes later in the same epoch finds it unwritten
@@ -559,6 +666,7 @@ def _uninitialized(storage: _Storage, detail: str) -> None:
     anything else fail).
     """
     launch = _runtime.current()
+    detail = f"{detail}: {poison_report(storage, poison, derived_at)}"
     error = violation("uninitialized-read", detail, URL_TILING)
     if launch is None or launch.lnc == 1 or not storage.shared:
         raise error
@@ -684,9 +792,12 @@ def _to_output(t: Any, as_torch: bool):
     if not isinstance(t, Tensor) or t.buffer is not SHARED_HBM:
         raise violation("kernel-output", f"kernels return tensors allocated in nl.shared_hbm (outputs live in shared "
                         f"HBM, visible to every core of the LNC), got {t!r}", URL_MEMORY)
-    value = t._data.clone()
+    value = dtypes.values(t._data.clone())  # float8_e4m3 outputs come back as their float32 values
     if not bool(t._init.all()):
-        raise violation("uninitialized-read", f"kernel output {t} is returned before every element was written",
+        bad = int((~t._init).sum())
+        raise violation("uninitialized-read", f"kernel output {t} holds {bad} of {t._init.numel()} elements that are "
+                        f"{poison_report(t._storage, ~t._init, t._derived)}; write every output element (padding "
+                        "rows included)",
                         URL_TILING)
     if as_torch:
         return value

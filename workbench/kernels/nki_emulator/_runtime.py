@@ -236,6 +236,8 @@ class Launch:
         self.epoch = 0
         self.abort = False
         self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
+        self.taint: list[str] = []  # poison sources the running instruction has read (see _core._poison)
+        self.moved: list = []  # (storage, init, selector) a data movement read, resolved only if it moved poison
 
     # instructions ----------------------------------------------------------------------------------------------
     def emit(self, engine: str, op: str, run, site: str, work=None) -> None:

@@ -227,7 +227,7 @@ case("moe_cte/bwmm_shard_on_I", "blockwise_mm_baseline_shard_intermediate")(
     lambda lib: _moe_cte(lib, "SHARD_ON_INTERMEDIATE"))
 
 
-def _blockwise_mm_bwd(lib: Path, lnc: int):
+def _blockwise_mm_bwd(lib: Path, lnc: int, hidden=1024, tokens=512, expert=2, block=512, top_k=2, inter=384):
     """nki-library test_bwmm_bwd.py row (H 4096, T 4096, E 2, B 512, K 2, I 384, bf16, no skip, SiLU), scaled
     down to H 1024, T 512; rtol 2e-2 atol 1e-5. The reference is the test's own numpy golden.
 
@@ -249,7 +249,6 @@ def _blockwise_mm_bwd(lib: Path, lnc: int):
                   ["map_skip_mode", "get_n_blocks", "get_router_with_controlled_distribution",
                    "generate_token_position_to_id_and_experts", "_generate_fwd_golden", "_generate_bwd_golden",
                    "build_bwmm_bwd_inputs", "blockwise_mm_bwd_torch_ref"], ns)
-    hidden, tokens, expert, block, top_k, inter = 1024, 512, 2, 512, 2, 384
     raw, _, _ = ns["build_bwmm_bwd_inputs"](
         tokens=tokens, hidden=hidden, intermediate=inter, expert=expert, block_size=block, top_k=top_k,
         dtype=np.float32, dma_skip=ns["map_skip_mode"](0), bias_flag=False, clamp_limits=params.ClampLimits(),
@@ -265,6 +264,10 @@ def _blockwise_mm_bwd(lib: Path, lnc: int):
 
 
 case("moe_bwd/blockwise_mm_bwd")(lambda lib: _blockwise_mm_bwd(lib, 2))
+case("moe_bwd/blockwise_mm_bwd T 8 B 128", "blockwise_mm_bwd")(
+    lambda lib: _blockwise_mm_bwd(lib, 2, hidden=256, tokens=8, expert=2, block=128, top_k=2, inter=128))
+case("moe_bwd/blockwise_mm_bwd T 8 B 256", "blockwise_mm_bwd")(
+    lambda lib: _blockwise_mm_bwd(lib, 2, hidden=256, tokens=8, expert=2, block=256, top_k=2, inter=128))
 
 
 def run_pair(kernel, reference, inputs: dict, lnc: int, bf16_keys=(), preserve_lower_precision=False):

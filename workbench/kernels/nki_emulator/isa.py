@@ -100,8 +100,24 @@ def _same_layout(op: str, url: str, **tiles) -> None:
                         f"{layouts}", url)
 
 
-def _float(t) -> torch.Tensor:
-    return t.read().float()
+def _data(t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 values, poison mask or None) of an operand an engine computes on: unwritten elements are poison, not
+    an error (hardware reads whatever is there); the instruction makes the results they feed poison (`_clean`)."""
+    value, poison = t.read_data()
+    return value.float(), poison
+
+
+def _clean(dst, *masks) -> torch.Tensor | None:
+    """The written-mask (`write(init=)`) of a result in dst's shape whose element is poison where an input's is:
+    each mask is either in dst's layout (same element count) or one value per partition (a (P, 1) operand, or a
+    reduction over the free dims), broadcast along the free dims. None when no input held poison."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    out = torch.zeros(dst.shape, dtype=torch.bool)
+    for m in masks:
+        out |= m.reshape(dst.shape) if m.numel() == out.numel() else m.reshape([dst.shape[0]] + [1] * (out.dim() - 1))
+    return ~out
 
 
 def _check_operand(value, data, what: str, op: str, url: str) -> None:
@@ -114,11 +130,12 @@ def _check_operand(value, data, what: str, op: str, url: str) -> None:
                         f"{value.shape}", url)
 
 
-def _operand(value, data) -> torch.Tensor:
-    """The operand's value at execution time, broadcastable against `data`."""
+def _operand(value, data) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The operand's value at execution time, broadcastable against `data`, and its poison mask (per partition)."""
     if isinstance(value, (int, float)):
-        return torch.as_tensor(float(value), dtype=torch.float32)
-    return _float(value).reshape([data.shape[0]] + [1] * (len(data.shape) - 1))
+        return torch.as_tensor(float(value), dtype=torch.float32), None
+    v, poison = _data(value)
+    return v.reshape([data.shape[0]] + [1] * (len(data.shape) - 1)), poison
 
 
 def _engine(engine_, default: str) -> str:
@@ -182,11 +199,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     def run():
         if is_transpose:  # a data movement: unwritten stationary elements arrive unwritten
             value, init, _ = _read_moved(stationary)
-            _float(moving)
             dst.write(value.reshape(k_s, m).T.contiguous(), by_matmul=True, init=init.reshape(k_s, m).T.contiguous())
             current().stats.pe_flops += 2 * k_s * m * n
             return
-        result = _float(stationary).T @ _float(moving)
+        (s, s_poison), (mv, m_poison) = _data(stationary), _data(moving)
+        result = s.T @ mv
+        poison = None if s_poison is None and m_poison is None else _matmul_poison(s, s_poison, mv, m_poison)
         # accumulate=None (NKI 0.3 has no such parameter; 0.4+ default): continue the accumulation group when
         # every dst element was last written by nc_matmul, else open one (overwrite). Interpretation: nki-library's
         # kernels accumulate over H tiles into freshly allocated PSUM with no accumulate argument.
@@ -195,11 +213,27 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                 raise violation("matmul-accumulate-init", "accumulate=True onto PSUM elements not written by a "
                                 "previous nc_matmul (uninitialised or written by another engine is undefined on "
                                 "NeuronCore-v3); open each accumulation group with accumulate=False", url)
-            result = result + dst.read()
-        dst.write(result, by_matmul=True)
+            previous, p_poison = _data(dst)
+            result = result + previous.reshape(m, n)
+            poison = poison if p_poison is None else p_poison.reshape(m, n) | (False if poison is None else poison)
+        dst.write(result, by_matmul=True, init=None if poison is None else ~poison)
         current().stats.pe_flops += 2 * k_s * m * n
 
     emit("tensor", op, run, matmul_work(stationary, moving))
+
+
+def _matmul_poison(s, s_poison, mv, m_poison) -> torch.Tensor:
+    """Which elements of out = s.T @ mv are poison: out[i, j] = sum_k s[k, i] * mv[k, j], so a poison s[k, i]
+    poisons out[i, j] unless mv[k, j] is an exact (written) zero, and likewise for a poison mv[k, j]. So the padding
+    columns of a token tile stay in the padding rows of the result, and a transpose by a matmul against an identity
+    moves poison only where it moves the element. Assumption, stated in docs/nki_emulator.md: what unwritten memory
+    holds is finite (stale data), so garbage times an exact zero is zero, as on hardware unless it happens to hold
+    a NaN/Inf bit pattern."""
+    zero = torch.zeros((), dtype=torch.bool)
+    s_poison = zero.expand(s.shape) if s_poison is None else s_poison.reshape(s.shape)
+    m_poison = zero.expand(mv.shape) if m_poison is None else m_poison.reshape(mv.shape)
+    live_s, live_m = ((s != 0) | s_poison).float(), ((mv != 0) | m_poison).float()  # may contribute a nonzero
+    return (s_poison.float().T @ live_m + live_s.T @ m_poison.float()) > 0
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -349,10 +383,13 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
             raise violation("dma-shape", f"dma_compute: {what} shape {t.shape} != dst shape {dst.shape}", url)
 
     def run():
-        total = _float(srcs[0])
+        total, poison = _data(srcs[0])
+        masks = [poison]
         for s in srcs[1:]:
-            total = total + _float(s)
-        dst.write(total)
+            value, poison = _data(s)
+            total = total + value
+            masks.append(poison)
+        dst.write(total, init=_clean(dst, *masks))
         stats = current().stats
         nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in srcs)
         side = next((t for t in [dst, *srcs] if t.buffer is SBUF), dst)
@@ -389,9 +426,11 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
         raise violation("tensor-tensor-psum-inputs", "data1 and data2 cannot both reside in PSUM; copy one to SBUF",
                         url)
     _same_layout(name_, url, dst=dst, data1=data1, data2=data2)
-    emit(_engine(engine, "vector"), name_,
-         lambda: dst.write(fn(_float(data1).reshape(dst.shape), _float(data2).reshape(dst.shape))),
-         elementwise_work(dst, data1, data2))
+    def run():
+        (a, a_poison), (b, b_poison) = _data(data1), _data(data2)
+        dst.write(fn(a.reshape(dst.shape), b.reshape(dst.shape)), init=_clean(dst, a_poison, b_poison))
+
+    emit(_engine(engine, "vector"), name_, run, elementwise_work(dst, data1, data2))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -412,11 +451,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         steps.append((_arith(op, name_, url), operand, reverse))
 
     def run():
-        result = _float(data)
+        result, poison = _data(data)
+        masks = [poison]
         for fn, operand, reverse in steps:
-            value = _operand(operand, data)
-            result = fn(value, result) if reverse else fn(result, value)
-        dst.write(result)
+            value, poison = _operand(operand, data)
+            masks.append(poison)
+            result = fn(value, result.reshape(data.shape)) if reverse else fn(result.reshape(data.shape), value)
+        dst.write(result, init=_clean(dst, *masks))
 
     emit(_engine(engine, "vector"), name_, run, elementwise_work(dst, data))
 
@@ -440,10 +481,13 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         _check_operand(bias, data, "bias", name_, url)
 
     def run():
-        x = _float(data) * _operand(scale, data)
+        (x, x_poison), (a, a_poison) = _data(data), _operand(scale, data)
+        x = x.reshape(data.shape) * a
+        b_poison = None
         if bias is not None:
-            x = x + _operand(bias, data)
-        dst.write(op.fn(x))
+            b, b_poison = _operand(bias, data)
+            x = x + b
+        dst.write(op.fn(x), init=_clean(dst, x_poison, a_poison, b_poison))
 
     emit("scalar", name_, run, elementwise_work(dst, data))
 
@@ -527,11 +571,11 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     fn0, fn1 = _arith(op0, op, url), _arith(op1, op, url)
 
     def run():
-        x = _float(data).reshape(dst.shape)
-        a = _operand(operand0, dst)
+        (x, x_poison), (a, a_poison), (b, b_poison) = _data(data), _operand(operand0, dst), _data(operand1)
+        x = x.reshape(dst.shape)
         x = fn0(a, x) if reverse0 else fn0(x, a)
-        b = _float(operand1).reshape(dst.shape)
-        dst.write(fn1(b, x) if reverse1 else fn1(x, b))
+        b = b.reshape(dst.shape)
+        dst.write(fn1(b, x) if reverse1 else fn1(x, b), init=_clean(dst, x_poison, a_poison, b_poison))
 
     emit(_engine(engine, "vector"), op, run, elementwise_work(dst, data, operand1))
 
@@ -545,9 +589,16 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engin
     _same_layout(op, url, dst=dst, src=src, predicate=predicate)
 
     def run():
-        take = (predicate.read().reshape(dst.shape) != 0) ^ bool(reverse_pred)
-        value = src.read().reshape(dst.shape)
-        dst.write(torch.where(take, value.to(dst.dtype), dst.read() if bool(take.logical_not().any()) else value))
+        pred, p_poison = predicate.read_data()
+        take = (pred.reshape(dst.shape) != 0) ^ bool(reverse_pred)
+        value, s_poison = src.read_data()
+        old, old_init, _ = _read_moved(dst)  # elements not taken keep dst's value, poison or not
+        poison = torch.where(take, False if s_poison is None else s_poison.reshape(dst.shape),
+                             ~old_init.reshape(dst.shape))
+        dst.write(torch.where(take, dtypes.values(dtypes.cast(value.reshape(dst.shape), dst.dtype)).to(old.dtype),
+                              old.reshape(dst.shape)),
+                  init=_clean(dst, None if p_poison is None else p_poison.reshape(dst.shape) | poison,
+                              poison if bool(poison.any()) else None))
 
     emit(_engine(engine, "vector"), op, run, elementwise_work(dst, src, predicate))
 
@@ -613,8 +664,10 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, engine=engi
                         f"values per partition left after reducing {data.shape} over {axes}", url)
 
     def run():
-        result = _REDUCE[op.name](_float(data), axes)
-        dst.write(-result if negate else result)
+        value, poison = _data(data)
+        result = _REDUCE[op.name](value.reshape(data.shape), axes)
+        dst.write(-result if negate else result,
+                  init=None if poison is None else _clean(dst, poison.reshape(data.shape).int().amax(axes) > 0))
 
     emit(_engine(engine, "vector"), name_, run, elementwise_work(data, data))  # streams every input element
 
@@ -625,8 +678,11 @@ def reciprocal(dst, data, engine=engine.unknown, name=None):
     _on_chip(data, "data", op, url)
     _on_chip(dst, "dst", op, url)
     _same_layout(op, url, dst=dst, data=data)
-    emit(_engine(engine, "vector"), op, lambda: dst.write(torch.reciprocal(_float(data)).reshape(dst.shape)),
-         elementwise_work(dst, data))
+    def run():
+        value, poison = _data(data)
+        dst.write(torch.reciprocal(value).reshape(dst.shape), init=_clean(dst, poison))
+
+    emit(_engine(engine, "vector"), op, run, elementwise_work(dst, data))
 
 
 URL_DMA_TRANSPOSE = f"{DOCS}/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html"
@@ -722,8 +778,10 @@ def affine_select(dst, pattern, on_true_tile, on_false_value, offset=0, channel_
     def run():
         keep = compare(_affine(dst.shape[0], pattern, offset, channel_multiplier).double(),
                        torch.zeros((), dtype=torch.float64)) != 0
-        value = _float(on_true_tile).reshape(dst.shape[0], -1)
-        dst.write(torch.where(keep, value, torch.tensor(float(on_false_value))))
+        value, poison = _data(on_true_tile)
+        value = value.reshape(dst.shape[0], -1)
+        dst.write(torch.where(keep, value, torch.tensor(float(on_false_value))),
+                  init=None if poison is None else _clean(dst, poison.reshape(keep.shape) & keep))
 
     emit("gpsimd", op, run, elementwise_work(dst, on_true_tile))
 
@@ -743,9 +801,6 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
     def run():
         x, x_init = src.read_moved() if isinstance(src, Tensor) else src.read_moved()[:2]
         x, x_init = x.float().reshape(p, t), x_init.reshape(p, t)
-        if not bool(x_init[::16].all()):  # only partitions 0, 16, ..., 112 are read
-            raise violation("uninitialized-read", f"{op}: src partitions 0, 16, ..., 112 are read before every "
-                            "element was written", url)
         out, init = dst.read_moved()
         out, init = out.reshape(p, t + 1).clone(), init.reshape(p, t + 1).clone()
         for row in range(0, p, 16):
@@ -753,7 +808,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
             line = torch.full((t + 1,), float(padding_val), dtype=torch.float64)
             line[: len(idx)] = idx.double() + index_offset
             line[t] = len(idx)
-            out[row], init[row] = line.to(out.dtype), True
+            out[row], init[row] = line.to(out.dtype), bool(x_init[row].all())  # a poison input poisons its row
         dst.write(out, init=init)
 
     emit("gpsimd", op, run, elementwise_work(src, src))
@@ -776,13 +831,16 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
 
     def run():
         p = data0.shape[0]
-        a, b = _float(data0).reshape(p, -1), _float(data1).reshape(p, -1)
-        prev = _operand(initial, data0).reshape(-1, 1).expand(p, 1).reshape(p)
+        (a, a_poison), (b, b_poison) = _data(data0), _data(data1)
+        a, b = a.reshape(p, -1), b.reshape(p, -1)
+        prev, i_poison = _operand(initial, data0)
+        prev = prev.reshape(-1, 1).expand(p, 1).reshape(p)
         out = torch.empty_like(a)
         for i in range(a.shape[1]):
             x = fn0(prev, a[:, i]) if reverse0 else fn0(a[:, i], prev)
             prev = out[:, i] = fn1(b[:, i], x) if reverse1 else fn1(x, b[:, i])
-        dst.write(out)
+        poison = _clean(out, a_poison, b_poison, i_poison)  # r[i] depends on every element up to i: poison carries on
+        dst.write(out, init=None if poison is None else (~poison).int().cummax(dim=1).values == 0)
 
     emit("vector", op, run, elementwise_work(dst, data0, data1))
 
@@ -801,8 +859,12 @@ def max8(dst, src, name=None):
     _on_chip(src, "src", op, url)
     _on_chip(dst, "dst", op, url)
     _eight_per_partition(op, url, src, dst)
-    emit("vector", op, lambda: dst.write(_float(src).reshape(src.shape[0], -1).topk(8, dim=1).values),
-         elementwise_work(src, src))
+    def run():
+        value, poison = _data(src)
+        dst.write(value.reshape(src.shape[0], -1).topk(8, dim=1).values,
+                  init=None if poison is None else _clean(dst, poison.reshape(src.shape[0], -1).any(1)))
+
+    emit("vector", op, run, elementwise_work(src, src))
 
 
 def nc_find_index8(dst, data, vals, name=None):
@@ -818,11 +880,11 @@ def nc_find_index8(dst, data, vals, name=None):
         raise violation("find-index-dtype", f"{op}: dst must be uint16 or uint32, got {dst.dtype}", url)
 
     def run():
-        d = _float(data).reshape(data.shape[0], 1, -1)
-        v = _float(vals).reshape(data.shape[0], 8, 1)
-        hit = d == v
+        (d, d_poison), (v, v_poison) = _data(data), _data(vals)
+        hit = d.reshape(data.shape[0], 1, -1) == v.reshape(data.shape[0], 8, 1)
         first = hit.int().argmax(dim=2).to(torch.int64)
-        dst.write(torch.where(hit.any(dim=2), first, torch.iinfo(dst.dtype).max))
+        rows = None if d_poison is None else d_poison.reshape(data.shape[0], -1).any(1)
+        dst.write(torch.where(hit.any(dim=2), first, torch.iinfo(dst.dtype).max), init=_clean(dst, rows, v_poison))
 
     emit("vector", op, run, elementwise_work(data, data))
 
