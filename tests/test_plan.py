@@ -285,6 +285,9 @@ def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_dev
         def max_memory_allocated(self):
             return self.peak
 
+        def memory_allocated(self):  # what the step starts with (parameters, optimizer state)
+            return GiB
+
     neuron_module = SimpleNamespace()  # SDK 2.33's torch.neuron without allocator statistics
     for current, module, name in (("neuron", "accelerator", "torch.accelerator"), ("cuda", "neuron", "torch.neuron")):
         fake = SimpleNamespace(accelerator=Accelerator(current), neuron=neuron_module)
@@ -295,6 +298,7 @@ def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_dev
     meter.start()
     meter.module.peak = 3 * GiB  # what the device allocator saw during the window
     assert meter.stop() == 3 * GiB and meter.module.calls == ["synchronize", "reset", "synchronize"]
+    assert meter.resident == GiB
     # this host: torch.accelerator has no device, so cpu keeps its own path and neuron finds no torch.neuron
     assert plan.allocator_module("cpu") == (None, "") and plan.allocator_module("neuron") == (None, "torch.neuron")
 

@@ -776,7 +776,7 @@ CHECK_STEPS = 2
 (steady state, what the plan traces)."""
 
 
-ALLOCATOR_API = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated")
+ALLOCATOR_API = ("synchronize", "reset_peak_memory_stats", "max_memory_allocated", "memory_allocated")
 """What `AllocatorPeak` calls on torch.accelerator / torch.cuda / torch.neuron (the check is skipped, saying so,
 where one is missing)."""
 
