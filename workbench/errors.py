@@ -101,6 +101,13 @@ class CheckpointError(RunError):
     kind = "checkpoint error"
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that asks to run code: a pickle naming a class outside the allowlist of what DCP writes
+    (exit 4). Nothing of it was executed; the message names the file and the class."""
+
+    kind = "unsafe checkpoint"
+
+
 class CheckpointMismatchError(RunError):
     """The checkpoint reads but was written for another model shape: a config error (exit 2)."""
 
@@ -188,5 +195,5 @@ def announce(error: WorkbenchError, rank: int | None = None, *, also_print: bool
 
 __all__ = ["EXIT_CONFIG", "EXIT_NON_FINITE", "EXIT_CHECKPOINT", "EXIT_STOPPED", "WorkbenchError", "ConfigError",
            "DatasetError", "FlavorError", "DeviceError", "HFCheckpointError", "HFExportError", "RunError",
-           "CheckpointError", "CheckpointMismatchError", "RunFolderError", "RunLockedError", "NonFiniteError",
-           "StoppedError", "recognised", "announce"]
+           "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "RunFolderError", "RunLockedError",
+           "NonFiniteError", "StoppedError", "recognised", "announce"]
