@@ -13,7 +13,10 @@ overridden, nothing copied) with:
   * saves that cannot hurt older checkpoints: a stale folder of the step being saved is removed first (a relaunch
     after a fallback re-saves a step), a failed save (full disk) removes its partial folder and stops with one
     line, and `keep_latest_k` means what it says (also after the last step's save);
-  * a free-space check before the first save (warn, or refuse with `checkpoint.refuse_low_disk`).
+  * a free-space check before the first save (warn, or refuse with `checkpoint.refuse_low_disk`);
+  * nothing unpickled outside an allowlist (`load_dcp`, `read_metadata`): `.metadata` hashed before it is parsed and
+    unpickled with only the classes DCP metadata is made of, BYTE_IO entries with `weights_only=True`; a checkpoint
+    that asks for anything else is refused unrun (`UnsafeCheckpointError`, exit 4), never fallen back from.
 
 The failures are `workbench.errors` classes: `workbench.train.main` prints them as one line and exits with their
 code instead of a traceback per rank.
@@ -118,7 +121,9 @@ def read_metadata(path: Path):
     data = f.read_bytes()
     if is_complete(path):
         entry = read_checksums(path).get(".metadata")
-        if entry is None or xxhash.xxh3_64_hexdigest(data) != entry.get(HASH):
+        if entry is None:
+            raise CheckpointError(f"{f} has no checksum; it was not read")
+        if xxhash.xxh3_64_hexdigest(data) != entry.get(HASH):
             raise CheckpointError(f"{f} does not match its checksum (bytes changed after the save); it was not read")
     return allowlist_loads(data, str(f))
 
