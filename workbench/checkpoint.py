@@ -84,8 +84,9 @@ class _AllowlistUnpickler(pickle.Unpickler):
         self.source, self.allowed = source, allowed
 
     def find_class(self, module: str, name: str):
-        # dtypes pickle as torch.<name>; exact names only (a dotted name could walk attributes)
-        dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        # dtypes pickle as torch.<name>: looked up in torch's namespace as it is (no getattr: torch's module
+        # __getattr__ would import submodules), exact names only (a dotted name would walk attributes)
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
         if (module, name) in self.allowed or dtype:
             return super().find_class(module, name)
         raise unsafe(self.source, f"{module}.{name}")
