@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 
 from workbench import checkpoint, run_folder
 from workbench.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
@@ -113,10 +114,16 @@ def test_metadata_problems(steps):
     assert check_checkpoint(step) == f"{f} has no checksum"
     f.unlink()
     assert check_checkpoint(step) == f"{f} is missing"
-    (step / ".metadata").write_bytes(b"x" * (step / ".metadata").stat().st_size)  # right size, not a pickle
-    sums["files"].pop(".metadata")
+    garbage = b"x" * (step / ".metadata").stat().st_size  # right size, not a pickle
+    (step / ".metadata").write_bytes(garbage)
+    assert check_checkpoint(step) == f"{step / '.metadata'} does not match its checksum (bytes changed after the " \
+                                     "save); it was not read"  # hashed before it is parsed
+    sums["files"][".metadata"]["xxh3_64"] = xxhash.xxh3_64_hexdigest(garbage)
     (step / "checksums.json").write_text(json.dumps(sums))
     assert check_checkpoint(step) == f"{step / '.metadata'} is unreadable (UnpicklingError)"
+    sums["files"].pop(".metadata")
+    (step / "checksums.json").write_text(json.dumps(sums))
+    assert check_checkpoint(step) == f"{step / '.metadata'} has no checksum; it was not read"
 
 
 def test_flipped_byte_of_the_right_size_needs_the_checksum(steps):

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from run_helpers import cached_run, kill_run_when, losses_by_step, run_train
 from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints, verify_checkpoint
@@ -55,10 +56,10 @@ def test_check_checkpoint_reads_the_dcp_metadata(reference, tmp_path):
         f.write(b"x")
     assert check_checkpoint(step) == f"{metadata} has {size + 1:,} bytes, {size:,} were written"
 
-    def rewrite(data: bytes) -> None:  # a .metadata whose checksums.json entry agrees in size
+    def rewrite(data: bytes) -> None:  # a .metadata whose checksums.json entry agrees in size and hash
         metadata.write_bytes(data)
         sums = json.loads((step / "checksums.json").read_text())
-        sums["files"][".metadata"]["bytes"] = len(data)
+        sums["files"][".metadata"] = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
         (step / "checksums.json").write_text(json.dumps(sums))
 
     md = pickle.loads(metadata.read_bytes()[:-1])  # metadata that names a file the checkpoint lacks

@@ -465,3 +465,92 @@ def test_check_against_any_one_kind_alone_is_refused_and_lists_are_separated():
         hf.check_against(two_shapes, units, DENSE, "d")
     assert ("shape mismatch (2): model.layers.0.input_layernorm.weight expected [32], found [31]; "
             "model.norm.weight expected [32], found [33]\n") in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Exports that cannot clobber (issue 33): a target under a file or read-only, two exports racing, a full disk
+# ------------------------------------------------------------------------------------------------
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    import subprocess
+
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"wb-{path.name}", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+
+
+def _umount(path: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_export_target_under_a_file_or_read_only_is_one_line(saved, tmp_path, capsys):
+    from workbench import hf_export
+
+    (tmp_path / "file").write_text("x")
+    # the CLI checks the target before it reads the run (which need not exist for the refusal)
+    assert hf_export.main(["--run", str(tmp_path / "no_run"), "--out", str(tmp_path / "file" / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"workbench: export error: {tmp_path / 'file' / 'hf'} cannot be created: {tmp_path / 'file'} is a "
+                   "file, not a directory. Choose another output directory.\n")
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "ro,size=1m")
+    try:
+        with pytest.raises(errors.HFExportError, match=f"{ro} is not writable \\(a read-only file system"):
+            export_hf(load_model(None, hf_checkpoint=saved["dense"][0]), ro / "deep" / "hf")
+    finally:
+        _umount(ro)
+
+
+def test_two_exports_into_one_folder_exactly_one_wins(saved, tmp_path, monkeypatch):
+    """Both pass the early existence check, both write, then both try to put their export in place: exactly one
+    does, the other is refused in one line and leaves nothing behind."""
+    import threading
+
+    model = load_model(None, hf_checkpoint=saved["dense"][0])
+    both_written = threading.Barrier(2, timeout=60)
+    write_config = hf._write_config
+
+    def write_config_then_wait(*args, **kwargs):  # the real writer; then wait for the other export
+        write_config(*args, **kwargs)
+        both_written.wait()
+
+    monkeypatch.setattr(hf, "_write_config", write_config_then_wait)
+    outcomes: list = [None, None]
+
+    def export(i: int) -> None:
+        try:
+            outcomes[i] = export_hf(model, tmp_path / "out")
+        except errors.HFExportError as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=export, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    won = [o for o in outcomes if isinstance(o, Path)]
+    lost = [o for o in outcomes if isinstance(o, errors.HFExportError)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert lost[0].one_line() == (f"workbench: export error: {tmp_path / 'out'} was created by another export while "
+                                  "this one was written; this export was discarded. Choose another output directory, "
+                                  "or pass --overwrite.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the loser's partial directory is gone
+    assert stored_keys(tmp_path / "out") == stored_keys(saved["dense"][0])
+
+
+def test_an_export_onto_a_full_disk_exits_4(saved, tmp_path):
+    """A real full file system (a tmpfs smaller than the export): the README's exit code for disk failures."""
+    full = tmp_path / "full"
+    _mount_tmpfs(full, "size=64k")
+    try:
+        with pytest.raises(errors.HFExportError) as e:
+            export_hf(load_model(None, hf_checkpoint=saved["dense"][0]), full / "hf")
+        assert e.value.exit_code == errors.EXIT_CHECKPOINT == 4
+        assert "nothing was written there" in e.value.message and list(full.iterdir()) == []
+    finally:
+        _umount(full)

@@ -153,6 +153,20 @@ def test_second_signal_stops_at_once_and_a_repeat_counts_once():
                                              "from the newest checkpoint.")
 
 
+def test_ctrl_c_twice_under_torchrun_is_sigint_130():
+    """torchrun forwards the first Ctrl-C as SIGINT and relays the second as SIGTERM (its agent's default shutdown
+    signal): the stop is reported as what the user sent, SIGINT, with the README's code 130."""
+    proc = _child(STOPPER)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "requested SIGINT"
+    time.sleep(1.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip().splitlines()[-1].startswith("workbench: stopped: a second SIGINT: stopped at once;")
+
+
 # ---- launches: SIGTERM at step 5 (interval 4) while a second launch into the same folder is refused ----------------
 
 @pytest.mark.slow

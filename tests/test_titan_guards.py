@@ -85,7 +85,15 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._purge_stale_checkpoints"): (
         "d4b32d53eed3a26f", "replaced: keep_latest_k over verified checkpoints (uses _should_purge, purge_queue)"),
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_load"): (
-        "cd70ea52b87a2a5b", "wrapped: global shapes checked against the metadata first; DCP's error cut to one line"),
+        "cd70ea52b87a2a5b", "wrapped: global shapes checked against the metadata first; its dcp.load replaced by "
+        "checkpoint.load_dcp (allowlisted reader and planner); DCP's error cut to one line"),
+    # workbench/checkpoint.py: what nothing unpickled outside an allowlist replaces or relies on (torch 2.14.0)
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata"): (
+        "e7da7abb9870b33d", "overridden by _AllowlistReader.read_metadata (hashed, allowlisted; storage_meta as here)"),
+    ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.load_bytes"): (
+        "c0b0a182137d4345", "overridden by _AllowlistPlanner.load_bytes (weights_only=True; the value placed as here)"),
+    ("torchtitan.components.dataloader", "ParallelAwareDataloader.load_state_dict"): (
+        "ba0a9bbb681e1fe4", "unpickles the dataloader bytes itself: _AllowlistPlanner checks them first"),
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_save"): (
         "2abaf8f4b17a09d7", "replaced (unless to_hf): dcp.save through the checksumming writer, then checksums.json"),
     ("torchtitan.components.checkpointer.base", "BaseCheckpointManager.load"): (

@@ -13,7 +13,10 @@ overridden, nothing copied) with:
   * saves that cannot hurt older checkpoints: a stale folder of the step being saved is removed first (a relaunch
     after a fallback re-saves a step), a failed save (full disk) removes its partial folder and stops with one
     line, and `keep_latest_k` means what it says (also after the last step's save);
-  * a free-space check before the first save (warn, or refuse with `checkpoint.refuse_low_disk`).
+  * a free-space check before the first save (warn, or refuse with `checkpoint.refuse_low_disk`);
+  * nothing unpickled outside an allowlist (`load_dcp`, `read_metadata`): `.metadata` hashed before it is parsed and
+    unpickled with only the classes DCP metadata is made of, BYTE_IO entries with `weights_only=True`; a checkpoint
+    that asks for anything else is refused unrun (`UnsafeCheckpointError`, exit 4), never fallen back from.
 
 The failures are `workbench.errors` classes: `workbench.train.main` prints them as one line and exits with their
 code instead of a traceback per rank.
@@ -21,9 +24,11 @@ code instead of a traceback per rank.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -34,10 +39,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
 from workbench.dist_utils import all_gather, barrier, broadcast, rank
-from workbench.errors import CheckpointError, CheckpointMismatchError, RunError
+from workbench.errors import CheckpointError, CheckpointMismatchError, RunError, UnsafeCheckpointError, WorkbenchError
 from workbench.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
@@ -50,9 +59,139 @@ def newest_complete(folder: str | os.PathLike) -> int | None:
     return max(step_dirs(folder, complete=True), default=None)
 
 
+# ---- untrusted bytes: DCP's pickles read through an allowlist ---------------------------------------------------
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+METADATA_CLASSES = frozenset({
+    *((_DCP_MD, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                             "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                             "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided"): a table lookup
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),  # StorageMeta.checkpoint_id
+    ("collections", "OrderedDict"),
+})
+"""(module, name) of every class a DCP `.metadata` of torch 2.14 is made of (with the `torch` dtypes): the only
+globals `read_metadata` lets a pickle name. Anything else (os.system, builtins.eval, ...) is refused unrun."""
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the allowlisted globals; any other is refused before it is even imported."""
+
+    def __init__(self, file, source: str, allowed: frozenset[tuple[str, str]]):
+        super().__init__(file)
+        self.source, self.allowed = source, allowed
+
+    def find_class(self, module: str, name: str):
+        # dtypes pickle as torch.<name>: looked up in torch's namespace as it is (no getattr: torch's module
+        # __getattr__ would import submodules), exact names only (a dotted name would walk attributes)
+        dtype = module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+        if (module, name) in self.allowed or dtype:
+            return super().find_class(module, name)
+        raise unsafe(self.source, f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise unsafe(self.source, f"a persistent id ({str(pid)[:40]})")
+
+
+def unsafe(source: str, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{source} tries to load {what}, which no checkpoint the workbench writes contains; nothing in it was run.",
+        "use checkpoints only from sources you trust; delete this one (it was crafted or damaged).")
+
+
+def allowlist_loads(data: bytes, source: str, allowed: frozenset[tuple[str, str]] = METADATA_CLASSES):
+    """`pickle.loads` that admits only the globals in `allowed` (none: builtins containers and scalars only).
+
+    Raises:
+        UnsafeCheckpointError: the pickle names another global (the message names `source` and the class).
+    """
+    return _AllowlistUnpickler(io.BytesIO(data), source, allowed).load()
+
+
 def read_metadata(path: Path):
-    with open(path / ".metadata", "rb") as f:
-        return pickle.load(f)
+    """The DCP metadata of step folder `path`: its bytes hashed against `checksums.json` (where the folder has one)
+    before they are parsed, then unpickled through the allowlist (`METADATA_CLASSES`).
+
+    Raises:
+        CheckpointError: the file does not match its checksum (it was not parsed).
+        UnsafeCheckpointError: the pickle names a class outside the allowlist.
+    """
+    f = path / ".metadata"
+    data = f.read_bytes()
+    if is_complete(path):
+        entry = read_checksums(path).get(".metadata")
+        if entry is None:
+            raise CheckpointError(f"{f} has no checksum; it was not read")
+        if xxhash.xxh3_64_hexdigest(data) != entry.get(HASH):
+            raise CheckpointError(f"{f} does not match its checksum (bytes changed after the save); it was not read")
+    return allowlist_loads(data, str(f))
+
+
+def load_dcp(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike) -> None:
+    """`dcp.load` of a step folder with nothing unpickled outside an allowlist: `.metadata` through
+    `read_metadata`, BYTE_IO entries (train state, optimizer param groups, dataloader state) with
+    `torch.load(weights_only=True)`, and bytes among them that are pickles (torchtitan's dataloader state, which it
+    unpickles itself) checked to hold builtins only.
+
+    Raises:
+        UnsafeCheckpointError: a file names a class outside the allowlist (DCP's wrapping of it removed).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=_AllowlistReader(checkpoint_id),
+                 planner=_AllowlistPlanner(str(checkpoint_id)))
+    except CheckpointException as e:  # DCP wraps each rank's failure: a workbench error is the one line to show
+        for failure in e.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, WorkbenchError):
+                raise inner from None
+        raise
+
+
+class _AllowlistReader(FileSystemReader):
+    """torch's FileSystemReader whose `read_metadata` is the workbench's (hashed, then allowlisted)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # rank-local metadata (saves without coordination): never written here
+            raise CheckpointError(f"{self.path}: rank-local DCP metadata is not supported.")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _AllowlistPlanner(DefaultLoadPlanner):
+    """torch's DefaultLoadPlanner whose `load_bytes` unpickles with `weights_only=True` (torch's uses False)."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        where = f"{self.source} (entry {fqn})"
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            name = found[1] if found else "an object outside torch's weights-only set"
+            raise unsafe(where, name if "." in name or not found else f"builtins.{name}") from None  # torch: "exec"
+        if isinstance(obj, bytes):  # torchtitan's dataloader state: a pickle that it unpickles itself
+            try:
+                allowlist_loads(obj, where, frozenset())
+            except UnsafeCheckpointError:
+                raise
+            except Exception:  # noqa: BLE001, S110 - bytes that are no pickle: nothing for pickle to run either
+                pass
+        if self.flatten_state_dict:  # where torch's load_bytes puts the value
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
 
 
 def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
@@ -74,8 +213,12 @@ def file_checksum(path: Path) -> str:
 def check_checkpoint(path: str | os.PathLike) -> str | None:
     """None if a step folder's files match its `checksums.json` and DCP metadata in name and size, else why not.
 
-    Cheap (sizes, no data read): catches unfinished saves, truncated or missing files (an interrupted copy, a full
-    disk) and unreadable metadata. Flipped bytes in a file of the right size need `verify_files`.
+    Cheap (sizes, and the small `.metadata` hashed before it is parsed): catches unfinished saves, truncated or
+    missing files (an interrupted copy, a full disk) and unreadable or altered metadata. Flipped bytes in another
+    file of the right size need `verify_files`.
+
+    Raises:
+        UnsafeCheckpointError: the metadata pickle names a class outside the allowlist.
     """
     path = Path(path)
     if not is_complete(path):
@@ -94,6 +237,10 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
                 f"{f} has {have:,} bytes, {entry['bytes']:,} were written"
     try:
         storage = dict(read_metadata(path).storage_data or {})
+    except UnsafeCheckpointError:
+        raise  # not damage: a refusal, never a fallback to an older checkpoint of the same folder
+    except CheckpointError as e:
+        return e.message
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
         return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
     unlisted = sorted({info.relative_path for info in storage.values()} - set(sums))
@@ -235,11 +382,16 @@ class WorkbenchCheckpointManager(CheckpointManager):
     def _verify(self, step: int) -> str | None:
         """None if checkpoint `step` is whole (sizes on rank 0, checksums split over the ranks), else why not."""
         path = Path(self._create_checkpoint_id(step))
-        problem, sums = None, None
+        problem, sums, refused = None, None, None
         if rank() == 0:
-            problem = check_checkpoint(path)
-            sums = read_checksums(path) if problem is None else None
-        problem, sums = broadcast((problem, sums))
+            try:
+                problem = check_checkpoint(path)
+            except UnsafeCheckpointError as e:
+                refused = (e.message, e.fix)
+            sums = read_checksums(path) if problem is None and refused is None else None
+        problem, sums, refused = broadcast((problem, sums, refused))
+        if refused is not None:  # every rank raises it: a crafted checkpoint stops the launch, whatever on_corrupt
+            raise UnsafeCheckpointError(*refused)
         if problem is not None:
             return problem
         r, world = _world()
@@ -267,7 +419,12 @@ class WorkbenchCheckpointManager(CheckpointManager):
                     "resume with the flavor/config it was trained with (see config.toml in the run folder), or "
                     "use another --job.experiment_name for the new model.")
         try:
-            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            if from_hf:  # safetensors, through torchtitan's HF reader
+                super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            else:  # torchtitan's DCP branch with the allowlisted reader and planner
+                load_dcp(state_dict, checkpoint_id)
+                if MODEL in self.states:  # DCP filled the flattened model entries; the model takes them as torchtitan
+                    self.states[MODEL].load_state_dict(state_dict)  # does after its own dcp.load
         except (RunError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException (a BaseException) is multi-screen: first line only

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 import types
@@ -33,6 +34,31 @@ if TYPE_CHECKING:
 
 Backend = Literal["huggingface_v5", "native", "nki_moe"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False, special: str = "") -> None:
+    """Refuses a value outside its range (NaN and infinities included) with one line naming the field, the value
+    and the valid range.
+
+    Args:
+        key: "section.field".
+        value: the value.
+        low, high: the bounds (None: unbounded on that side).
+        low_open, high_open: exclude the bound itself.
+        special: what an out-of-range special value means, e.g. "or -1 = all ranks" (shown with the range).
+    """
+    name = key.rsplit(".", 1)[-1]
+    ok = math.isfinite(value) and (low is None or (value > low if low_open else value >= low)) and \
+        (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        def show(bound: float) -> str:
+            return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+        lo = "" if low is None else f"{show(low)} {'<' if low_open else '<='} "
+        hi = "" if high is None else f" {'<' if high_open else '<='} {show(high)}"
+        also = f" {special}" if special else ""
+        raise ConfigError(f"{key}={value!r} is out of range: valid is {lo}{name}{hi}{also}.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,6 +85,9 @@ class Job:
     memory_measure: Literal["auto", "always", "never"] = "auto"
     """After steps 1 and 2, each rank's measured peak vs the memory plan (<run>/memory_check.json + a progress line).
     auto: on cuda/neuron when memory_check plans the launch; always: also on CPU (plans first); never."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        check_range("job.seed", self.seed, 0, 2**63 - 1)  # torch.manual_seed's range, as a TOML (int64) writes it
 
 
 @dataclass
@@ -118,6 +147,7 @@ class Model:
             raise ConfigError(str(e)) from None
         if self.moe_block_size <= 0:
             raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
+        check_range("model.moe_load_balance_coeff", self.moe_load_balance_coeff, 0, 1)
         BACKEND_RULES[self.backend](job)
 
 
@@ -176,6 +206,12 @@ BACKEND_RULES = {"huggingface_v5": check_huggingface_v5, "native": check_native,
 """Backend name -> its config rules (run by `Model.check`, so by `validate`); raise ConfigError naming the fix."""
 
 
+LR_MAX = 1e4
+"""The largest optimizer.lr accepted. Adam moves each weight by about lr per step, so any lr near 1 already wrecks
+a model; the bound is this high because the divergence test needs a run whose fp32 values overflow within a few
+steps (lr 10 only makes the loss climb, measured), and what it refuses is the absurd: 1e30, inf."""
+
+
 @dataclass
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
@@ -196,6 +232,12 @@ class Optimizer:
         # (a forgotten override, a typo).
         if not self.lr > 0:
             raise ConfigError(f"optimizer.lr must be positive; got {self.lr}. Set e.g. --optimizer.lr 3e-4.")
+        # torchtitan passes these per parameter group, so torch's own checks in AdamW.__init__ never run.
+        check_range("optimizer.lr", self.lr, 0, LR_MAX, low_open=True)
+        check_range("optimizer.weight_decay", self.weight_decay, 0, 1)
+        check_range("optimizer.beta1", self.beta1, 0, 1, high_open=True)
+        check_range("optimizer.beta2", self.beta2, 0, 1, high_open=True)
+        check_range("optimizer.eps", self.eps, 0, 1, low_open=True)
 
 
 @dataclass
@@ -210,6 +252,15 @@ class LRScheduler:
     """Final lr as a fraction of the peak."""
     total_steps: int = -1
     """Length of the schedule; -1 = training.steps (set it to stop early on the same lr curve)."""
+
+    def check(self, job: JobConfig, world_size: int) -> None:
+        check_range("lr_scheduler.warmup_steps", self.warmup_steps, 0)
+        if self.decay_ratio != -1:
+            check_range("lr_scheduler.decay_ratio", self.decay_ratio, 0, 1, special="(or -1 = decay over all post-"
+                        "warm-up steps)")
+        check_range("lr_scheduler.min_lr_factor", self.min_lr_factor, 0, 1)
+        if self.total_steps != -1:
+            check_range("lr_scheduler.total_steps", self.total_steps, 1, special="(or -1 = training.steps)")
 
 
 @dataclass
@@ -249,6 +300,9 @@ class Training:
         for key in ("local_batch_size", "seq_len", "steps", "gradient_accumulation_steps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"training.{key} must be positive; got {getattr(self, key)}.")
+        # <= 0 would clip every gradient to nothing, or (negative) flip it: gradient ascent
+        check_range("training.max_norm", self.max_norm, 0, low_open=True)
+        self.check_dataset_path()
         if self.seq_len > job.shape.max_seq_len:
             raise ConfigError(
                 f"training.seq_len={self.seq_len} exceeds the model's max_seq_len {job.shape.max_seq_len}.")
@@ -276,6 +330,24 @@ class Training:
                 )
 
 
+    def check_dataset_path(self) -> None:
+        """training.dataset as a path: not empty (never the working directory by accident), of a length the file
+        system takes, readable where it exists (its existence and contents are the data path's checks)."""
+        d = self.dataset
+        if not d.strip():
+            raise ConfigError("training.dataset is empty: set it to 'shakespeare' (the bundled corpus) or to a "
+                              ".txt/.md file or folder, .jsonl or .parquet files.")
+        if "\0" in d or len(d) > PATH_MAX or any(len(part) > NAME_MAX for part in Path(d).parts):
+            raise ConfigError(f"training.dataset={d[:60]!r}{'...' if len(d) > 60 else ''} ({len(d)} characters) is no "
+                              f"usable path: at most {PATH_MAX} characters, {NAME_MAX} per name, no NUL byte.")
+        if d != "shakespeare" and os.path.lexists(d) and not os.access(d, os.R_OK):
+            raise ConfigError(f"training.dataset={d!r} is not readable (permissions); fix them or pick another path.")
+
+
+PATH_MAX, NAME_MAX = 4096, 255
+"""Linux's limits on a path and on one name in it."""
+
+
 @dataclass
 class Parallelism:
     dp_shard: int = -1
@@ -288,6 +360,10 @@ class Parallelism:
     """Expert-parallel degree (native MoE)."""
 
     def check(self, job: JobConfig, world_size: int) -> None:
+        if self.dp_shard != -1:
+            check_range("parallelism.dp_shard", self.dp_shard, 1, special="(or -1 = all ranks not used elsewhere)")
+        for key in ("dp_replicate", "tp", "ep"):
+            check_range(f"parallelism.{key}", getattr(self, key), 1)
         non_dp = self.tp * self.dp_replicate
         shard = self.dp_shard if self.dp_shard != -1 else world_size // max(non_dp, 1)
         if shard <= 0 or shard * non_dp != world_size:
@@ -326,6 +402,12 @@ class Checkpoint:
         if self.keep_latest_k == 1 or self.keep_latest_k < 0:
             raise ConfigError(f"checkpoint.keep_latest_k={self.keep_latest_k}: keep 0 (all) or at least 2, so that "
                               "the last complete checkpoint survives while the next one is written.")
+        if self.load_step != -1:
+            check_range("checkpoint.load_step", self.load_step, 0, special="(or -1 = the newest verified)")
+        folder = job.run_dir / self.folder
+        if self.enable and folder.exists() and not folder.is_dir():
+            raise ConfigError(f"checkpoint.folder {folder} is a file, not a folder: move it away or set "
+                              "--checkpoint.folder to another name.")
 
 
 @dataclass
@@ -580,7 +662,10 @@ def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = 
         if not p.is_file():
             raise ConfigError(f"Config file {str(p)!r} does not exist (see configs/ for examples).")
         try:
-            table = tomllib.loads(p.read_text())
+            table = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:  # binary, UTF-16, Latin-1 ...: TOML is UTF-8
+            raise ConfigError(f"{p}: not a UTF-8 text file (byte {e.start}: {e.reason}); TOML config files are "
+                              "UTF-8: save it as UTF-8 (or pass the right file).") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
         for key, value in _flatten(table, str(p)):
@@ -610,6 +695,19 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         check = getattr(getattr(cfg, name), "check", None)
         if check is not None:
             check(cfg, world_size)
+
+
+def check_device(cfg: JobConfig, device_kind: str) -> None:
+    """The settings the detected device cannot run, refused before any process group (train.py calls it right
+    after `device.detect`).
+
+    Raises:
+        ConfigError: naming the setting, the device and the fix.
+    """
+    if cfg.model.attn_backend != "sdpa" and device_kind != "cuda":
+        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r} runs on CUDA only (torchtitan's "
+                          f"{cfg.model.attn_backend} attention); this device is {device_kind}: set "
+                          "--model.attn_backend sdpa.")
 
 
 def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:

@@ -63,8 +63,9 @@ def barrier() -> None:
 class StopRequest:
     """SIGTERM / SIGINT ask for a clean stop: the trainer finishes the current step, saves it and exits 5.
 
-    A second signal stops at once (exit 128 + N, nothing saved after the last checkpoint), and so does the death
-    of the launcher after a first signal (a second Ctrl-C makes torchrun exit without forwarding it). The same
+    A second signal stops at once (exit 128 + N, nothing saved after the last checkpoint; a SIGTERM after a SIGINT
+    counts as SIGINT: that is how torchrun relays a second Ctrl-C), and so does the death of the launcher after a
+    first signal. The same
     signal arriving again within `same_within_s` of the first counts once: Slurm signals every process of a job
     step and torchrun forwards what it gets, so a rank sees one request twice.
 
@@ -114,6 +115,10 @@ class StopRequest:
                 print(f"workbench: {self.name}: finishing the current step, then saving it and stopping (another "
                       "signal stops at once, without saving).", file=sys.stderr, flush=True)
         elif now - self._first_at > self.same_within_s:
+            # torchrun relays a second Ctrl-C as SIGTERM (its agent's shutdown after the first one's SIGINT): what the
+            # user sent was SIGINT, and the README's code for it is 130
+            if self.signal == signal.SIGINT and signum == signal.SIGTERM:
+                signum = signal.SIGINT
             self._stop_now(signum, f"a second {signal.Signals(signum).name}")
 
     @staticmethod

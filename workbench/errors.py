@@ -10,10 +10,11 @@ codes as `exitcode` in its failure summary):
     2   config error: a bad key/value, a checkpoint or HF weights that do not fit the model, an unusable dataset,
         a missing device; also the run folder is locked by another launch
     3   the loss or gradient norm stopped being finite (nothing of that state is saved)
-    4   checkpoint or disk: no usable checkpoint to resume from, a failed save, a run folder that cannot be written
+    4   checkpoint or disk: no usable checkpoint to resume from, a checkpoint that asks to run code (refused
+        unrun), a failed save, an export that hits a full disk, a run folder that cannot be written
     5   stopped by SIGTERM/SIGINT after saving the current step (relaunch the same command to resume)
-    128 + N   stopped at once by a second signal N (130 for SIGINT, 143 for SIGTERM): nothing saved since the last
-        checkpoint
+    128 + N   stopped at once by a second signal N (130 for SIGINT, 143 for SIGTERM; a SIGTERM after a SIGINT is how
+        torchrun relays a second Ctrl-C, so it counts as SIGINT): nothing saved since the last checkpoint
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class HFCheckpointError(ConfigError):
 
 
 class HFExportError(WorkbenchError, RuntimeError):
-    """An export that cannot be written (the target exists, the disk is full); the message names the fix."""
+    """An export that cannot be written (the target exists, is under a file or read-only: exit 2; the disk is full:
+    exit 4, set where the failure is read); the message names the fix."""
 
     exit_code = EXIT_CONFIG
     kind = "export error"
@@ -99,6 +101,13 @@ class CheckpointError(RunError):
 
     exit_code = EXIT_CHECKPOINT
     kind = "checkpoint error"
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that asks to run code: a pickle naming a class outside the allowlist of what DCP writes
+    (exit 4). Nothing of it was executed; the message names the file and the class."""
+
+    kind = "unsafe checkpoint"
 
 
 class CheckpointMismatchError(RunError):
@@ -188,5 +197,5 @@ def announce(error: WorkbenchError, rank: int | None = None, *, also_print: bool
 
 __all__ = ["EXIT_CONFIG", "EXIT_NON_FINITE", "EXIT_CHECKPOINT", "EXIT_STOPPED", "WorkbenchError", "ConfigError",
            "DatasetError", "FlavorError", "DeviceError", "HFCheckpointError", "HFExportError", "RunError",
-           "CheckpointError", "CheckpointMismatchError", "RunFolderError", "RunLockedError", "NonFiniteError",
-           "StoppedError", "recognised", "announce"]
+           "CheckpointError", "UnsafeCheckpointError", "CheckpointMismatchError", "RunFolderError", "RunLockedError",
+           "NonFiniteError", "StoppedError", "recognised", "announce"]

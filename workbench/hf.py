@@ -35,6 +35,7 @@ import math
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -46,7 +47,7 @@ import torch
 
 from workbench import flavors
 from workbench.dist_utils import rank as _rank
-from workbench.errors import HFCheckpointError, HFExportError
+from workbench.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -408,7 +409,14 @@ def _agree(decide: Callable[[], str | None]) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
-        raise HFExportError(verdict[0])
+        error = HFExportError(verdict[0])
+        if any(sign in verdict[0] for sign in DISK_FULL):  # the README's exit code for disk failures
+            error.exit_code = EXIT_CHECKPOINT
+        raise error
+
+
+DISK_FULL = ("No space left on device", "Disk quota exceeded", "os error 28)", "os error 122)")
+"""How a full disk reads in a failure's text (OSError's strerror; safetensors' Rust "(os error 28)")."""
 
 
 def _single_part(trainer) -> torch.nn.Module:
@@ -436,13 +444,22 @@ def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def target_problem(out: str | os.PathLike, overwrite: bool) -> str | None:
-    """Why `out` cannot be an export target (None if it can)."""
+    """Why `out` cannot be an export target (None if it can): it exists (without overwrite), or its nearest
+    existing parent is a file or not writable (a read-only file system)."""
     out = Path(out)
     if out.exists() and not overwrite:
         return (f"{out} already exists. Choose another output directory, or pass overwrite=True "
                 "(--overwrite) to replace it.")
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory; remove it or choose another output directory."
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{out} cannot be created: {parent} is a file, not a directory. Choose another output directory."
+    if not os.access(parent, os.W_OK):
+        return (f"{out} cannot be created: {parent} is not writable (a read-only file system or its permissions). "
+                "Choose another output directory.")
     return None
 
 
@@ -555,25 +572,31 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
     _agree(lambda: target_problem(out, overwrite))
     adapter = backends.get(backend).hf_adapter(shape)
     units = plan_units(meta_state_dict(model_config), adapter)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    writer = None
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{threading.get_ident()}"
+    writer, failure = None, None
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        writer = _ShardWriter(tmp, _shard_names(units, dt, max_shard_bytes))
-    failure = _write_units(model, units, adapter, dt, writer)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            writer = _ShardWriter(tmp, _shard_names(units, dt, max_shard_bytes))
+        except OSError as e:  # a parent that became a file or read-only since target_problem
+            failure = f"creating {tmp} failed: {e.strerror}"
+    failure = _write_units(model, units, adapter, dt, writer) or failure
     if writer is not None and failure is None:
         _warn_dropped(model, units)
         try:
             writer.finish()
             _write_config(tmp, shape, dt)
             _copy_tokenizer(data.tokenizer_dir(tokenizer_path), tmp)
-            _move_into_place(tmp, out)
+            _move_into_place(tmp, out, overwrite)
+        except _TargetTaken as e:
+            failure = str(e)
         except Exception as e:
             failure = f"finishing the export failed: {e!r}"
-    if writer is not None and failure is not None:
+    if _rank() == 0 and failure is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    _agree(lambda: failure and f"Export to {out} failed ({failure}); nothing was written there.")
+    _agree(lambda: failure and (failure if failure.startswith(str(out)) else
+                                f"Export to {out} failed ({failure}); nothing was written there."))
     return out
 
 
@@ -614,9 +637,30 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Renames the finished export onto `out`; an existing `out` is swapped out first and then deleted."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+class _TargetTaken(Exception):
+    """Another export created the target while this one was being written (and overwrite was not asked for)."""
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Renames the finished export onto `out`.
+
+    Without `overwrite` the target is claimed with `mkdir` first, which fails atomically if it exists (another
+    export finished first): POSIX rename replaces only an empty directory, so the rename then replaces just this
+    export's own claim, and no export can replace another. With `overwrite` an existing `out` is swapped out first
+    and then deleted.
+
+    Raises:
+        _TargetTaken: `out` appeared after `target_problem` looked (a concurrent export won).
+    """
+    if not overwrite:
+        try:
+            out.mkdir()
+        except FileExistsError:
+            raise _TargetTaken(f"{out} was created by another export while this one was written; this export was "
+                               "discarded. Choose another output directory, or pass --overwrite.") from None
+        tmp.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{threading.get_ident()}"
     if out.exists():
         out.rename(old)
     tmp.rename(out)

@@ -88,27 +88,48 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     return model
 
 
-def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str = "native",
-               hf_checkpoint: str | os.PathLike | None = None) -> torch.nn.Module:
+def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str | None = None,
+               hf_checkpoint: str | os.PathLike | None = None, step: int | None = None) -> torch.nn.Module:
     """A model whose `forward(input_ids)` returns logits [B, S, vocab]: fp32, CPU, eval mode.
 
     Args:
-        config: a JobConfig (`workbench.load_config`), a TOML path, or None (then `hf_checkpoint` gives the shape).
-        backend: "native", "huggingface_v5" or "nki_moe".
+        config: a JobConfig (`workbench.load_config`), a TOML path, a run folder (its config.toml and the weights of
+            its DCP checkpoint), or None (then `hf_checkpoint` gives the shape).
+        backend: "native", "huggingface_v5" or "nki_moe"; None = native (a run folder: the run's own).
         hf_checkpoint: a Hugging Face directory (config.json + *.safetensors) to load; overrides
             `model.hf_checkpoint` of the config. Its config.json must agree with `model.flavor` if both are set.
+        step: a run folder's checkpoint step; None = the newest.
 
     Raises:
         ConfigError: neither a flavor nor a checkpoint.
         NotImplementedError: an unsupported backend.
         workbench.errors.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
+        workbench.errors.CheckpointError: a run folder's checkpoint is damaged, or asks to run code
+            (`UnsafeCheckpointError`: refused unrun).
     """
     from workbench import hf
 
-    job = _job(config, backend, hf_checkpoint)
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_dir():
+        return _load_run(Path(config), backend, step)
+    job = _job(config, backend or "native", hf_checkpoint)
     model = build_model(job)
     if job.model.hf_checkpoint:
         hf.load_into_model(model, job.model.hf_checkpoint)
+    return model
+
+
+def _load_run(run: Path, backend: str | None, step: int | None) -> torch.nn.Module:
+    """A run folder's model with the weights of its DCP checkpoint (hashed and allowlisted before any is parsed)."""
+    from workbench.hf_export import load_dcp_model_state
+    from workbench.run_folder import read_config, step_dir
+
+    job = read_config(run)
+    if backend not in (None, job.model.backend):
+        raise ConfigError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint loads into that "
+                          f"backend, not {backend!r}. Export it (python -m workbench.hf_export --run {run} --out DIR) "
+                          f"and load DIR with hf_checkpoint=DIR to change backends.")
+    model = build_model(job)
+    load_dcp_model_state(model, step_dir(run, job.checkpoint.folder, step))
     return model
 
 

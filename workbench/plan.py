@@ -744,31 +744,51 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
 
 
 def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
-    """Plans `job` before launch on cuda/neuron (`launch_plan`).
+    """Plans `job` before launch (`launch_plan`) and refuses a plan over the rank's memory.
 
-    On CPU only a model whose parameters alone take over 1/8 of the host RAM per rank is planned (the tiny CPU
-    runs are not slowed by a plan), and a plan over the host's RAM only warns.
+    On CPU a launch is planned only when its lower bound (`cpu_floor_bytes`) is over 1/8 of the host RAM per rank
+    (the tiny CPU runs are not slowed by a plan), and refused at once, unplanned, when that bound alone exceeds it.
 
     Raises:
-        ConfigError: the plan does not fit, with the table and the suggested changes (exit code 2).
+        ConfigError: the plan does not fit, with the numbers and the suggested changes (exit code 2).
     """
-    from workbench import flavors
-
     if not job.job.memory_check:
         return None
-    if device_kind == "cpu" and 4 * flavors.count_params(job.shape)["total"] < capacity("cpu", world_size) / 8:
-        return None
+    if device_kind == "cpu":
+        floor, ram = cpu_floor_bytes(job), capacity("cpu", world_size)
+        if floor > ram:  # certain without a trace (which would take minutes at such sizes)
+            raise ConfigError(
+                f"this launch needs at least {floor / GiB:.1f} GiB per rank (fp32 weights + the logits of "
+                f"{job.training.local_batch_size} x {job.training.seq_len} tokens), and each of the {world_size} "
+                f"rank(s) has {ram / GiB:.1f} GiB of this host's RAM: lower --training.local_batch_size (raise "
+                "--training.gradient_accumulation_steps to keep the batch) or set --training.loss_chunks 8 "
+                "(skip the check with --job.memory_check false).")
+        if floor < ram / 8:
+            return None
     try:
         p = launch_plan(job, world_size, device_kind, cache_dir)
     except RuntimeError as e:
         print(f"workbench: {e}\nworkbench: launching anyway", file=sys.stderr)
         return None
     if not p["fits"]:
-        if device_kind == "cpu":
-            print("workbench: warning, the memory plan exceeds this host's RAM:\n" + render(p), file=sys.stderr)
-        else:
-            raise ConfigError("the memory plan does not fit (skip with --job.memory_check false):\n" + render(p))
+        raise ConfigError("the memory plan does not fit (skip with --job.memory_check false):\n" + render(p))
     return p
+
+
+def cpu_floor_bytes(job: JobConfig) -> int:
+    """A lower bound of a CPU rank's peak: fp32 weights plus one fp32 logits tensor of a micro-batch (per loss
+    chunk). Cheap (no trace)."""
+    t = job.training
+    logits = t.local_batch_size * t.seq_len * job.shape.vocab_size * 4 // max(t.loss_chunks, 1)
+    return 4 * _total_params(job.shape) + logits
+
+
+@functools.lru_cache(maxsize=16)
+def _total_params(shape) -> int:
+    """`flavors.count_params(shape)["total"]`, once per shape (it builds the model on meta)."""
+    from workbench import flavors
+
+    return flavors.count_params(shape)["total"]
 
 
 CHECK_STEPS = 2

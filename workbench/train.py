@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-from workbench.config import JobConfig, help_text, load_config
+from workbench.config import JobConfig, check_device, help_text, load_config
 from workbench.dist_utils import StopRequest, rank
 from workbench.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
 
@@ -105,23 +105,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def preflight(argv: list[str], world_size: int):
+    """Everything checked before any process group starts: the config's values, its input files, the device and
+    what it can run, and (rank 0) the memory plan. Returns (job, device info).
+
+    Raises:
+        ConfigError, FileNotFoundError: the one-line refusals (exit code 2).
+    """
+    from workbench import device
+
+    job = load_config(argv=argv, world_size=world_size)
+    check_inputs(job)
+    info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
+    check_device(job, info.kind)
+    if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)
+        from workbench import plan
+
+        plan.check_fits(job, world_size, info.kind)
+    return job, info
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print(help_text())
         return 0
-    from workbench import device
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a lone process
     try:
-        job = load_config(argv=argv, world_size=world_size)
-        check_inputs(job)
-        info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
-        if rank() == 0:  # memory plan (cuda/neuron; CPU warns only), before any PG
-            from workbench import plan
-
-            plan.check_fits(job, world_size, info.kind)
+        job, info = preflight(argv, world_size)
     except (ConfigError, FileNotFoundError) as e:
         return announce(recognised(e), rank())
     try:
