@@ -1150,6 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the device runtime's share of a rank in GiB (default: the device's table, see --json)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--no-suggest", action="store_true", help="do not re-plan when it does not fit")
+    ap.add_argument("--advise", type=int, default=1,
+                    help="re-plan the levers of this many of the largest categories, for their saving (default 1)")
     args, rest = ap.parse_known_args(argv)
     try:
         if args.device not in DEVICES:
@@ -1157,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc <= 0 or args.nnodes <= 0:
             raise ConfigError("--nproc and --nnodes must be positive.")
         job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
-        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib)
+        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib,
+                 advise=args.advise)
     except ConfigError as e:
         return announce(e)
     print(json.dumps(p, indent=1) if args.json else render(p), flush=True)
