@@ -89,7 +89,7 @@ def environment_report(requested_device: str = "auto") -> Table:
 
 
 VOCAB_NOTE = ("The tokenizer has 151,669 tokens (151,643 regular + 26 added); every Qwen3 model's embedding and "
-              "output layer have 151,936 rows: the vocabulary padded to a multiple of 128 for fast matmuls. The "
+              "output layer have 151,936 rows: the vocabulary padded to a multiple of 128 (1,187 x 128). The "
               "267 padding rows are never produced by the tokenizer, so a fresh model's loss starts near "
               "ln(151936) = 11.93 and the tables say 151936-token vocabulary.")
 
@@ -705,8 +705,8 @@ def trn2_plans_table(plans: dict[str, dict]) -> Table:
     rows = []
     for label, p in plans.items():
         cats = p["categories"]
-        rows.append((label, *(round(cats.get(c, 0) / 2**30, 2) for c in plan.CATEGORIES),
-                     round(p["peak_bytes"] / 2**30, 2), round(p["capacity_bytes"] / 2**30, 2),
+        rows.append((label, *(f"{cats.get(c, 0) / 2**30:.2f}" for c in plan.CATEGORIES),
+                     f"{p['peak_bytes'] / 2**30:.2f}", f"{p['capacity_bytes'] / 2**30:.2f}",
                      f"{100 * (1 - p['peak_bytes'] / p['capacity_bytes']):.0f} %"))
     headers = ["config · backend", *(plan.SHORT[c] for c in plan.CATEGORIES), "peak", "memory", "headroom"]
     return Table.of(rows, headers, title="per-rank memory plans of the shipped trn2 configs (GiB, 64 ranks)",
