@@ -454,3 +454,15 @@ def test_display_helpers_round_label_and_check():
     t = Table.of([("a long path " * 10, 1.5)], ["what", "value (s)"], footnotes=["note"])
     assert repr(t).splitlines()[-1] == "note" and "a long path " * 10 in repr(t)  # not cut at 50 characters
     assert "<th" in t._repr_html_() and " at 0x" not in repr(t)
+
+
+def test_measured_on_h200_is_labelled_or_says_not_measured(tmp_path):
+    """06 shows docs/measured_on_h200.md labelled as measured on one H200, or one line when it does not exist."""
+    from workbench.notebook.reports import measured_on_h200
+
+    absent = measured_on_h200(ROOT / "docs" / "no_such_file.md").data
+    assert absent.startswith("**Measured on one NVIDIA H200:** not measured yet") and "\n" not in absent
+    table = tmp_path / "measured_on_h200.md"
+    table.write_text("Measured 2026-12-04, torch 2.14.0\n\n| backend | tok/s |\n|---|---|\n| native | 1000 |\n")
+    shown = measured_on_h200(table).data
+    assert shown.startswith("**Measured on one NVIDIA H200**") and "| native | 1000 |" in shown
