@@ -554,8 +554,9 @@ def loss_agreement(df: pd.DataFrame, tolerance: float = 1e-3) -> Table:
         n = min(len(ref), len(curve))
         worst = max(abs(a - b) for a, b in zip(ref[:n], curve[:n], strict=True))
         first = abs(ref[0] - curve[0])
-        rows.append((f"{name} vs {ref_name}: step-1 loss |Δ|", first < tolerance, f"{first:.1e}", f"< {tolerance:g}"))
-        rows.append((f"{name} vs {ref_name}: largest loss |Δ| over {n} steps", worst < tolerance, f"{worst:.1e}",
+        shown = [f"{d:.1e}" if d else "0 (identical)" for d in (first, worst)]
+        rows.append((f"{name} vs {ref_name}: step-1 loss |Δ|", first < tolerance, shown[0], f"< {tolerance:g}"))
+        rows.append((f"{name} vs {ref_name}: largest loss |Δ| over {n} steps", worst < tolerance, shown[1],
                      f"< {tolerance:g}"))
     return checks(rows, title="like with like: the paths' loss curves from one shared init")
 
