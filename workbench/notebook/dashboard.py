@@ -150,6 +150,8 @@ class Dashboard:
         m = _DEVICE_LINE.search(line)
         if m and " · auto · " in self.title:  # the device "auto" resolved to, as the trainer reports it
             self.title = self.title.replace(" · auto · ", f" · {m[1]} · ")
+            if self.live:
+                self._widgets["bar"].description = self.title
         if self.echo:
             print(line, end="" if line.endswith("\n") else "\n", flush=True)
         if not self.live:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ import pandas as pd
 GiB = 1024**3
 MiB = 1024**2
 MISSING = "—"
+_NUMBER_TEXT = re.compile(r"^(|—|[<>]?\s?-?[\d,]*\.?\d+(e[+-]\d+)?\s?(%|×)?)$")
+"""Cells that read as a number (right-aligned): "1,234", "0.25", "< 0.01", "26 %", "—", ""."""
 
 
 def number(x: Any, digits: int = 4) -> str:
@@ -75,8 +78,8 @@ class Table:
     def __init__(self, frame: pd.DataFrame, title: str = "", footnotes: Sequence[str] = (), digits: int = 4):
         self.frame = frame.reset_index(drop=True).map(lambda v: number(v, digits)).astype(str)
         self.title, self.footnotes = title, [f for f in footnotes if f]
-        self._numeric = [bool(len(frame)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                  or v is None for v in frame[c]) for c in frame.columns]
+        self._numeric = [bool(len(self.frame)) and all(_NUMBER_TEXT.match(v) for v in self.frame[c])
+                         and any(v not in ("", MISSING) for v in self.frame[c]) for c in self.frame.columns]
 
     @classmethod
     def of(cls, rows: Iterable[Sequence[Any]], columns: Sequence[str], **kwargs) -> Table:

@@ -778,9 +778,12 @@ def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = ""
             ax_tps.plot(df.index, df["tokens_per_second"], marker=".", label=label or None)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_tps.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
+    steps = [i for df in frames.values() for i in df.index]
     for ax in (ax_loss, ax_tps):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if steps and min(steps) == max(steps):  # one step so far: whole steps around it, not 0.945 ... 1.05
+            ax.set_xlim(min(steps) - 1, max(steps) + 1)
         if any(frames):
             ax.legend(fontsize="small")
     if title:
