@@ -566,10 +566,11 @@ def trace(job: JobConfig, device: str, world_size: int, progress=_stderr) -> dic
 
 
 def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bool = False,
-                       reserve_gib: float | None = None) -> dict:
+                       reserve_gib: float | None = None, advise: int = 0) -> dict:
     """`plan` in a fresh interpreter: torch's meshes and fake process groups are process-global, and a trace
     after another one of a different layout (TP after FSDP-only, another world size) can trip over them; a
-    training process also keeps its own process group.
+    training process also keeps its own process group. `advise`: levers re-planned for their saving (`plan`; none
+    by default: a launch's check re-plans only when the plan does not fit, as `suggestions`).
 
     Raises:
         RuntimeError: the planner failed (its stderr's tail).
@@ -580,7 +581,7 @@ def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bo
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(job.to_toml())
     cmd = [sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc", str(world_size),
-           "--device", device, "--json", *([] if suggest else ["--no-suggest"]),
+           "--device", device, "--json", "--advise", str(advise), *([] if suggest else ["--no-suggest"]),
            *([] if reserve_gib is None else ["--reserve-gib", str(reserve_gib)])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
