@@ -131,6 +131,8 @@ REF_CATEGORY = {  # the tracker's reference type (value) -> the plan's category,
 }
 LARGE = 0.10
 """A category (or part of "other temporaries") with at least this share of the peak gets its top tensors and lever."""
+STATE = "state"
+"""The origin of tensors no operator of the traced step made: parameters, gradients, optimizer state, inputs."""
 TOP_TENSORS = 3
 """Tensor groups listed per large category."""
 HEADROOM = 0.10
@@ -185,7 +187,7 @@ def _tracker_class(vocab_local: int, seq_len: int):
             super().__init__(*args, **kwargs)
             self._ref_class = ref
             self.sdpa_ops: set[str] = set()
-            self._op = "module state"  # the operator running now: the origin of the storages it creates
+            self._op = STATE  # the operator running now: the origin of the storages it creates
             self.origin: dict[int, tuple[str, tuple, str, str]] = {}  # id(winfo) -> (op, shape, dtype, module)
             self.at_peak: list[tuple[int, str, tuple]] = []  # (bytes, reftype, origin) of every storage at the peak
 
@@ -196,7 +198,7 @@ def _tracker_class(vocab_local: int, seq_len: int):
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             finally:
-                self._op = "module state"
+                self._op = STATE
 
         def _update_peak_stats(self, peak_state):
             before = dict(self._peak_mem)
@@ -266,7 +268,7 @@ def _top_tensors(at_peak: list[tuple[int, str, tuple]], n: int = TOP_TENSORS) ->
 
     groups: dict[tuple, list[int]] = {}
     for nbytes, reftype, origin in at_peak:
-        op, shape, dtype, module = origin or ("module state", (), "", "")
+        op, shape, dtype, module = origin or (STATE, (), "", "")
         key = (REF_CATEGORY.get(reftype, reftype), op, shape, dtype, re.sub(r"\.\d+(?=\.|$)", ".*", module))
         groups.setdefault(key, []).append(nbytes)
     out: dict[str, list[dict]] = {}
@@ -819,6 +821,8 @@ def amount(nbytes: float, unit: str) -> str:
 
 def tensor_group(t: dict) -> str:
     """One group of top tensors in words: "12 x aten.mm [2, 64, 3072] float32 in layers.*.feed_forward"."""
+    if t["op"] == STATE:
+        return f"{t['count']} tensors held across steps (not made by an op of the step)"
     shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
     return f"{f'{t["count"]} x ' if t['count'] > 1 else ''}{t['op']} {shape} {t['dtype']} in {t['module']}"
 
