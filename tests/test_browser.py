@@ -13,9 +13,9 @@ tmp too, so nothing is written into the repository), and drives the system Chrom
    While it waits for the first step no broken image is shown (an image widget without data is hidden).
 3. File → Save Notebook As…: the saved file holds the figure and summary but no widget placeholders
    ("0%| | 0/8", "VBox(children=…)", widget-view outputs), and it reopens showing just that.
-4. 07_memory_plan and 00_setup, Run All: no cell's last output is a raw dict, 07 shows the plan as a table with
-   "other temporaries" split into its parts, and the trn2 plans as a numeric table. (nbval checks every notebook's
-   outputs for raw dicts as it runs them: notebooks/conftest.py.)
+4. 07_memory_plan, Run All: no cell's last output is a raw dict, the plan is a table with "other temporaries" split
+   into its parts, and the trn2 plans are a numeric table. (nbval fails any notebook cell whose result is a raw dict
+   as it runs every notebook: notebooks/conftest.py; running the others here too would double their cost.)
 
 Screenshots of each stage go to `<run folder>/screens/`.
 """
@@ -125,7 +125,6 @@ def lab(tmp_path):
     lab_root.mkdir()
     name, kernel = "02_native.ipynb", _notebook_copy(lab_root, "02_native", dump_folder=str(dump))
     _notebook_copy(lab_root, "07_memory_plan", replan=0)  # the plan's tables, without the re-plan's second trace
-    _notebook_copy(lab_root, "00_setup")
     env = _lab_dirs(tmp_path, kernel)
     port, token = _free_port(), "browser-test-" + os.urandom(8).hex()
     log = open(tmp_path / "jupyterlab.log", "w")
@@ -356,18 +355,15 @@ def test_run_all_twice_then_save_in_jupyterlab(lab):
     for stale in STALE:
         assert stale not in reopened["text"], f"reopened notebook shows {stale!r}:\n{reopened['text']}"
 
-    for name, timeout in (("07_memory_plan.ipynb", 240), ("00_setup.ipynb", 120)):
-        lab.run_all(name, timeout)
-        for i, text in enumerate(("plan_table(p)", "plan_advice(p)", "trn2_plans_table(plans)", "plan_chart(")
-                                 if name.startswith("07") else ("environment_report(", "asset_facts()")):
-            lab.scroll_to(text)
-            lab.shot(f"4-{name.removesuffix('.ipynb')}-{i}")
-        cells = lab.cell_results()
-        for cell in cells:  # a raw dict reads "{'steps logged': 8, ...}"
-            assert not RAW_DICT.match(cell["lastText"].strip()), f"{name}: raw dict output of {cell['source']!r}"
-        if name.startswith("07"):
-            plan_table = next((t for c in cells for t in c["tables"] if "other temporaries" in t), "")
-            for part in ("backward temporaries", "unsharded gradients", "reduce-scatter buffers", "inputs", "peak"):
-                assert part in plan_table, f"07's plan table lacks {part!r}:\n{plan_table}"
-            trn2 = next((t for c in cells for t in c["tables"] if "qwen3_trainium · native" in t), "")
-            assert re.search(r"qwen3_trainium · native\s+[\d.]+\s+[\d.]+", trn2), f"07 has no trn2 table:\n{trn2}"
+    lab.run_all("07_memory_plan.ipynb", timeout=240)
+    for i, text in enumerate(("plan_table(p)", "plan_advice(p)", "trn2_plans_table(plans)", "plan_chart(")):
+        lab.scroll_to(text)
+        lab.shot(f"4-07_memory_plan-{i}")
+    cells = lab.cell_results()
+    for cell in cells:  # a raw dict reads "{'steps logged': 8, ...}"
+        assert not RAW_DICT.match(cell["lastText"].strip()), f"07: raw dict output of {cell['source']!r}"
+    plan_table = next((t for c in cells for t in c["tables"] if "other temporaries" in t), "")
+    for part in ("backward temporaries", "unsharded gradients", "reduce-scatter buffers", "inputs", "peak"):
+        assert part in plan_table, f"07's plan table lacks {part!r}:\n{plan_table}"
+    trn2 = next((t for c in cells for t in c["tables"] if "qwen3_trainium · native" in t), "")
+    assert re.search(r"qwen3_trainium · native\s+[\d.]+\s+[\d.]+", trn2), f"07 has no trn2 table:\n{trn2}"
