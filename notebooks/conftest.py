@@ -5,10 +5,14 @@ here before any kernel starts:
   * PYTHONPATH gets the repository root, so the kernel and the torchrun children it launches import this
     checkout's `workbench` even when the project is not pip-installed (in CI it is: `pip install -e .`);
   * WORKBENCH_DASHBOARD=static (the dashboard would detect nbval anyway; this makes it explicit).
+And every cell whose result is a raw dict fails (`pytest_runtest_makereport`).
 """
 
 import os
+import re
 from pathlib import Path
+
+import pytest
 
 ROOT = str(Path(__file__).resolve().parents[1])
 _parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
@@ -16,3 +20,20 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *_parts])
 os.environ.setdefault("WORKBENCH_DASHBOARD", "static")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+RAW_DICT = re.compile(r"^\{['\"].*\}$", re.S)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fails a notebook cell whose result is a raw dict ("{'steps logged': 8, ...}"): every result a notebook shows
+    goes through `workbench.notebook.display` (a table, checks with tolerances)."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed:
+        return
+    for out in getattr(item, "test_outputs", None) or []:
+        text = out.get("data", {}).get("text/plain", "") if out.get("output_type") == "execute_result" else ""
+        if RAW_DICT.match(text.strip()):
+            report.outcome = "failed"
+            report.longrepr = f"{item.name}: the cell's result is a raw dict; show it as a table:\n{text[:500]}"

@@ -10,8 +10,12 @@ tmp too, so nothing is written into the repository), and drives the system Chrom
    the widgets give way to the static figure and the summary line "steps 1–8 of 8".
 2. Run All again into the same run folder (the trainer replaces metrics.jsonl): the same again (the dashboard
    used to stay at "waiting for the first step…" and end with "no steps logged").
+   While it waits for the first step no broken image is shown (an image widget without data is hidden).
 3. File → Save Notebook As…: the saved file holds the figure and summary but no widget placeholders
    ("0%| | 0/8", "VBox(children=…)", widget-view outputs), and it reopens showing just that.
+4. 07_memory_plan, Run All: no cell's last output is a raw dict, the plan is a table with "other temporaries" split
+   into its parts, and the trn2 plans are a numeric table. (nbval fails any notebook cell whose result is a raw dict
+   as it runs every notebook: notebooks/conftest.py; running the others here too would double their cost.)
 
 Screenshots of each stage go to `<run folder>/screens/`.
 """
@@ -97,14 +101,17 @@ def _lab_dirs(tmp: Path, kernel_name: str) -> dict[str, str]:
     return env
 
 
-def _notebook_copy(lab_root: Path, dump_folder: Path) -> tuple[str, str]:
-    """02_native with its training output redirected to `dump_folder`; returns (file name, kernel name)."""
-    nb = nbformat.read(str(ROOT / "notebooks" / "02_native.ipynb"), as_version=4)
-    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    params.source, n = re.subn(r'(?m)^dump_folder = .*$', f"dump_folder = {str(dump_folder)!r}", params.source)
-    assert n == 1, "02_native's parameters cell has no dump_folder line"
-    nbformat.write(nb, str(lab_root / "02_native.ipynb"))
-    return "02_native.ipynb", nb.metadata.kernelspec.name
+def _notebook_copy(lab_root: Path, name: str, **params: object) -> str:
+    """notebooks/<name>.ipynb copied into `lab_root` with parameters replaced; returns its kernel name."""
+    nb = nbformat.read(str(ROOT / "notebooks" / f"{name}.ipynb"), as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    for key, value in params.items():
+        cell.source, n = re.subn(rf'(?m)^{key} = .*$', f"{key} = {value!r}", cell.source)
+        assert n == 1, f"{name}'s parameters cell has no {key} line"
+    # Relative config paths are the repository's: the copy runs from lab_root, so make them absolute.
+    cell.source = re.sub(r'"(configs/[\w.]+\.toml)"', lambda m: repr(str(ROOT / m[1])), cell.source)
+    nbformat.write(nb, str(lab_root / f"{name}.ipynb"))
+    return nb.metadata.kernelspec.name
 
 
 @pytest.fixture
@@ -116,7 +123,8 @@ def lab(tmp_path):
 
     lab_root, dump = tmp_path / "lab", tmp_path / "outputs"
     lab_root.mkdir()
-    name, kernel = _notebook_copy(lab_root, dump)
+    name, kernel = "02_native.ipynb", _notebook_copy(lab_root, "02_native", dump_folder=str(dump))
+    _notebook_copy(lab_root, "07_memory_plan", replan=0)  # the plan's tables, without the re-plan's second trace
     env = _lab_dirs(tmp_path, kernel)
     port, token = _free_port(), "browser-test-" + os.urandom(8).hex()
     log = open(tmp_path / "jupyterlab.log", "w")
@@ -198,10 +206,13 @@ class _Page:
             if (!cell) return null;
             const out = cell.querySelector('.jp-OutputArea');
             const imgs = [...out.querySelectorAll('img')].filter(i => i.complete && i.naturalWidth > 100);
+            // shown, but without a picture: the browser's broken-image icon
+            const broken = [...out.querySelectorAll('img')].filter(i => i.offsetParent !== null &&
+                (!i.getAttribute('src') || (i.complete && i.naturalWidth === 0))).length;
             return {text: out.innerText, widgets: out.querySelectorAll('.widget-progress, .jupyter-widgets').length,
                     widgetImage: [...out.querySelectorAll('.jupyter-widgets img, img.widget-image')]
                         .filter(i => i.complete && i.naturalWidth > 100).length,
-                    images: imgs.length,
+                    images: imgs.length, broken: broken,
                     prompt: cell.querySelector('.jp-InputPrompt').textContent.trim()};
         """)
 
@@ -213,6 +224,13 @@ class _Page:
     def shot(self, name: str) -> None:
         self.shots.mkdir(parents=True, exist_ok=True)
         self.driver.save_screenshot(str(self.shots / f"{name}.png"))
+
+    def scroll_to(self, source: str) -> None:
+        """Scrolls the code cell whose source contains `source` to the top of the view."""
+        self.js("const c = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]"
+                f".find(c => c.querySelector('.jp-InputArea').textContent.includes({json.dumps(source)}));"
+                "if (c) c.scrollIntoView({block: 'start'});")
+        time.sleep(0.3)  # a windowed notebook renders the outputs that came into view
 
     def scroll_to_training_cell(self) -> None:
         self.js("const c = [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')]"
@@ -226,7 +244,7 @@ class _Page:
 
         before = count(self.last_prompt())  # done = the last cell shows a newer execution count than that
         self.menu("Run", "Run All Cells")
-        steps, image_seen, shot_taken = [], False, False
+        steps, image_seen, shot_taken, broken = [], False, False, []
         deadline = time.monotonic() + 300
 
         while time.monotonic() < deadline:
@@ -235,6 +253,14 @@ class _Page:
             if state.get("widgets") and m and (not steps or steps[-1] != int(m[1])):
                 steps.append(int(m[1]))
             image_seen |= bool(state.get("widgets") and state.get("widgetImage"))
+            if state.get("broken"):
+                broken.append(state.get("text", "")[:200])
+                if len(broken) == 1:
+                    self.scroll_to_training_cell()
+                    self.shot(f"{label}-broken-image")
+            if state.get("widgets") and not steps and not shot_taken and "starting:" in state.get("text", ""):
+                self.scroll_to_training_cell()
+                self.shot(f"{label}-waiting")
             if image_seen and len(steps) >= 2 and not shot_taken:
                 self.scroll_to_training_cell()
                 self.shot(f"{label}-training")
@@ -246,11 +272,42 @@ class _Page:
             raise AssertionError(f"{label}: Run All did not finish in 300 s; dashboard showed steps {steps}")
         self.scroll_to_training_cell()
         self.shot(f"{label}-done")
-        return {"steps": steps, "image_seen": image_seen, "final": self.training_cell()}
+        return {"steps": steps, "image_seen": image_seen, "final": self.training_cell(), "broken": broken}
+
+    def run_all(self, name: str, timeout: float) -> None:
+        """Opens `name`, Run → Run All Cells, and waits until its last code cell has run (or an error shows)."""
+        self.open(name)
+        self.menu("Run", "Run All Cells")
+
+        def finished():
+            return self.js("""
+                const p = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+                if (p.querySelector('[data-mime-type="application/vnd.jupyter.error"]')) return 'error';
+                const prompts = [...p.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
+                return prompts.length && prompts.every(t => /^\\[\\d+\\]:$/.test(t)) ? 'done' : '';
+            """)
+
+        assert _wait(f"{name} to run", finished, timeout=timeout, interval=0.5) == "done", f"{name} failed"
+
+    def cell_results(self) -> list[dict]:
+        """Each code cell's source head and what its outputs show: text, whether a table / image is rendered."""
+        return self.js("""
+            return [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell')].map(c => {
+                const outs = [...c.querySelectorAll('.jp-OutputArea-output')];
+                const last = outs.length ? outs[outs.length - 1] : null;
+                return {source: c.querySelector('.jp-InputArea').textContent.slice(0, 80),
+                        lastText: last ? last.innerText : '',
+                        tables: [...c.querySelectorAll('.jp-OutputArea table')].map(t => t.innerText)};
+            });
+        """)
+
+
+RAW_DICT = re.compile(r"^\{['\"].*\}$", re.S)
 
 
 def _assert_dashboard(seen: dict, label: str) -> None:
     steps, final = seen["steps"], seen["final"]
+    assert not seen["broken"], f"{label}: a broken image was shown while waiting: {seen['broken'][:3]}"
     assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] > steps[0], \
         f"{label}: the step counter did not advance while training (seen: {steps}); final output:\n{final['text']}"
     assert seen["image_seen"], f"{label}: no curve image in the live dashboard"
@@ -297,3 +354,16 @@ def test_run_all_twice_then_save_in_jupyterlab(lab):
     lab.shot("3-reopened-saved")
     for stale in STALE:
         assert stale not in reopened["text"], f"reopened notebook shows {stale!r}:\n{reopened['text']}"
+
+    lab.run_all("07_memory_plan.ipynb", timeout=240)
+    for i, text in enumerate(("plan_table(p)", "plan_advice(p)", "trn2_plans_table(plans)", "plan_chart(")):
+        lab.scroll_to(text)
+        lab.shot(f"4-07_memory_plan-{i}")
+    cells = lab.cell_results()
+    for cell in cells:  # a raw dict reads "{'steps logged': 8, ...}"
+        assert not RAW_DICT.match(cell["lastText"].strip()), f"07: raw dict output of {cell['source']!r}"
+    plan_table = next((t for c in cells for t in c["tables"] if "other temporaries" in t), "")
+    for part in ("backward temporaries", "unsharded gradients", "reduce-scatter buffers", "inputs", "peak"):
+        assert part in plan_table, f"07's plan table lacks {part!r}:\n{plan_table}"
+    trn2 = next((t for c in cells for t in c["tables"] if "qwen3_trainium · native" in t), "")
+    assert re.search(r"qwen3_trainium · native\s+[\d.]+\s+[\d.]+", trn2), f"07 has no trn2 table:\n{trn2}"

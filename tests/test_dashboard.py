@@ -110,3 +110,23 @@ def test_wording_after_step_one_failed_and_unknown_backend(tmp_path):
                                                             "10 tok/s · MFU 0.00% · 0.00 GiB")
     assert re.fullmatch(r"e: no steps logged \(finished after \d+ s\)\.",
                         Dashboard(tmp_path / "e", total_steps=1, title="e", live=False).summary_text())
+
+
+def test_status_names_the_phase_after_a_step_and_the_device_in_the_title(tmp_path):
+    """After a step that saves a checkpoint, and after the last one when the run exports, the live status says so
+    (those phases print no step line for seconds); the title's "auto" device becomes the one the trainer reports."""
+    metrics = tmp_path / "metrics.jsonl"
+    board = Dashboard(tmp_path, total_steps=8, title="cpu_dense.toml · native · tiny · 8 steps · auto · 1 rank(s)",
+                      live=False, checkpoint_steps={4, 8}, export=True)
+    board("workbench: backend native, flavor tiny, device cpu x 1 rank(s), run folder /x\n")
+    assert board.title == "cpu_dense.toml · native · tiny · 8 steps · cpu · 1 rank(s)"
+    metrics.write_text("".join(record(s) for s in (1, 2, 3, 4)))
+    board("step 4/8\n")
+    assert board._status_html(board.records[-1]).endswith("<br><b>saving checkpoint step 4…</b>")
+    append(metrics, record(5))
+    board.poll()
+    assert "<br>" not in board._status_html(board.records[-1])
+    append(metrics, "".join(record(s) for s in (6, 7, 8)))
+    board.poll()
+    assert board._status_html(board.records[-1]).endswith(
+        "<b>saving checkpoint step 8 · exporting Hugging Face weights…</b>")

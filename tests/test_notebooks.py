@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,7 +195,8 @@ def test_notebook_runs_with_defaults(name, tmp_path):
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == list(range(1, 9))
         assert {r["backend"] for r in records} == {TRAINING[name]}
-        assert "finished · backend" in text and "'loss decreased': True" in text
+        assert "finished · backend" in text and "✗" not in text
+        assert re.search(r"✓\s+loss decreased \(last < first\)", text), text
         assert has_image(tmp_path / f"{name}.ipynb")  # the dashboard's final static figure
         assert "application/vnd.jupyter.widget-view+json" not in (tmp_path / f"{name}.ipynb").read_text()
     if name == "03_nki_moe":  # the trn2 time model beside the measured numbers, labelled as a model
@@ -424,7 +426,8 @@ def test_kernel_registration_never_takes_over_another_clones_kernel(tmp_path, mo
 
 
 def test_bench_table_is_readable():
-    """Short headers with units, MFU in percent, 4 significant digits (bench.csv keeps full precision)."""
+    """Short headers with units, MFU in percent, 4 significant digits, "—" with a footnote for a missing value, no
+    index (bench.csv keeps full precision)."""
     import pandas as pd
 
     from workbench.notebook.reports import bench_table
@@ -432,6 +435,36 @@ def test_bench_table_is_readable():
     df = pd.DataFrame({"backend": ["native", "nki_moe"], "status": ["ok", "failed"], "tokens_per_s": [401.98765, None],
                        "step_time_median_s": [0.3188812, None], "mfu": [0.0623456, None], "error": ["", "boom"]})
     t = bench_table(df)
-    assert list(t.columns) == ["status", "tok/s", "step median (s)", "MFU (%)", "error"]
-    assert t.loc["native"].tolist() == ["ok", 402.0, 0.3189, 6.235, ""]
-    assert t.loc["nki_moe", "error"] == "boom" and pd.isna(t.loc["nki_moe", "tok/s"])
+    assert list(t.frame.columns) == ["backend", "status", "tok/s", "step median (s)", "MFU (%)", "error"]
+    assert t.frame.iloc[0].tolist() == ["native", "ok", "402.0", "0.3189", "6.235", ""]
+    assert t.frame.iloc[1].tolist() == ["nki_moe", "failed", "—", "—", "—", "boom"]
+    assert any(n.startswith("—: no value") for n in t.footnotes)
+    assert "nan" not in repr(t).lower() and "NaN" not in t._repr_html_()
+
+
+def test_display_helpers_round_label_and_check():
+    """One presentation: significant digits with separators, one memory unit per value, MFU as %, checks as ✓/✗ rows
+    with the measured value and the tolerance; the text form (what nbval compares) has no index and no addresses."""
+    from workbench.notebook.display import Table, checks, memory, number, percent
+
+    assert [number(x) for x in (1773260800, 11.934203147888184, 0.0144, 109608.11688241182, None, float("nan"))] == \
+        ["1,773,260,800", "11.93", "0.01440", "109,608", "—", "—"]
+    assert memory(1773260800) == "1.65 GiB" and memory(3 * 2**20) == "3.00 MiB" and percent(0.0144) == "1.44 %"
+    c = checks([("loss decreased", True, "11.93 → 10.5", "lower"), ("steps logged", False, 7, 8)])
+    assert c.frame.values.tolist() == [["✓", "loss decreased", "11.93 → 10.5", "lower"],
+                                       ["✗", "steps logged", "7", "8"]]
+    t = Table.of([("a long path " * 10, 1.5)], ["what", "value (s)"], footnotes=["note"])
+    assert repr(t).splitlines()[-1] == "note" and "a long path " * 10 in repr(t)  # not cut at 50 characters
+    assert "<th" in t._repr_html_() and " at 0x" not in repr(t)
+
+
+def test_measured_on_h200_is_labelled_or_says_not_measured(tmp_path):
+    """06 shows docs/measured_on_h200.md labelled as measured on one H200, or one line when it does not exist."""
+    from workbench.notebook.reports import measured_on_h200
+
+    absent = measured_on_h200(ROOT / "docs" / "no_such_file.md").data
+    assert absent.startswith("**Measured on one NVIDIA H200:** not measured yet") and "\n" not in absent
+    table = tmp_path / "measured_on_h200.md"
+    table.write_text("Measured 2026-12-04, torch 2.14.0\n\n| backend | tok/s |\n|---|---|\n| native | 1000 |\n")
+    shown = measured_on_h200(table).data
+    assert shown.startswith("**Measured on one NVIDIA H200**") and "| native | 1000 |" in shown

@@ -117,6 +117,22 @@ def test_not_fitting_is_replanned_with_a_working_change(monkeypatch, capsys):
     assert good and good[-1]["peak_bytes"] < 0.8 * base
     assert "loss_chunks" in p["suggestions"][0]["change"]
     assert "DOES NOT FIT" in plan.render(p) and good[-1]["change"] in plan.render(p)
+    # What to change: the largest category first, the tensors that make it at the peak (the logits' [tokens, vocab]
+    # fp32 tensors) and its lever, whose saving is the re-planned peak (the suggestion's trace, reused).
+    first = p["advice"][0]
+    assert first["category"] == "logits and loss" and first["change"] == p["suggestions"][0]["change"]
+    assert first["peak_bytes_after"] == p["suggestions"][0]["peak_bytes"] < p["peak_bytes"]
+    assert first["top"][0]["shape"][-1] == 151_936 and first["top"][0]["dtype"] == "float32"
+    assert sum(t["bytes"] for t in first["top"]) <= first["bytes"]
+    # "other temporaries" is exactly the sum of its parts, and the rendered table shows them
+    assert sum(p["other_parts"].values()) == p["categories"]["other temporaries"]
+    text = plan.render(p)
+    for part in plan.OTHER_PARTS:
+        assert f"  - {part}" in text
+    unit = "GiB" if p["peak_bytes"] >= GiB else "MiB"
+    assert f"saves {plan.amount(p['peak_bytes'] - first['peak_bytes_after'], unit)} {unit}, re-planned" in text
+    err = capsys.readouterr().err
+    assert "tracing one training step" in err and "initial_load_model_only" not in err and "DTensor" not in err
 
 
 def test_bad_input(capsys):

@@ -121,6 +121,10 @@ class _Progress:
         if m:
             if self.first_step_at is None:
                 self.first_step_at = time.perf_counter()
+                # The rate and ETA from step 1 on: start-up (imports, process group, model build) is not a step.
+                self.bar.reset(total=int(m[2]))
+                self.bar.initial = int(m[1])
+                self.bar.set_postfix_str(f"start-up {self.first_step_at - self.started:.0f} s", refresh=False)
             self.bar.total = int(m[2])
             self.bar.n = int(m[1])
             self.bar.refresh()

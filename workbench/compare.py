@@ -209,15 +209,18 @@ def perplexity(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 @torch.no_grad()
 def heldout_eval(a: Loaded, b: Loaded, batch: torch.Tensor) -> dict[str, float]:
-    """Logits of both models on the same held-out rows: their differences, top-1 agreement and perplexities."""
+    """Logits of both models on the same held-out rows: their differences, top-1 agreement, KL(a || b) per token
+    (nats) and perplexities."""
     inputs, labels = batch[:, :-1], batch[:, 1:]
     la, lb = a.model(inputs).float(), b.model(inputs).float()
     if la.shape != lb.shape:
         raise ValueError(f"The models' logits differ in shape ({tuple(la.shape)} vs {tuple(lb.shape)}): they do not "
                          "share a vocabulary, so logits and generations cannot be compared.")
     diff = (la - lb).abs()
+    # KL(a || b) of the next-token distributions, averaged over the held-out tokens
+    kl = F.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True, reduction="sum") / labels.numel()
     return {"logits_max_abs_diff": diff.max().item(), "logits_mean_abs_diff": diff.mean().item(),
-            "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+            "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(), "kl_a_b": kl.item(),
             "ppl_a": perplexity(la, labels), "ppl_b": perplexity(lb, labels), "tokens": labels.numel()}
 
 

@@ -20,8 +20,15 @@ parameters (FSDP's unsharded copies + all-gather buffers), activations (what the
 attention scores (tensors ending in [seq, seq]: only SDPA's math path makes them), logits and loss (every tensor
 whose last dim is the local vocabulary: logits, their fp32 copies, softmax and gradients), nki kernel buffers
 (on trn2, everything the nki_moe experts allocate per call: the kernels' own HBM tensors and the autograd glue's
-copies), other temporaries (backward temporaries, reduce-scatter buffers, inputs), and device runtime (HBM the
-device's runtime holds outside the tensors: `TRN2_RUNTIME`, `CUDA_RUNTIME`).
+copies), other temporaries, and device runtime (HBM the device's runtime holds outside the tensors: `TRN2_RUNTIME`,
+`CUDA_RUNTIME`). "other temporaries" is shown split into its parts (`OTHER_PARTS`): backward temporaries (what the
+backward pass allocates besides the above: activation gradients, recomputed inputs of its matmuls), unsharded
+gradients (FSDP's full-size gradients before they are reduce-scattered), reduce-scatter buffers and the inputs.
+
+What to change: for every category over `LARGE` of the peak the plan lists the tensors that make it at the peak
+(grouped by operator, shape and module, from the tracker's live storages when the peak was reached) and the
+setting that shrinks it (`LEVERS`); the saving of the first `advise` of those settings is computed by re-planning
+the changed config, never estimated.
 
 The target device changes more than the dtypes (`training.dtype = auto`: bf16 compute on cuda/neuron, fp32 on
 CPU) and the capacity; the trace itself runs on this host's CPU, so what would run differently there is put in:
@@ -111,6 +118,23 @@ NO_FUSED_SDPA = ("no fused SDPA kernel is known on the neuron device: TorchNeuro
 
 CATEGORIES = ("sharded parameters", "gradients", "optimizer state", "all-gathered parameters", "activations",
               "attention scores", "logits and loss", "nki kernel buffers", "other temporaries", "device runtime")
+OTHER_PARTS = {  # the parts of "other temporaries": the tracker's reference types
+    "backward temporaries": "Temp", "unsharded gradients": "Unsharded Grad", "reduce-scatter buffers": "Reduce Scatter",
+    "inputs": "Inputs",
+}
+REF_CATEGORY = {  # the tracker's reference type (value) -> the plan's category, or the part of "other temporaries"
+    "Sharded Param": "sharded parameters", "Buffer": "sharded parameters", "Sharded Grad": "gradients",
+    "OptState": "optimizer state", "Unsharded Param": "all-gathered parameters",
+    "All Gather": "all-gathered parameters",
+    "Activation": "activations", "Attention scores": "attention scores", "Logits": "logits and loss",
+    "NKI kernels": "nki kernel buffers", **{ref: part for part, ref in OTHER_PARTS.items()},
+}
+LARGE = 0.10
+"""A category (or part of "other temporaries") with at least this share of the peak gets its top tensors and lever."""
+STATE = "state"
+"""The origin of tensors no operator of the traced step made: parameters, gradients, optimizer state, inputs."""
+TOP_TENSORS = 3
+"""Tensor groups listed per large category."""
 HEADROOM = 0.10
 """Suggestions aim for a peak with at least this fraction of the capacity left free."""
 
@@ -151,6 +175,7 @@ def _tracker_class(vocab_local: int, seq_len: int):
     [.., seq, seq] -> 'attention scores', allocated by the nki_moe kernels or glue -> 'nki kernel buffers'; and
     that records the SDPA kernels the step dispatched (`sdpa_ops`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import get_untyped_storages
 
     # A str enum with the tracker's own values plus ours: its snapshot dicts are keyed by value (str equality),
     # so the tracker's internal `_FSDPRefType.X` lookups and ours hit the same entries.
@@ -162,11 +187,25 @@ def _tracker_class(vocab_local: int, seq_len: int):
             super().__init__(*args, **kwargs)
             self._ref_class = ref
             self.sdpa_ops: set[str] = set()
+            self._op = STATE  # the operator running now: the origin of the storages it creates
+            self.origin: dict[int, tuple[str, tuple, str, str]] = {}  # id(winfo) -> (op, shape, dtype, module)
+            self.at_peak: list[tuple[int, str, tuple]] = []  # (bytes, reftype, origin) of every storage at the peak
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
                 self.sdpa_ops.add(f"aten.{func.__name__.split('.')[0]}")
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            self._op = f"aten.{func.__name__.split('.')[0]}"
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._op = STATE
+
+        def _update_peak_stats(self, peak_state):
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != before:  # a new global peak: remember what is alive (what "top tensors" reads)
+                self.at_peak = [(w.mem_consumed, str(w.reftype.value), self.origin.get(id(w), ()))
+                                for w, st in self._WINFO.values() if st() is not None and w.mem_consumed]
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
             # A chunked loss calls the FSDP-wrapped lm_head once per chunk; the tracker refuses a module's second
@@ -189,7 +228,14 @@ def _tracker_class(vocab_local: int, seq_len: int):
                     reftype = ref.LOGITS
                 elif t.dim() >= 2 and tuple(t.shape[-2:]) == (seq_len, seq_len):
                     reftype = ref.SCORES
-            return super()._track(reftype, t)
+            new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
+            super()._track(reftype, t)
+            parents = self._mod_tracker.parents - {"Global"}
+            module = max(parents, key=len).partition(".")[2] if parents else ""  # less the root's class name
+            for st in new:
+                winfo = self._WINFO.get(st, (None, None))[0]
+                if winfo is not None:
+                    self.origin[id(winfo)] = (self._op, tuple(t.shape), str(t.dtype).removeprefix("torch."), module)
 
     return Tracker
 
@@ -206,8 +252,31 @@ def _categories(snap: dict) -> dict[str, int]:
         "attention scores": g("Attention scores"),
         "logits and loss": g("Logits"),
         "nki kernel buffers": g("NKI kernels"),
-        "other temporaries": g("Temp", "Unsharded Grad", "Reduce Scatter", "Inputs"),
+        "other temporaries": g(*OTHER_PARTS.values()),
     }
+
+
+def _other_parts(snap: dict) -> dict[str, int]:
+    """"other temporaries" split into its parts (`OTHER_PARTS`), bytes at the peak."""
+    return {part: int(snap.get(ref, 0)) for part, ref in OTHER_PARTS.items()}
+
+
+def _top_tensors(at_peak: list[tuple[int, str, tuple]], n: int = TOP_TENSORS) -> dict[str, list[dict]]:
+    """{category or part of "other temporaries": its `n` largest groups of storages alive at the peak}, a group being
+    the storages one operator made with one shape in one module, layer numbers folded ("layers.*.attention")."""
+    import re
+
+    groups: dict[tuple, list[int]] = {}
+    for nbytes, reftype, origin in at_peak:
+        op, shape, dtype, module = origin or (STATE, (), "", "")
+        key = (REF_CATEGORY.get(reftype, reftype), op, shape, dtype, re.sub(r"\.\d+(?=\.|$)", ".*", module))
+        groups.setdefault(key, []).append(nbytes)
+    out: dict[str, list[dict]] = {}
+    for (cat, op, shape, dtype, module), sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        if len(out.setdefault(cat, [])) < n:
+            out[cat].append({"op": op, "shape": list(shape), "dtype": dtype, "module": module or "(top level)",
+                             "count": len(sizes), "bytes": sum(sizes)})
+    return out
 
 
 @dataclasses.dataclass
@@ -435,12 +504,20 @@ def _kernel_calls(calls: list) -> dict:
     return out
 
 
-def trace(job: JobConfig, device: str, world_size: int) -> dict:
+def _stderr(msg: str) -> None:
+    print(f"workbench.plan: {msg}", file=sys.stderr, flush=True)
+
+
+def trace(job: JobConfig, device: str, world_size: int, progress=_stderr) -> dict:
     """Per-rank peak memory of one steady-state training step of `job` on `world_size` ranks (fake tensors).
 
+    Args:
+        progress: called with a short line as each phase starts (build, warm-up, traced step).
+
     Returns:
-        {"peak_bytes", "categories": {name: bytes}, "trace_seconds", "checkpoint_bytes", "sdpa": {"kernel",
-        "note"}, "nki_kernels": `_kernel_calls`}. The device runtime is not in it (see `plan`).
+        {"peak_bytes", "categories": {name: bytes}, "other_parts": `_other_parts`, "top_tensors": `_top_tensors`,
+        "trace_seconds", "checkpoint_bytes", "sdpa": {"kernel", "note"}, "nki_kernels": `_kernel_calls`}. The
+        device runtime is not in it (see `plan`).
     """
     import torch
     import torch.distributed as dist
@@ -449,9 +526,11 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
 
     from workbench import device as wb_device
     from workbench.checkpoint import checkpoint_bytes
+    from workbench.trainer import quiet_titan_logs
 
     device_kind = DEVICES[device].kind
     wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
+    quiet_titan_logs(job.job.verbose)  # the warnings training hides (initial_load_model_only, DTensor RNG) too
     t0 = time.perf_counter()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -460,7 +539,10 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
     try:
         pd = parallel_dims_for(job, device_kind, world_size)
         with FakeTensorMode(allow_non_fake_inputs=True), _as_on(device, job, calls):
+            progress(f"building {job.model.flavor} {job.model.backend} for {world_size} rank(s) of {device} "
+                     "(fake tensors)")
             b = build(job, device_kind, world_size, pd)
+            progress("warm-up step (optimizer state)")
             warm_optimizer(b, job.training.gradient_accumulation_steps)
             ckpt = checkpoint_bytes([b.model], b.optimizers)
             t = job.training
@@ -468,6 +550,7 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
             tracker = _tracker_class(b.vocab_local, t.seq_len)(
                 b.model, b.optimizers.optimizers[0] if hasattr(b.optimizers, "optimizers") else b.optimizers)
             tracker.track_inputs((tokens,))
+            progress(f"tracing one training step ({time.perf_counter() - t0:.0f} s so far)")
             with tracker:
                 training_step(b, tokens, tokens.clone())
                 b.optimizers.step()
@@ -479,15 +562,17 @@ def trace(job: JobConfig, device: str, world_size: int) -> dict:
     fused = FUSED_SDPA[device_kind]
     sdpa = {"kernel": ", ".join(sorted(tracker.sdpa_ops)) or "math (decomposed: fp32 S x S scores)",
             "note": f"the device's fused kernel: {fused}" if fused else NO_FUSED_SDPA}
-    return {"peak_bytes": sum(cats.values()), "categories": cats, "trace_seconds": time.perf_counter() - t0,
+    return {"peak_bytes": sum(cats.values()), "categories": cats, "other_parts": _other_parts(snap),
+            "top_tensors": _top_tensors(tracker.at_peak), "trace_seconds": time.perf_counter() - t0,
             "checkpoint_bytes": ckpt, "sdpa": sdpa, "nki_kernels": _kernel_calls(calls)}
 
 
 def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bool = False,
-                       reserve_gib: float | None = None) -> dict:
+                       reserve_gib: float | None = None, advise: int = 0) -> dict:
     """`plan` in a fresh interpreter: torch's meshes and fake process groups are process-global, and a trace
     after another one of a different layout (TP after FSDP-only, another world size) can trip over them; a
-    training process also keeps its own process group.
+    training process also keeps its own process group. `advise`: levers re-planned for their saving (`plan`; none
+    by default: a launch's check re-plans only when the plan does not fit, as `suggestions`).
 
     Raises:
         RuntimeError: the planner failed (its stderr's tail).
@@ -498,7 +583,7 @@ def plan_in_subprocess(job: JobConfig, device: str, world_size: int, suggest: bo
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(job.to_toml())
     cmd = [sys.executable, "-m", "workbench.plan", "--job.config_file", f.name, "--nproc", str(world_size),
-           "--device", device, "--json", *([] if suggest else ["--no-suggest"]),
+           "--device", device, "--json", "--advise", str(advise), *([] if suggest else ["--no-suggest"]),
            *([] if reserve_gib is None else ["--reserve-gib", str(reserve_gib)])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -577,18 +662,85 @@ def candidates(job: JobConfig, world_size: int, categories: dict[str, int], cap:
     return out
 
 
+def levers(job: JobConfig, world_size: int) -> dict[str, tuple[str, dict, int]]:
+    """The setting that shrinks each category (or part of "other temporaries") of `job`'s plan, where the config
+    has one left: {category: (flag, changes, world size)}; every change is validated like training does."""
+    t, par = job.training, job.parallelism
+    found: dict[str, tuple[str, dict, int]] = {}
+
+    def offer(categories, flag, change, world=world_size):
+        try:
+            _with(job, world, **change)
+        except ConfigError:
+            return
+        for cat in categories:
+            found.setdefault(cat, (flag, change, world))
+
+    chunks = 0 if t.loss_chunks else next((c for c in (8, 4, 2) if t.seq_len % (c * par.tp) == 0), 0)
+    if chunks:  # one chunk's fp32 logits alive at a time instead of the whole sequence's
+        offer(["logits and loss"], f"--training.loss_chunks {chunks}", {"training__loss_chunks": chunks})
+    if t.activation_checkpoint != "full":  # keep each block's input only, recompute the rest in backward
+        offer(["activations"], "--training.activation_checkpoint full", {"training__activation_checkpoint": "full"})
+    if t.local_batch_size > 1:  # per-micro-batch tensors halve or better; the same global batch by accumulation
+        acc = t.gradient_accumulation_steps * t.local_batch_size
+        offer(["attention scores", "backward temporaries", "nki kernel buffers", "activations", "logits and loss"],
+              f"--training.local_batch_size 1 --training.gradient_accumulation_steps {acc}",
+              {"training__local_batch_size": 1, "training__gradient_accumulation_steps": acc,
+               "training__global_batch_size": -1})
+    elif t.seq_len >= 256:  # batch 1 already: shorter sequences (the S x S scores shrink by 4)
+        offer(["attention scores", "backward temporaries", "nki kernel buffers"],
+              f"--training.seq_len {t.seq_len // 2} (shorter context: a different experiment)",
+              {"training__seq_len": t.seq_len // 2})
+    shard = par.dp_shard if par.dp_shard > 0 else world_size // (par.tp * par.dp_replicate)
+    offer(["sharded parameters", "gradients", "optimizer state"],  # the sharded state splits over twice the ranks
+          f"{2 * world_size} ranks with --parallelism.dp_shard {2 * shard} (FSDP degree x2)",
+          {"parallelism__dp_shard": 2 * shard}, 2 * world_size)
+    if job.model.backend != "huggingface_v5":  # full-size per-layer tensors split by tensor parallelism
+        tp = next((tp for tp in (2, 4, 8) if tp > par.tp and t.seq_len % tp == 0), 0)
+        if tp:
+            offer(["all-gathered parameters", "unsharded gradients", "reduce-scatter buffers", "activations"],
+                  f"--parallelism.tp {tp} --parallelism.dp_shard -1", {"parallelism__tp": tp,
+                                                                       "parallelism__dp_shard": -1})
+    return found
+
+
+def advice(p: dict, job: JobConfig, world_size: int) -> list[dict]:
+    """What to change, largest first: every category (with "other temporaries" as its parts) of at least `LARGE`
+    of the peak, its top tensors at the peak and its lever (`levers`), not yet re-planned."""
+    items = {k: v for k, v in p["categories"].items() if k not in ("other temporaries", "device runtime")}
+    items.update(p.get("other_parts", {}))
+    found = levers(job, world_size)
+    out = []
+    for cat, nbytes in sorted(items.items(), key=lambda kv: -kv[1]):
+        if nbytes < LARGE * p["peak_bytes"] or nbytes == 0:
+            continue
+        flag, change, world = found.get(cat, (None, None, world_size))
+        out.append({"category": cat, "bytes": nbytes, "top": p.get("top_tensors", {}).get(cat, []), "change": flag,
+                    "changes": change, "world_size": world, "peak_bytes_after": None})
+    return out
+
+
+def _replan(job: JobConfig, change: dict, device: str, world: int, reserve_gib: float | None) -> int:
+    """The peak of `job` with `change` on `world` ranks, planned in a fresh interpreter (`plan_in_subprocess`: a
+    second trace in this process meets the first one's device meshes)."""
+    return plan_in_subprocess(_with(job, world, **change), device, world, reserve_gib=reserve_gib)["peak_bytes"]
+
+
 def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, suggest: bool = True,
-         max_replans: int = 3, reserve_gib: float | None = None) -> dict:
+         max_replans: int = 3, reserve_gib: float | None = None, advise: int = 1, progress=_stderr) -> dict:
     """The memory plan of `job` on `nproc` x `nnodes` ranks of `device` (see module doc); JSON-serialisable.
 
     The peak is the traced step's plus the device runtime's share (`runtime_reserve`; `reserve_gib` replaces it).
+    With `suggest`, the levers of the `advise` largest categories are re-planned (their saving, `advice`), and a
+    plan over `1 - HEADROOM` of the capacity re-plans up to `max_replans` changes until one fits (`suggestions`).
+    `progress` is called with a line as each phase starts.
     """
     world_size = nproc * nnodes
     cap = capacity(device, nproc)
     runtime = runtime_reserve(device, reserve_gib)
     validate(job, world_size)
-    traced = trace(job, device, world_size)
-    print(f"workbench.plan: traced in {traced['trace_seconds']:.0f} s", file=sys.stderr, flush=True)
+    traced = trace(job, device, world_size, progress)
+    progress(f"traced in {traced['trace_seconds']:.0f} s")
     categories = {**traced["categories"], "device runtime": sum(r["bytes"] for r in runtime)}
     peak = sum(categories.values())
     result = {
@@ -596,19 +748,33 @@ def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, 
         "device": device, "world_size": world_size, "fits": peak <= cap, "peak_bytes": peak,
         "capacity_bytes": int(cap), "headroom": 1 - peak / cap, "categories": categories,
         "device_runtime": runtime, "sdpa": traced["sdpa"], "nki_kernels": traced["nki_kernels"],
+        "other_parts": traced["other_parts"], "top_tensors": traced["top_tensors"],
         "suggestions": [], "checkpoint_bytes": traced["checkpoint_bytes"], "trace_seconds": traced["trace_seconds"],
     }
     result.update(_disk(job, traced["checkpoint_bytes"]))
+    result["advice"] = advice(result, job, world_size)
+    replanned: dict[str, int] = {}
+    for a in result["advice"]:
+        if not suggest or len(replanned) >= advise:
+            break
+        if a["change"] and a["change"] not in replanned:
+            progress(f"re-planning {a['change']} (the lever of {a['category']})")
+            replanned[a["change"]] = _replan(job, a["changes"], device, a["world_size"], reserve_gib)
     if suggest and peak > (1 - HEADROOM) * cap:
         for flag, change, world in candidates(job, world_size, categories, cap):
             if len(result["suggestions"]) >= max_replans:
                 break
-            p = plan_in_subprocess(_with(job, world, **change), device, world, reserve_gib=reserve_gib)["peak_bytes"]
-            print(f"workbench.plan: re-planned {flag}: {p / GiB:.2f} GiB", file=sys.stderr, flush=True)
+            progress(f"re-planning {flag}")
+            p = replanned.get(flag) or _replan(job, change, device, world, reserve_gib)
+            replanned[flag] = p
+            progress(f"re-planned {flag}: {p / GiB:.2f} GiB")
             result["suggestions"].append({"change": flag, "world_size": world, "peak_bytes": p, "fits": p <= cap,
                                           "headroom": 1 - p / cap})
             if p <= (1 - HEADROOM) * cap:
                 break
+    for a in result["advice"]:
+        a["peak_bytes_after"] = replanned.get(a["change"])
+        del a["changes"]
     result["planner_peak_rss_bytes"] = _rss()
     result["planner_cpu_seconds"] = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
     return result
@@ -628,16 +794,72 @@ def _disk(job: JobConfig, ckpt: int) -> dict:
             "disk_free_bytes": space.free_bytes, "disk_fits": space.fits}
 
 
+ATTENTION_KERNELS = {  # the SDPA operators a trace records, in words
+    "aten._scaled_dot_product_flash_attention_for_cpu": "fused flash attention (CPU kernel: no S x S scores)",
+    "aten._scaled_dot_product_flash_attention": "fused flash attention (no S x S scores)",
+    "aten._scaled_dot_product_efficient_attention": "fused memory-efficient attention (no S x S scores)",
+    "aten._scaled_dot_product_cudnn_attention": "fused cuDNN attention (no S x S scores)",
+}
+
+
+def breakdown(p: dict) -> list[tuple[str, int, bool]]:
+    """The plan's categories in order, "other temporaries" followed by its parts: (name, bytes, is a part)."""
+    rows = []
+    for name, nbytes in p["categories"].items():
+        rows.append((name, nbytes, False))
+        if name == "other temporaries":
+            rows += [(part, b, True) for part, b in p.get("other_parts", {}).items()]
+    return rows
+
+
+def amount(nbytes: float, unit: str) -> str:
+    """Bytes in `unit` ("GiB" / "MiB") with 3 significant digits, "0" for nothing, "< 0.01" for a trace."""
+    value = nbytes / (GiB if unit == "GiB" else MiB)
+    if nbytes == 0:
+        return "0"
+    if value < 0.01:
+        return "< 0.01"
+    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
+
+
+def tensor_group(t: dict) -> str:
+    """One group of top tensors in words: "12 x aten.mm [2, 64, 3072] float32 in layers.*.feed_forward"."""
+    if t["op"] == STATE:
+        return f"{t['count']} tensors held across steps (not made by an op of the step)"
+    shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+    return f"{f'{t["count"]} x ' if t['count'] > 1 else ''}{t['op']} {shape} {t['dtype']} in {t['module']}"
+
+
 def render(p: dict) -> str:
-    """The plan as a table with the verdict, what the device adds, suggestions and the checkpoint line."""
-    gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
+    """The plan as a table (other temporaries split into its parts, with shares of the peak) with the verdict, what
+    to change (top tensors and lever of each large category, re-planned savings), what the device adds,
+    suggestions and the checkpoint line."""
+    unit = "GiB" if p["peak_bytes"] >= GiB else "MiB"
     lines = [f"memory plan: {p['flavor']} {p['backend']} on {p['world_size']} rank(s) of {p['device']} "
-             f"({p['config'] or 'defaults'})", f"  {'category':<26}{'per rank':>12}"]
-    lines += [f"  {name:<26}{gib(b)}" for name, b in p["categories"].items()]
-    lines.append(f"  {'peak':<26}{gib(p['peak_bytes'])}   of {gib(p['capacity_bytes']).strip()} per rank")
+             f"({p['config'] or 'defaults'})", f"  {'category':<28}{f'per rank ({unit})':>18}{'of peak':>9}"]
+    for name, nbytes, part in breakdown(p):
+        label = f"  - {name}" if part else name
+        lines.append(f"  {label:<28}{amount(nbytes, unit):>18}{100 * nbytes / p['peak_bytes']:>8.0f}%")
+    lines.append(f"  {'peak':<28}{amount(p['peak_bytes'], unit):>18}   of {p['capacity_bytes'] / GiB:.2f} GiB per rank")
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}, headroom {100 * p['headroom']:.1f}%")
-    lines.append(f"  attention: {p['sdpa']['kernel']}; {p['sdpa']['note']}")
+    if p.get("advice"):
+        lines.append("  what to change (categories over 10% of the peak, largest first):")
+    for a in p.get("advice", []):
+        lines.append(f"    {a['category']} {amount(a['bytes'], unit)} {unit}: "
+                     + "; ".join(f"{tensor_group(t)} ({amount(t['bytes'], unit)} {unit})" for t in a["top"]))
+        if a["change"] is None:
+            lines.append("      no setting left that shrinks it in this config")
+        elif a["peak_bytes_after"] is not None:
+            saved = p["peak_bytes"] - a["peak_bytes_after"]
+            lines.append(f"      {a['change']}: peak {amount(a['peak_bytes_after'], unit)} {unit} "
+                         f"(saves {amount(saved, unit)} {unit}, re-planned)")
+        else:
+            lines.append(f"      {a['change']} (not re-planned here: python -m workbench.plan ... {a['change']})")
+    kernel = ATTENTION_KERNELS.get(p["sdpa"]["kernel"], p["sdpa"]["kernel"])
+    note = p["sdpa"]["note"] if p["device"] == "trn2" or "fused kernel" not in p["sdpa"]["note"] else \
+        "the device has a fused kernel too"
+    lines.append(f"  attention: {kernel}; {note}")
     for name, k in p["nki_kernels"].items():
         lines.append(f"  NKI kernel {name}: {k['calls']} call(s) in the step, {k['hbm_bytes_per_call'] / GiB:.2f} GiB "
                      "of HBM tensors per call (kernels.buffers)")
@@ -998,6 +1220,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the device runtime's share of a rank in GiB (default: the device's table, see --json)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--no-suggest", action="store_true", help="do not re-plan when it does not fit")
+    ap.add_argument("--advise", type=int, default=1,
+                    help="re-plan the levers of this many of the largest categories, for their saving (default 1)")
     args, rest = ap.parse_known_args(argv)
     try:
         if args.device not in DEVICES:
@@ -1005,7 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc <= 0 or args.nnodes <= 0:
             raise ConfigError("--nproc and --nnodes must be positive.")
         job = load_config(argv=rest, world_size=args.nproc * args.nnodes)
-        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib)
+        p = plan(job, args.device, args.nproc, args.nnodes, suggest=not args.no_suggest, reserve_gib=args.reserve_gib,
+                 advise=args.advise)
     except ConfigError as e:
         return announce(e)
     print(json.dumps(p, indent=1) if args.json else render(p), flush=True)

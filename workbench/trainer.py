@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import logger as titan_logger
@@ -43,6 +44,41 @@ from workbench.dist_utils import StopRequest, broadcast
 from workbench.dist_utils import rank as _rank
 from workbench.errors import NonFiniteError, RunError, RunFolderError, StoppedError
 from workbench.run_folder import RunLock, describe_holder, trim_metrics
+
+
+class LazyTokenizer(BaseTokenizer):
+    """torchtitan's tokenizer slot, read on first use. The workbench's dataloader tokenizes with its own
+    `tokenizers.Tokenizer` (`data.PackedTextDataLoader` discards the one it is handed), so torchtitan's copy of the
+    151,669-token BPE (1-2.5 s to parse, at every launch) is built only if something else asks for it."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config | None = None, *, tokenizer_path: str):
+        super().__init__()
+        self.tokenizer_path = tokenizer_path
+        self._loaded: HuggingFaceTokenizer | None = None
+
+    def _hf(self) -> HuggingFaceTokenizer:
+        if self._loaded is None:
+            self._loaded = HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path)
+            self.eos_id = self._loaded.eos_id
+        return self._loaded
+
+    def encode(self, *args, **kwargs) -> list[int]:
+        return self._hf().encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs) -> str:
+        return self._hf().decode(*args, **kwargs)
+
+    def get_vocab_size(self) -> int:
+        return self._hf().get_vocab_size()
+
+    def __getattr__(self, name: str):  # anything else torchtitan may read: from the real tokenizer
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._hf(), name)
 
 
 def say(msg: str) -> None:
@@ -351,6 +387,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
     tcfg = WorkbenchTrainer.Config(
         model_spec=spec,
         hf_assets_path=str(data.tokenizer_dir(job.model.tokenizer_path)),
+        tokenizer=LazyTokenizer.Config(),
         dump_folder=str(run_dir),
         job=job,
         metrics=WorkbenchMetrics.Config(

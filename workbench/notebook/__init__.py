@@ -24,10 +24,17 @@ _EXPORTS = {
     "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
     "param_counts": "reports", "profile_report": "reports", "performance_table": "reports",
     "plot_breakdown": "reports", "comparison_summary": "reports", "largest_differences": "reports",
-    "parity_facts": "reports", "bench_table": "reports", "wrapped": "reports", "trn2_model_table": "reports",
+    "parity_facts": "reports", "bench_table": "reports", "trn2_model_table": "reports",
+    "metrics_table": "reports", "training_checks": "reports", "run_summary": "reports", "token_agreement": "reports",
+    "plot_bench": "reports", "loss_agreement": "reports", "shared_init": "reports", "measured_on_h200": "reports",
+    "plan_with_status": "reports", "plan_table": "reports", "plan_advice": "reports", "trn2_plans": "reports",
+    "trn2_plans_table": "reports", "plan_chart": "reports", "compare_with_status": "reports",
+    # display
+    "Table": "display", "checks": "display", "key_values": "display", "plot_title": "display",
     # dashboard
     "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
     "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard", "transient_progress": "dashboard",
+    "status_line": "dashboard",
     # runner
     "run_notebooks": "runner", "NotebookParameterError": "runner",
 }

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -106,12 +107,15 @@ class Dashboard:
         refresh_s: minimum seconds between two redraws of the live plot.
         log_tail: output lines kept for the failure report.
         echo: also print every output line (for debugging; off by default to keep notebooks short).
+        checkpoint_steps: steps after which the run saves a checkpoint (the live status says so while it saves).
+        export: the run exports Hugging Face weights after its last step (the live status says so meanwhile).
 
     Use as a context manager (or call `close()`): it draws the final figure and summary.
     """
 
     def __init__(self, run_dir: str | os.PathLike, total_steps: int, title: str = "", *, live: bool | None = None,
-                 refresh_s: float = 1.0, log_tail: int = 60, echo: bool = False):
+                 refresh_s: float = 1.0, log_tail: int = 60, echo: bool = False,
+                 checkpoint_steps: Iterable[int] = (), export: bool = False):
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.total_steps = total_steps
@@ -119,6 +123,7 @@ class Dashboard:
         self.live = live_frontend() if live is None else live
         self.refresh_s = refresh_s
         self.echo = echo
+        self.checkpoint_steps, self.export = set(checkpoint_steps), export
         self.lines: deque[str] = deque(maxlen=log_tail)
         self.records: list[dict[str, Any]] = []
         # Only this launch's records: a resumed run appends to the existing metrics.jsonl, so start at its end;
@@ -142,10 +147,21 @@ class Dashboard:
     def __call__(self, line: str) -> None:
         """Receives one output line of the training subprocess."""
         self.lines.append(line.rstrip("\n"))
+        m = _DEVICE_LINE.search(line)
+        if m and " · auto · " in self.title:  # the device "auto" resolved to, as the trainer reports it
+            self.title = self.title.replace(" · auto · ", f" · {m[1]} · ")
+            if self.live:
+                self._widgets["bar"].description = self.title
         if self.echo:
             print(line, end="" if line.endswith("\n") else "\n", flush=True)
-        if self.poll() and self.live:
+        if not self.live:
+            self.poll()
+        elif self.poll():
             self._update_live()
+        elif not self.records:  # still starting: say so, with the time it has taken so far
+            self._widgets["status"].value = self._starting_html()
+        elif "exported Hugging Face weights" in line:
+            self._widgets["status"].value = self._status_html(self.records[-1], "exported; closing the run")
 
     def poll(self) -> int:
         """Reads records appended to metrics.jsonl since the last call; returns how many were new.
@@ -196,8 +212,9 @@ class Dashboard:
         w["bar"] = widgets.IntProgress(value=0, min=0, max=self.total_steps, description=self.title,
                                        style={"description_width": "initial"},
                                        layout=widgets.Layout(width="100%", max_width="900px"))
-        w["status"] = widgets.HTML("waiting for the first step (process start, model build)…")
-        w["image"] = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        w["status"] = widgets.HTML(self._starting_html())
+        # Hidden until the first curve exists: an Image widget without data shows a broken-image icon.
+        w["image"] = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", display="none"))
         w["box"] = widgets.VBox([w["bar"], w["status"], w["image"]])
         # A display id, so that `close` can replace this very output with the static result.
         self._handle = display(w["box"], display_id=True)
@@ -210,14 +227,30 @@ class Dashboard:
         if force or now - self._last_draw >= self.refresh_s:
             self._last_draw = now
             self._widgets["image"].value = self._png()
+            self._widgets["image"].layout.display = None
 
-    def _status_html(self, r: dict[str, Any]) -> str:
+    def _starting_html(self) -> str:
+        return (f"<code>starting: {time.perf_counter() - self._t0:.0f} s (imports, process group, model build, "
+                "step 1)…</code>")
+
+    def _after_step(self, step: int) -> str:
+        """What the run does after `step` before the next one is logged: saving, exporting, or nothing."""
+        phases = []
+        if step in self.checkpoint_steps:
+            phases.append(f"saving checkpoint step {step}")
+        if step >= self.total_steps and self.export:
+            phases.append("exporting Hugging Face weights")
+        return " · ".join(phases) + "…" if phases else ""
+
+    def _status_html(self, r: dict[str, Any], phase: str | None = None) -> str:
         mem = r.get("peak_memory_bytes", 0) / 2**30
         resumed = self.records[0]["step"] - 1 if self.records else 0
+        phase = self._after_step(int(r["step"])) if phase is None else phase
         return (f"<code>step {r['step']}/{self.total_steps}{f' (resumed after step {resumed})' if resumed else ''}"
                 f" · loss {r['loss']:.4f} · "
                 f"{r['tokens_per_second']:,.0f} tok/s · MFU {100 * r.get('mfu', 0):.2f}% · "
-                f"{mem:.2f} GiB · {time.perf_counter() - self._t0:.0f} s</code>")
+                f"{mem:.2f} GiB · {time.perf_counter() - self._t0:.0f} s</code>"
+                + (f"<br><b>{phase}</b>" if phase else ""))
 
     def _png(self) -> bytes:
         import io
@@ -288,6 +321,7 @@ class Dashboard:
         self.close(ok=exc_type is None)
 
 
+_DEVICE_LINE = re.compile(r"^workbench: backend .*, device (\w+) x \d+ rank")
 _AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
@@ -333,6 +367,50 @@ def transient_progress(done: str = ""):
         out.close()
 
 
+@contextlib.contextmanager
+def status_line(what: str, done: str = ""):
+    """A one-line status for a long call that prints nothing itself (compare, parity, plan): "what… 12 s", ticking
+    every second, and a `say(text)` to change `what` as phases start. Replaced by `done` (empty: removed) at the
+    end, so the saved notebook keeps no widget. Headless (papermill, nbval, plain Python) nothing is shown.
+
+    Yields:
+        say(text): sets the status's text (the elapsed time follows it).
+    """
+    if not live_frontend():
+        yield lambda _text: None
+        return
+    import threading
+
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    t0, text, stop = time.perf_counter(), [what], threading.Event()
+    label = widgets.HTML()
+
+    def show() -> None:
+        label.value = f"<code>{text[0]}… {time.perf_counter() - t0:.0f} s</code>"
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            show()
+
+    def say(new: str) -> None:
+        text[0] = new
+        show()
+
+    show()
+    handle = display(label, display_id=True)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield say
+    finally:
+        stop.set()
+        ticker.join()
+        handle.update({"text/plain": done} if done else {}, raw=True)
+        label.close()
+
+
 def _child_can_import_workbench() -> None:
     """Makes sure the torchrun child imports *this* workbench, whatever the kernel's working directory.
 
@@ -370,7 +448,7 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
         nproc: ranks on this machine (torchrun --nproc_per_node).
         extra_args: more `--section.key value` overrides for the launch.
         live: force the dashboard mode (None = detect, see `live_frontend`).
-        title: heading (default "<backend> · <flavor> · <nproc> rank(s)").
+        title: heading (default "<config> · <backend> · <flavor> · <steps> steps · <device> · <nproc> rank(s)").
         echo: print every output line of the training processes as well.
         fresh: start from scratch: remove an earlier run folder of the same name first (`fresh_run_dir`).
             Otherwise an existing run folder with DCP checkpoints is resumed, as on the command line.
@@ -383,8 +461,14 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
     _child_can_import_workbench()
     if fresh:
         fresh_run_dir(job.run_dir)
-    title = title or f"{job.model.backend} · {job.model.flavor or 'from checkpoint'} · {nproc} rank(s)"
-    dash = Dashboard(job.run_dir, job.training.steps, title, live=live, echo=echo)
+    from workbench.notebook.display import plot_title
+
+    title = title or f"{plot_title(job)} · {nproc} rank(s)"
+    ckpt = job.checkpoint
+    saves = set(range(ckpt.interval, job.training.steps + 1, ckpt.interval)) | {job.training.steps} \
+        if ckpt.enable and ckpt.interval > 0 else set()
+    dash = Dashboard(job.run_dir, job.training.steps, title, live=live, echo=echo, checkpoint_steps=saves,
+                     export=ckpt.export_hf)
     try:
         run_dir = train(job, nproc=nproc, extra_args=extra_args, stream=dash)
     except subprocess.CalledProcessError as e:
@@ -398,4 +482,5 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
 
 
 __all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "failure_excerpt",
+           "status_line",
            "transient_progress", "ENV_MODE"]
