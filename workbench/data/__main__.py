@@ -4,4 +4,5 @@ import sys
 
 from workbench.data.prepare import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the package's modules (tests walk them all) must not run the command
+    sys.exit(main())
