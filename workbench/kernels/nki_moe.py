@@ -86,8 +86,10 @@ P = nl.tile_size.pmax  # 128 partitions
 MOVING_FMAX = nl.tile_size.gemm_moving_fmax  # 512: moving free size, also one fp32 PSUM bank
 F32 = nl.float32
 I32 = nl.int32
-# SBUF bytes per partition on NeuronCore-v3 (28 MiB = 128 x 224 KiB; Trainium2 Architecture Guide for NKI)
-SBUF_BYTES = 224 * 1024
+# SBUF bytes per partition a kernel may allocate: `nl.tile_size.total_available_sbuf_size` (212,464 B on trn2: the
+# raw 224 KiB less the compiler's reservations; tile_size page, and the figure nki-library's memory manager
+# allocates within). Sizing against the raw 224 KiB would fail to allocate on hardware.
+SBUF_BYTES = nl.tile_size.total_available_sbuf_size
 # kept free in the backward's budget for the small tiles a block allocates on top of its workspace (int32 [1, 1]
 # table entries and slot-index / affinity columns: < 100 bytes per partition)
 SMALL_TILES_BYTES = 1024
