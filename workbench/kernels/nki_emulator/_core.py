@@ -344,9 +344,11 @@ class Tensor:
     def _access(self, kind: str) -> None:
         _check_owner(self._storage)
         launch = _runtime.current()
-        if launch is not None and launch.lnc > 1 and self._storage.shared:
+        if launch is not None and (launch.accesses is not None or (launch.lnc > 1 and self._storage.shared)):
             pattern = list(zip(self._data.stride(), self._data.shape, strict=True)) or [(1, 1)]
-            launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
+            launch.touch(self._storage, kind, self._data.storage_offset(), pattern, None)  # the time model's trace
+            if launch.lnc > 1 and self._storage.shared:
+                launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
         self._access("r")
@@ -501,8 +503,10 @@ class AccessPattern:
         if bool(((flat < 0) | (flat >= numel)).any()):
             raise violation("index-bounds", f"{self} addresses elements outside the {numel}-element tensor", URL_AP)
         launch = _runtime.current()
-        if launch is not None and launch.lnc > 1 and self.root._storage.shared:
-            launch.record(self.root._storage, kind, int(start), self.pattern, outer)
+        if launch is not None:
+            launch.touch(self.root._storage, kind, int(start), self.pattern, outer)  # the time model's trace
+            if launch.lnc > 1 and self.root._storage.shared:
+                launch.record(self.root._storage, kind, int(start), self.pattern, outer)
         return flat, keep
 
     def read(self, skip: bool = False):

@@ -86,7 +86,11 @@ class Counters:
     padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
     (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan);
     work: (core, engine, op, work descriptor) -> instructions executed; the descriptor (timing.Matmul, Transpose,
-    Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time.
+    Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time;
+    trace: with `counters(trace=True)`, one entry per launch: per core, the executed instructions in program order,
+    each `(engine, op, work, site, accesses)`, accesses `(storage key, "r"|"w", lo, hi, buffer)` (element ranges,
+    on chip within one partition's row: see `Launch.touch`); a compiled loop's branch is `("control", loop, None,
+    site, ())` per iteration. What `timing.schedule` replays on per-engine queues; None when not asked for.
     """
 
     static: dict = field(default_factory=dict)
@@ -105,6 +109,7 @@ class Counters:
     padding_rows: dict = field(default_factory=dict)
     work: dict = field(default_factory=dict)
     hbm_allocations: list = field(default_factory=list)
+    trace: list | None = None
 
     @property
     def static_total(self) -> int:
@@ -119,9 +124,10 @@ _active_counters: list[Counters] = []
 
 
 @contextlib.contextmanager
-def counters():
-    """Collect `Counters` over every kernel launch inside the block (nesting allowed: all active ones count)."""
-    c = Counters()
+def counters(trace: bool = False):
+    """Collect `Counters` over every kernel launch inside the block (nesting allowed: all active ones count);
+    `trace`: also record each launch's instruction trace (`Counters.trace`, for `timing.schedule`)."""
+    c = Counters(trace=[] if trace else None)
     _active_counters.append(c)
     try:
         yield c
@@ -147,9 +153,19 @@ class VirtualRegister:
 
     def __init__(self, name: str = "reg"):
         self.name = name
-        self.value: int | None = None
+        self._value: int | None = None
+
+    @property
+    def value(self) -> int | None:
+        return self._value
+
+    @value.setter
+    def value(self, v) -> None:
+        self._value = v
+        _touch_register(self, "w")
 
     def runtime_value(self) -> int:
+        _touch_register(self, "r")
         if self.value is None:
             raise _violation("register-uninitialized", f"{self.name} is read before any register_alloc(x)/"
                              "register_move/register_load gave it a value", URL_REGISTER)
@@ -189,6 +205,13 @@ class NkiScalar(VirtualRegister):
                                   "iteration value as scalar_offset= or a loop bound, or pass register bounds")
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_emulated
+
+
+def _touch_register(reg: VirtualRegister, kind: str) -> None:
+    """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset)."""
+    launch = _launch
+    if launch is not None and launch.accesses is not None:
+        launch.accesses.append((id(reg), kind, 0, 0, "register"))
 
 
 def _kernel_line() -> str:
@@ -236,6 +259,10 @@ class Launch:
         self.epoch = 0
         self.abort = False
         self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
+        self.tracing = any(c.trace is not None for c in _active_counters)
+        self.accesses = None  # while tracing: what the executing instruction touched (`touch`)
+        if self.tracing:
+            self.stats.trace = [[] for _ in range(lnc)]
 
     # instructions ----------------------------------------------------------------------------------------------
     def emit(self, engine: str, op: str, run, site: str, work=None) -> None:
@@ -258,7 +285,32 @@ class Launch:
         _bump(self.stats.executed, engine)
         _bump(self.stats.work, (self.core, engine, op, work))
         self.current = f"core {self.core}: {op} at {site}"
-        run()
+        if not self.tracing:
+            run()
+            return
+        self.accesses = []
+        try:
+            run()
+        finally:
+            self.stats.trace[self.core].append((engine, op, work, site, self.accesses))
+            self.accesses = None
+
+    def touch(self, storage, kind: str, start: int, pattern, outer) -> None:
+        """While tracing, note the element range [lo, hi] of `storage` the executing instruction reads or writes
+        (flat elements start + sum i_k*step_k, `outer` replacing term 0). On chip the range is taken within one
+        partition's row (pattern terms that step whole rows are the partition dim): tiles are told apart by their
+        columns, not their partitions."""
+        if self.accesses is None:
+            return
+        row = storage.data.stride(0) if storage.buffer.on_chip and storage.data.dim() > 1 else 0
+        lo = hi = start % row if row else start
+        for k, (s, n) in enumerate(pattern):
+            if (k == 0 and outer is not None) or (row and s % row == 0):
+                continue
+            lo, hi = lo + min(0, s * (n - 1)), hi + max(0, s * (n - 1))
+        if outer is not None and not row:
+            lo, hi = lo + int(outer.min()), hi + int(outer.max())
+        self.accesses.append((id(storage), kind, lo, hi, storage.buffer.name))
 
     # control flow ----------------------------------------------------------------------------------------------
     def check_control(self, where: str) -> None:
@@ -456,6 +508,8 @@ def _merge(into: Counters, add: Counters) -> None:
     into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
     into.sbuf_peak = max(into.sbuf_peak, add.sbuf_peak)
+    if into.trace is not None and add.trace is not None:
+        into.trace.append(add.trace)
     into.psum_peak = max(into.psum_peak, add.psum_peak)
 
 
@@ -616,6 +670,8 @@ def _emit_loop(launch: Launch, loop: str, site: str, value: VirtualRegister, nod
         for v in values():
             value.value = v  # passed by value: the body's writes to it never reach the loop's own counter
             _bump(launch.stats.executed, "control")
+            if launch.tracing:
+                launch.stats.trace[launch.core].append(("control", loop, None, site, ()))
             for node in nodes:
                 launch.execute(node)
             trips += 1
