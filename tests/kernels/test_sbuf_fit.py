@@ -4,8 +4,8 @@ The usable figure is `nl.tile_size.total_available_sbuf_size` (212,464 B per par
 compiler's reservations; nki-library's memory manager allocates within it), which the emulator's sbuf-capacity rule
 enforces. Each case runs forward + backward (three tokens, bf16: the trn2 dtype) at the config's D and F, at LNC 1
 and 2 and block sizes 128/256/512 (parity with the torch reference at these shapes: test_moe_kernels.py), and
-asserts the emulator's SBUF high-water mark leaves at least `MARGIN` bytes per partition free. The resident backward tiles fill SBUF up to
-`nki_moe.SBUF_BYTES` less the small-tile allowance, so the peak also stays above 90% of it (the tiles are used).
+asserts the emulator's SBUF high-water mark leaves at least `MARGIN` bytes per partition free. The resident backward
+tiles fill SBUF up to `nki_moe.SBUF_BYTES` less the small-tile allowance, so the peak also stays above 90% of it.
 """
 
 from __future__ import annotations
@@ -61,3 +61,12 @@ def test_kernels_fit_usable_sbuf_at_shipped_shapes(D, F, lnc, monkeypatch):
         assert c.psum_peak <= 8 * 2048
         if D >= 1024:  # the resident tiles fill what the weights and the workspace leave
             assert c.sbuf_peak > 0.9 * USABLE, (D, F, lnc, bs, c.sbuf_peak)
+
+
+def test_a_shape_that_does_not_fit_names_the_fix():
+    """D = 4096 in fp32 with 128-slot blocks: the backward's three resident matrices, workspace and one resident
+    tile exceed the usable SBUF (they fit the raw 224 KiB): refused with the fix, not left to fail on hardware."""
+    with pytest.raises(ValueError, match="does not fit SBUF at D=4096, F=768, 128-slot blocks in torch.float32: "
+                       "use a smaller model.moe_block_size"):
+        nki_moe.backward_layout(4096, 768, torch.float32, nki_moe.piece_widths(128, 3))
+    assert nki_moe.backward_layout(4096, 768, torch.float32, nki_moe.piece_widths(64, 3)) == (128, 1)

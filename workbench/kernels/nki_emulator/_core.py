@@ -130,7 +130,8 @@ class _Budget:
         """Most live bytes per partition of each memory over the program; raises `<kind>-capacity` past it."""
         self.advance(0)  # the kernel has ended: so have its loops
         peaks = {}
-        for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TILE_SIZE), ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
+        for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TILE_SIZE),
+                               ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
             # a tile allocated after instruction c exists from c + 0.5 to its last use (an unused one just at
             # c + 0.5, where it meets every other allocation made before the next instruction)
             tiles = sorted((t for t in self.tiles.values() if t[0] == kind), key=lambda t: t[2])

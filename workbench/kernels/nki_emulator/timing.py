@@ -194,6 +194,8 @@ SOURCES = {
                        "evenly, so an LNC=2 rank gets 2/8"),
     "dma_engines": (URL_DMA, "each NeuronCore (v2-v4) is paired with 16 DMA engines; each engine covers 8 "
                     "partitions of a 128-partition transfer"),
+    "dma_partitions_per_engine": (URL_DMA, "each of the 16 engines covers 8 partitions of a 128-partition "
+                                  "transfer"),
     "dma_engine_bytes_per_s": (URL_DMA_BW, "23 B/ns per DMA engine on trn2 (the DMA overview's 27.2 GB/s is the "
                                "theoretical figure); with it the overview's two profiles fit one fixed cost"),
     "dma_fixed_s": (URL_DMA, "FITTED: the overview's profiles, 32 KiB on one engine in 1,416 ns and 2 KiB per engine "
