@@ -88,9 +88,9 @@ class Counters:
     work: (core, engine, op, work descriptor) -> instructions executed; the descriptor (timing.Matmul, Transpose,
     Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time;
     trace: with `counters(trace=True)`, one entry per launch: per core, the executed instructions in program order,
-    each `(engine, op, work, site, accesses)`, accesses `(storage key, "r"|"w", lo, hi, buffer)` (element ranges,
-    on chip within one partition's row: see `Launch.touch`); a compiled loop's branch is `("control", loop, None,
-    site, ())` per iteration. What `timing.schedule` replays on per-engine queues; None when not asked for.
+    each `(engine, op, work, site, accesses)`, accesses `(storage key, "r"|"w", row0, row1, col0, col1)` (the box
+    it touched: see `Launch.touch`); a compiled loop's branch is `("control", loop, None, site, ())` per
+    iteration. What `timing.schedule` replays on per-engine queues; None when not asked for.
     """
 
     static: dict = field(default_factory=dict)
@@ -211,7 +211,7 @@ def _touch_register(reg: VirtualRegister, kind: str) -> None:
     """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset)."""
     launch = _launch
     if launch is not None and launch.accesses is not None:
-        launch.accesses.append((id(reg), kind, 0, 0, "register"))
+        launch.accesses.append((id(reg), kind, 0, 0, 0, 0))
 
 
 def _kernel_line() -> str:
@@ -296,21 +296,31 @@ class Launch:
             self.accesses = None
 
     def touch(self, storage, kind: str, start: int, pattern, outer) -> None:
-        """While tracing, note the element range [lo, hi] of `storage` the executing instruction reads or writes
-        (flat elements start + sum i_k*step_k, `outer` replacing term 0). On chip the range is taken within one
-        partition's row (pattern terms that step whole rows are the partition dim): tiles are told apart by their
-        columns, not their partitions."""
+        """While tracing, note the box of `storage` the executing instruction reads or writes: rows [r0, r1] and
+        columns [c0, c1] of the storage seen as rows of C elements (C: the row length of its outermost dim: one
+        partition's bytes on chip, the last dim in HBM), from flat elements start + sum i_k*step_k (`outer`, a row
+        gather's offsets, replacing term 0). A term that is not whole rows and not inside one row spans all
+        columns (a conservative box: it can only add dependencies)."""
         if self.accesses is None:
             return
-        row = storage.data.stride(0) if storage.buffer.on_chip and storage.data.dim() > 1 else 0
-        lo = hi = start % row if row else start
+        data = storage.data
+        C = (data.stride(0) if storage.buffer.on_chip else data.shape[-1]) if data.dim() > 1 else max(1, data.numel())
+        r0 = r1 = start // C
+        c0 = c1 = start % C
         for k, (s, n) in enumerate(pattern):
-            if (k == 0 and outer is not None) or (row and s % row == 0):
+            if (k == 0 and outer is not None) or n <= 1:
                 continue
-            lo, hi = lo + min(0, s * (n - 1)), hi + max(0, s * (n - 1))
-        if outer is not None and not row:
-            lo, hi = lo + int(outer.min()), hi + int(outer.max())
-        self.accesses.append((id(storage), kind, lo, hi, storage.buffer.name))
+            if s % C == 0:
+                r1 += s // C * (n - 1)
+            elif s * (n - 1) < C:
+                c1 += s * (n - 1)
+            else:
+                c0, c1, r1 = 0, C - 1, r1 + s * (n - 1) // C + 1
+        if outer is not None:
+            r0, r1 = r0 + int(outer.min()) // C, r1 + int(outer.max()) // C
+        if c1 >= C:  # wraps into the next row
+            c0, c1, r1 = 0, C - 1, r1 + c1 // C
+        self.accesses.append((id(storage), kind, r0, r1, c0, c1))
 
     # control flow ----------------------------------------------------------------------------------------------
     def check_control(self, where: str) -> None:

@@ -351,21 +351,23 @@ class _Core:
         self.end = 0.0  # latest completion so far
 
 
-def _overlaps(entries, lo, hi, best, cause, label):
-    """The latest end among `entries` overlapping [lo, hi], and its cause (label, producer engine, its site)."""
-    for elo, ehi, end, engine, site in entries:
-        if elo <= hi and lo <= ehi and end > best:
+def _overlaps(entries, box, best, cause, label):
+    """The latest end among `entries` whose box overlaps `box` (rows r0..r1, columns c0..c1), and its cause
+    (label, producer engine, its site)."""
+    r0, r1, c0, c1 = box
+    for er0, er1, ec0, ec1, end, engine, site in entries:
+        if end > best and er0 <= r1 and r0 <= er1 and ec0 <= c1 and c0 <= ec1:
             best, cause = end, (label, engine, site)
     return best, cause
 
 
-def _note(table, key, lo, hi, end, engine, site):
+def _note(table, key, box, end, engine, site):
     entries = table.setdefault(key, [])
-    entries.append((lo, hi, end, engine, site))
-    if len(entries) > _PRUNE:  # merge the oldest half: a wider range, the latest end (can only delay, never hasten)
+    entries.append((*box, end, engine, site))
+    if len(entries) > _PRUNE:  # merge the oldest half: a wider box, the latest end (can only delay, never hasten)
         old = entries[: _PRUNE // 2]
-        entries[: _PRUNE // 2] = [(min(e[0] for e in old), max(e[1] for e in old), max(e[2] for e in old),
-                                   old[-1][3], old[-1][4])]
+        entries[: _PRUNE // 2] = [(min(e[0] for e in old), max(e[1] for e in old), min(e[2] for e in old),
+                                   max(e[3] for e in old), max(e[4] for e in old), old[-1][5], old[-1][6])]
 
 
 def _stall(out, engine, site, cause, seconds) -> None:
@@ -427,10 +429,10 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) ->
             out.busy[q] += r.branch_s
         return
     ready, cause = 0.0, None
-    for key, kind, lo, hi, _buf in accesses:
-        ready, cause = _overlaps(writes.get(key, ()), lo, hi, ready, cause, "RAW" if kind == "r" else "WAW")
+    for key, kind, *box in accesses:
+        ready, cause = _overlaps(writes.get(key, ()), box, ready, cause, "RAW" if kind == "r" else "WAW")
         if kind == "w":
-            ready, cause = _overlaps(reads.get(key, ()), lo, hi, ready, cause, "WAR")
+            ready, cause = _overlaps(reads.get(key, ()), box, ready, cause, "WAR")
     if engine == "dma":
         end = _dma(c, work, r, ready, cause, site, out)
     else:
@@ -443,8 +445,8 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) ->
         if q in ENGINES:
             out.busy[q] += seconds
     c.end = max(c.end, end)
-    for key, kind, lo, hi, _buf in accesses:
-        _note(writes if kind == "w" else reads, key, lo, hi, end, engine, site)
+    for key, kind, *box in accesses:
+        _note(writes if kind == "w" else reads, key, box, end, engine, site)
 
 
 def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
