@@ -1,9 +1,23 @@
-"""A trn2 time model over the emulator's counters: how long a kernel's instructions would keep each engine busy.
+"""A trn2 time model over the emulator's counters and instruction trace.
 
-Every instruction the emulator executes records a *work* descriptor next to its engine (static shapes, dtypes and
-memories of its operands: `Matmul`, `Transpose`, `Elementwise`, `Dma`), per core, in `Counters.work`. `model(c)`
-turns those records into engine busy times with NeuronCore-v3 / Trainium2 rates, each cited from AWS's docs
-(`TRN2`, `SOURCES`; a rate no doc states is marked as an assumption there):
+Two models, one set of rates (NeuronCore-v3 / Trainium2, each cited in `SOURCES`; a rate no doc states is marked
+an assumption there, a constant fitted to a published timing is marked FITTED):
+
+`schedule(c)`, the dependency model (`c` recorded with `counters(trace=True)`): each launch's instruction trace
+replayed on each core's in-order queues. An instruction starts when its queue is free and its operands are ready:
+read-after-write, write-after-write and write-after-read through the boxes of SBUF / PSUM / HBM tensors and the
+registers it touches (so reusing one workspace tile or one PSUM bank serialises, and a bank or buffer in rotation
+does not), and a core barrier waits for every core's earlier instructions. Queues: Tensor, Vector, Scalar and
+GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines. A DMA first
+generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE), then moves
+its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's share of
+HBM bandwidth (a bandwidth queue); a DMA that waits on another DMA's completion pays the ~1.3 us semaphore
+latency. A compiled loop's branch costs every engine `branch_s`. The result: the launches' makespans (the headline
+`model_ms` of the MoE cost report), each engine's busy and waiting time, and the stalls by waiting source line and
+what it waited for. Not modelled: the compiler's reordering inside a basic block (the replay keeps program order
+per queue), the DMA queue assignment (a DMA takes the DGE instance free first), HBM bank conflicts.
+
+`model(c)`, the throughput model (the bracket): per engine, the sum of its instructions' costs.
 
     tensor   per nc_matmul max(N, 64) cycles (N: moving free size), x4 for fp32 operands; a PE transpose is a
              matmul against an identity of the partition size (x2 for fp32: NeuronCore-v3's transpose mode);
@@ -13,17 +27,17 @@ turns those records into engine busy times with NeuronCore-v3 / Trainium2 rates,
              without performance modes at 1.2 GHz; gpsimd like scalar (an assumption: no documented cost model).
     dma      per physical core max(HBM bytes / its share of the chip's HBM bandwidth,
              the transfers on its 16 DMA engines: per transfer a fixed cost on each engine it uses + bytes at
-             27.2 GB/s per engine, spread over the 16).
-    register / control / sync (sequencer instructions, loop branches, barriers): not modelled (0 s; counted).
+             23 GB/s per engine, spread over the 16).
+    register / control / sync: 0 s in this model (the dependency model charges them).
 
 Bounds: `overlap_s` = the busiest engine of the busiest core (every engine runs concurrently and nothing waits),
-`serial_s` = the largest per-core sum over engines (nothing overlaps). A real kernel lands in between. The model
-is throughput only: no dependency latency, no DMA queue ordering, no semaphore waits, nothing measured on
-Trainium. Instructions that record no work descriptor (an API added without one) are counted in `unmodeled`
-and cost nothing, so a caller can tell that the model saw all of a kernel or not.
+`serial_s` = the largest per-core sum over engines (nothing overlaps). Both leave out latency (DGE, semaphores),
+so a latency-bound kernel's dependency time can exceed `serial_s`. Instructions that record no work descriptor are
+counted in `unmodeled` and cost nothing, so a caller can tell that the model saw all of a kernel or not.
 
-Any kernel run under `counters()` can be fed through it: `model(c)` for this project's MoE kernels
-(benchmarks/nki_moe_cost.py), or for another kernel's counters (e.g. AWS's nki-library kernels on this emulator).
+Any kernel run under `counters()` can be fed through either: this project's MoE kernels
+(benchmarks/nki_moe_cost.py), or another kernel's counters (e.g. AWS's nki-library kernels on this emulator).
+Nothing here was measured on Trainium.
 """
 
 from __future__ import annotations
