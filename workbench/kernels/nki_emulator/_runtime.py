@@ -211,7 +211,7 @@ def _touch_register(reg: VirtualRegister, kind: str) -> None:
     """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset)."""
     launch = _launch
     if launch is not None and launch.accesses is not None:
-        launch.accesses.append((id(reg), kind, 0, 0, 0, 0))
+        launch.accesses.append((launch.key(reg), kind, 0, 0, 0, 0))
 
 
 def _kernel_line() -> str:
@@ -261,6 +261,7 @@ class Launch:
         self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
         self.tracing = any(c.trace is not None for c in _active_counters)
         self.accesses = None  # while tracing: what the executing instruction touched (`touch`)
+        self.keys: dict = {}  # while tracing: id(storage or register) -> (it, serial): ids are never reused
         if self.tracing:
             self.stats.trace = [[] for _ in range(lnc)]
 
@@ -320,7 +321,15 @@ class Launch:
             r0, r1 = r0 + int(outer.min()) // C, r1 + int(outer.max()) // C
         if c1 >= C:  # wraps into the next row
             c0, c1, r1 = 0, C - 1, r1 + c1 // C
-        self.accesses.append((id(storage), kind, r0, r1, c0, c1))
+        self.accesses.append((self.key(storage), kind, r0, r1, c0, c1))
+
+    def key(self, obj) -> int:
+        """A serial number for a storage or register, unique within the launch (an `id()` can be reused once the
+        object is freed, which would tie unrelated tiles together; holding the object keeps its id)."""
+        entry = self.keys.get(id(obj))
+        if entry is None:  # the entry holds obj, so no other object can take its id while the launch runs
+            entry = self.keys[id(obj)] = (obj, len(self.keys))
+        return entry[1]
 
     # control flow ----------------------------------------------------------------------------------------------
     def check_control(self, where: str) -> None:
