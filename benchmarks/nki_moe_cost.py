@@ -22,14 +22,20 @@ Printed: a table per direction, then as the LAST line a JSON object with
                            trip counts (target 0; its lnc-divergent-control rule stops a launch at the first one,
                            so a report that completes at LNC 2 has 0)
   noop_pieces              the pieces (slots: count) the kernels run only so both cores have the same trip counts
-  model_ms_overlap         trn2 time model (workbench.kernels.nki_emulator.timing) of the forward + backward kernels,
-                           each at its busiest engine (every engine perfectly overlapped): a lower bound
-  model_ms_serial          the same with no overlap (each kernel the sum of its engines): an upper bound
-  roofline_ms              max(PE floor, HBM floor) of the layer (workbench.kernels.moe_cost.roofline:
-                           what each floor counts; weight gradients in fp32)
-  roofline_ratio           model_ms_overlap / roofline_ms (target <= 1.25)
-  roofline_ms_io_grads     the same floor with the weight gradients at the io dtype the kernels write (and ratio)
-  bound                    the engine with the most modeled time (fwd + bwd); bound_fwd / bound_bwd per kernel
+  model_ms                 the dependency time model (workbench.kernels.nki_emulator.timing.schedule): each kernel's
+                           instruction trace replayed on per-engine in-order queues (operands ready, engine free,
+                           DGE / DMA / semaphore latencies, core barriers); forward then backward
+  roofline_ms              max(PE floor, HBM floor) of the layer (workbench.kernels.moe_cost.roofline: what each
+                           floor counts; every tensor in the dtypes the kernels use, bf16 dW)
+  roofline_ratio           model_ms / roofline_ms (target <= 1.3)
+  engine_shares            engine -> {busy, waiting}: shares of the cores' time (fwd + bwd timelines)
+  top_stalls               the largest waits: engine, the waiting instruction's source line, what it waited for
+  model_ms_overlap         the throughput bracket's lower end: each kernel at its busiest engine (nothing waits)
+  model_ms_serial          its upper end: each kernel the sum of its engines (nothing overlaps)
+  bound                    the engine with the most modeled busy time (fwd + bwd); bound_fwd / bound_bwd per kernel
+  sbuf_peak_bytes          the emulator's SBUF high-water mark per partition (fwd, bwd: the larger)
+  sbuf_usable_bytes        nl.tile_size.total_available_sbuf_size, 212,464 B on trn2 (the capacity the emulator
+                           enforces; nki_emulator/_core.py cites it)
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
@@ -47,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from workbench.kernels import plan_blocks  # noqa: E402
 from workbench.kernels.autograd import KernelPlan, kernel_block_size, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
+from workbench.kernels.nki_api import nl  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
@@ -143,7 +150,8 @@ def measure(args):
         "weight_gib": round(weight_bytes / 2**30, 3),
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
         "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
-        "sbuf_peak_kib": round(max(fwd["sbuf_peak"], bwd["sbuf_peak"]) / 1024, 1),
+        "sbuf_peak_bytes": max(fwd["sbuf_peak"], bwd["sbuf_peak"]),
+        "sbuf_usable_bytes": nl.tile_size.total_available_sbuf_size,
         **run.summary(),
     }
     return result, {"fwd": fwd, "bwd": bwd, "plan": plan, "old_padding": old_padding, "weight_bytes": weight_bytes,
@@ -174,17 +182,23 @@ def main(argv=None):
           f"{weight_bytes / 2**20:,.0f} MiB, {result['dma_small_fraction']:.1%} of bytes in DMAs < 2 KiB/partition")
     print(f"PE FLOPs / unpadded expert FLOPs: fwd {result['pe_flops_ratio_fwd']:.3f}, fwd+bwd "
           f"{result['pe_flops_ratio']:.3f} (the backward reads the saved gT, uT: no recompute)")
-    print(f"trn2 time model (nki_emulator.timing; a model, nothing ran on Trainium), ms per engine, fwd + bwd: "
-          f"{result['model_ms_engines']}; layer {result['model_ms_overlap']:.2f} ms with every engine overlapped "
-          f"(fwd {result['model_ms_fwd']:.2f} {result['bound_fwd']}-bound, bwd {result['model_ms_bwd']:.2f} "
-          f"{result['bound_bwd']}-bound) .. {result['model_ms_serial']:.2f} ms serial; HBM {result['hbm_gib']:.2f} "
-          f"GiB")
+    print(f"trn2 dependency time model (nki_emulator.timing.schedule; a model, nothing ran on Trainium): layer "
+          f"{result['model_ms']:.2f} ms (fwd {result['model_ms_fwd']:.2f}, bwd {result['model_ms_bwd']:.2f}); "
+          f"throughput bracket {result['model_ms_overlap']:.2f} (engines overlapped; fwd {result['bound_fwd']}-bound, "
+          f"bwd {result['bound_bwd']}-bound) .. {result['model_ms_serial']:.2f} ms (serial); busy ms per engine "
+          f"{result['model_ms_engines']}; HBM {result['hbm_gib']:.2f} GiB")
+    print("engine shares of the cores' time (busy / waiting): " + ", ".join(
+        f"{e} {v['busy']:.0%} / {v['waiting']:.0%}" for e, v in result["engine_shares"].items()))
+    for stall in result["top_stalls"]:
+        print(f"  stall {stall['ms']:>9.3f} ms  {stall['engine']:<7} at {stall['site']:<22} waits for "
+              f"{stall['waits_for']}")
     print(f"roofline {result['roofline_ms']:.2f} ms = max(PE floor {result['pe_floor_ms']:.2f}, HBM floor "
-          f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB, dW counted in fp32); overlap model "
-          f"/ roofline {result['roofline_ratio']:.3f}; with dW at the io dtype the kernels write: roofline "
-          f"{result['roofline_ms_io_grads']:.2f} ms, ratio {result['roofline_ratio_io_grads']:.3f}")
+          f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB, bf16 dW); model / roofline "
+          f"{result['roofline_ratio']:.3f}; SBUF peak {result['sbuf_peak_bytes']:,} of {result['sbuf_usable_bytes']:,} "
+          "usable B/partition")
     targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
-               "pe_flops_ratio": 1.25, "divergent_loops": 0, "roofline_ratio": 1.25}
+               "pe_flops_ratio": 1.25, "divergent_loops": 0, "roofline_ratio": 1.3,
+               "sbuf_peak_bytes": result["sbuf_usable_bytes"]}
     for key, limit in targets.items():
         print(f"  {key:<22} {result[key]:>12,} target <= {limit:<8} {'met' if result[key] <= limit else 'MISSED'}")
     if args.compare_nki_library:
@@ -197,12 +211,14 @@ def main(argv=None):
 def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours, ours_counters):
     """Our forward's counters and trn2 time model next to nki-library's bwmm_shard_on_block on the same routing
     (docs/nki_kernels.md)."""
+    from workbench.kernels.nki_emulator import counters
     from workbench.kernels.nki_emulator.conformance import aws_blockwise_forward_counters
-    from workbench.kernels.nki_emulator.timing import model
+    from workbench.kernels.nki_emulator.timing import model, schedule
 
     t0 = time.perf_counter()
-    c, plan = aws_blockwise_forward_counters(library, x.detach(), ids, weights.detach(), w_gate, w_up, w_down,
-                                             block, lnc)
+    with counters(trace=True) as traced:  # nested: collects the same launch with its trace, for the dependency model
+        c, plan = aws_blockwise_forward_counters(library, x.detach(), ids, weights.detach(), w_gate, w_up, w_down,
+                                                 block, lnc)
     aws = summarize(c, "fwd")
     print(f"nki-library bwmm_shard_on_block, same routing: {plan['blocks']} static blocks ({plan['blocks_needed']} "
           f"needed), emulated in {time.perf_counter() - t0:.0f}s")
@@ -218,6 +234,8 @@ def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, l
           "capacity rules lifted)")
     # The same trn2 time model (nki_emulator.timing) over both kernels' counters: a model, not a measurement.
     mine, theirs = model(ours_counters), model(c)
+    print(f"{'model ms, dependency':<20}{schedule(ours_counters).seconds * 1e3:>16.3f}"
+          f"{schedule(traced).seconds * 1e3:>16.3f}")
     for label, get in (("model ms, overlap", lambda t: f"{t.overlap_s * 1e3:.3f}"),
                        ("model ms, serial", lambda t: f"{t.serial_s * 1e3:.3f}"), ("bound", lambda t: t.bound),
                        ("unmodeled instr.", lambda t: f"{sum(t.unmodeled.values()):,}")):

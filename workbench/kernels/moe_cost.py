@@ -1,8 +1,12 @@
-"""The NKI MoE layer's modeled trn2 time: one rank's layer forward + backward through the emulator, its counters
-through the time model (`nki_emulator.timing`), and the layer's roofline.
+"""The NKI MoE layer's modeled trn2 time: one rank's layer forward + backward through the emulator, its instruction
+trace through the dependency time model (`nki_emulator.timing.schedule`), and the layer's roofline.
 
     run = run_layer(tokens=4096, experts=128, top_k=8, hidden=2048, ffn=768, lnc=2, block_size=256)
-    run.summary()   # model_ms_overlap, model_ms_serial, roofline_ms, roofline_ratio, bound, ...
+    run.summary()   # model_ms, roofline_ms, roofline_ratio, model_ms_overlap .. model_ms_serial, engine shares, ...
+
+`model_ms` is the dependency model: the trace replayed on per-engine in-order queues (operands ready, engine free,
+DGE and DMA latencies, barriers). `model_ms_overlap` (each kernel at its busiest engine) and `model_ms_serial`
+(each kernel the sum of its engines) are the throughput model's bracket around it.
 
 Used by benchmarks/nki_moe_cost.py (the full cost report), `workbench.bench` and notebook 03 (the modeled layer
 time beside the measured CPU numbers). Everything here is a model: nothing has run on Trainium.
@@ -11,13 +15,12 @@ The roofline (`roofline`) is max(PE floor, HBM floor) of one rank (LNC physical 
 with each floor counting:
   PE floor   the unpadded expert matmuls, 3 x 2*T*K*D*F FLOPs forward and twice that backward, at 79 BF16 TFLOPS
              per physical NeuronCore-v3 (no transposes, no padding, no recompute);
-  HBM floor  at the rank's share of 2.9 TB/s: the three expert matrices read once forward and once backward (io
-             dtype), the three weight gradients written once in fp32, and each token's rows once: x read and out
-             written forward, x and dy read and dx written backward (5 * T * D elements, io dtype). Routing tables,
-             slot scratch, padding and the K-fold gathers are not in it.
-The kernels return the weight gradients in the io dtype (what autograd hands on: the weights' dtype), so a floor
-counting them at that width is lower still: `summary()` reports it too (`roofline_ms_io_grads`, its ratio); at
-30B-A3B in bf16 that floor is the PE floor.
+  HBM floor  at the rank's share of 2.9 TB/s: the three expert matrices read once forward and once backward, the
+             three weight gradients written once, and each token's rows once: x read and out written forward, x
+             and dy read and dx written backward (5 * T * D elements), all in the dtypes the kernels use: the io
+             dtype, bf16 on trn2 (the kernels write dW in the weights' dtype, as torch's autograd does for bf16
+             weights). Routing tables, slot scratch, padding and the K-fold gathers are not in it.
+At 30B-A3B in bf16 the roofline is the PE floor (5.87 ms; the HBM floor is 5.11 ms).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.kernels.nki_emulator import counters
-from workbench.kernels.nki_emulator.timing import TRN2, Rates, model
+from workbench.kernels.nki_emulator.timing import TRN2, Rates, model, schedule
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,12 @@ class Roofline:
 
 
 def roofline(tokens: int, top_k: int, experts: int, hidden: int, ffn: int, lnc: int, io_bytes: int,
-             grad_bytes: int = 4, rates: Rates = TRN2) -> Roofline:
-    """The layer's floors for one rank of `lnc` physical cores (module docstring: what each counts); `grad_bytes`:
-    the width the weight gradients are counted at (4: fp32, as the issue defines the floor)."""
+             rates: Rates = TRN2) -> Roofline:
+    """The layer's floors for one rank of `lnc` physical cores (module docstring: what each counts), every tensor
+    at the io dtype the kernels read and write (`io_bytes` per element)."""
     T, K, E, D, F = tokens, top_k, experts, hidden, ffn
     flops = 9 * 2 * T * K * D * F
-    hbm = 3 * E * D * F * (2 * io_bytes + grad_bytes) + 5 * T * D * io_bytes  # weights fwd + bwd, dW, token rows
+    hbm = 3 * E * D * F * 3 * io_bytes + 5 * T * D * io_bytes  # weights fwd + bwd, dW, token rows
     return Roofline(pe_s=flops / (rates.pe_bf16_flops * lnc), hbm_s=hbm / (rates.hbm_bytes_per_s * lnc),
                     hbm_bytes=hbm, pe_flops=flops)
 
@@ -62,30 +65,42 @@ def roofline(tokens: int, top_k: int, experts: int, hidden: int, ffn: int, lnc: 
 class LayerRun:
     """Counters of one rank's MoE layer forward and backward, and what the time model makes of them."""
 
-    forward: object  # nki_emulator Counters
+    forward: object  # nki_emulator Counters (with the instruction trace)
     backward: object
     roofline: Roofline
-    roofline_io_grads: Roofline  # the same with the weight gradients at the io dtype the kernels write
     topk_ids: torch.Tensor  # the routing the layer ran with
     seconds: tuple  # emulator wall time of the forward and the backward (CPU)
 
     def summary(self) -> dict:
-        """The time model's bounds for the layer: each kernel takes at least its busiest engine (overlap) and at
-        most the sum of its engines (serial); the layer is the forward kernel then the backward kernel."""
+        """The layer's modeled time: `model_ms` the dependency model (the forward kernel then the backward
+        kernel, each its slowest core's timeline), its ratio to the roofline, each engine's busy and waiting share
+        and the largest stalls; the throughput bracket (each kernel at least its busiest engine, at most the sum
+        of its engines); the floors."""
         fwd, bwd = model(self.forward), model(self.backward)
+        sf, sb = schedule(self.forward), schedule(self.backward)
+        seconds = sf.seconds + sb.seconds
         overlap = fwd.overlap_s + bwd.overlap_s
         engines = {e: fwd.engines[e] + bwd.engines[e] for e in fwd.engines}
+        both = sf  # the layer's shares and stalls: the two kernels' timelines together
+        for e in both.busy:
+            both.busy[e] += sb.busy[e]
+            both.waiting[e] += sb.waiting[e]
+        for k, v in sb.stalls.items():
+            both.stalls[k] = both.stalls.get(k, 0.0) + v
+        both.core_seconds += sb.core_seconds
         return {
+            "model_ms": _ms(seconds),
+            "roofline_ms": _ms(self.roofline.seconds),
+            "roofline_ratio": round(seconds / self.roofline.seconds, 4),
+            "model_ms_fwd": _ms(sf.seconds), "model_ms_bwd": _ms(sb.seconds),
+            "engine_shares": both.shares(),
+            "top_stalls": both.top_stalls(8),
             "model_ms_overlap": _ms(overlap),
             "model_ms_serial": _ms(fwd.serial_s + bwd.serial_s),
-            "roofline_ms": _ms(self.roofline.seconds),
-            "roofline_ratio": round(overlap / self.roofline.seconds, 4),
             "bound": max(engines, key=engines.get),
             "model_ms_engines": {e: _ms(s) for e, s in engines.items()},
-            "model_ms_fwd": _ms(fwd.overlap_s), "bound_fwd": fwd.bound,
-            "model_ms_bwd": _ms(bwd.overlap_s), "bound_bwd": bwd.bound,
-            "roofline_ms_io_grads": _ms(self.roofline_io_grads.seconds),
-            "roofline_ratio_io_grads": round(overlap / self.roofline_io_grads.seconds, 4),
+            "model_ms_overlap_fwd": _ms(fwd.overlap_s), "bound_fwd": fwd.bound,
+            "model_ms_overlap_bwd": _ms(bwd.overlap_s), "bound_bwd": bwd.bound,
             "pe_floor_ms": _ms(self.roofline.pe_s),
             "hbm_floor_ms": _ms(self.roofline.hbm_s),
             "hbm_floor_gib": round(self.roofline.hbm_bytes / 2**30, 3),
@@ -126,15 +141,15 @@ def run_layer(tokens: int, experts: int, top_k: int, hidden: int, ffn: int, lnc:
     x, ids, w, wg, wu, wd, dout = layer_inputs(tokens, experts, top_k, hidden, ffn, dtype, seed)
     with compiled_for_lnc(lnc):
         t0 = time.perf_counter()
-        with counters() as cf:
+        with counters(trace=True) as cf:
             out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=block_size)
         t1 = time.perf_counter()
-        with counters() as cb:
+        with counters(trace=True) as cb:
             out.backward(dout)
         t2 = time.perf_counter()
     io_bytes = torch.empty((), dtype=dtype).element_size()
     shape = (tokens, top_k, experts, hidden, ffn, lnc, io_bytes)
-    return LayerRun(cf, cb, roofline(*shape), roofline(*shape, grad_bytes=io_bytes), ids, (t1 - t0, t2 - t1))
+    return LayerRun(cf, cb, roofline(*shape), ids, (t1 - t0, t2 - t1))
 
 
 def trn2_moe_layer(job) -> dict | None:

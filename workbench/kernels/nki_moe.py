@@ -86,13 +86,24 @@ P = nl.tile_size.pmax  # 128 partitions
 MOVING_FMAX = nl.tile_size.gemm_moving_fmax  # 512: moving free size, also one fp32 PSUM bank
 F32 = nl.float32
 I32 = nl.int32
-# SBUF bytes per partition on NeuronCore-v3 (28 MiB = 128 x 224 KiB; Trainium2 Architecture Guide for NKI)
-SBUF_BYTES = 224 * 1024
+# SBUF bytes per partition a kernel may allocate: `nl.tile_size.total_available_sbuf_size` (212,464 B on trn2: the
+# raw 224 KiB less the compiler's reservations; tile_size page, and the figure nki-library's memory manager
+# allocates within). Sizing against the raw 224 KiB would fail to allocate on hardware.
+SBUF_BYTES = nl.tile_size.total_available_sbuf_size
 # kept free in the backward's budget for the small tiles a block allocates on top of its workspace (int32 [1, 1]
 # table entries and slot-index / affinity columns: < 100 bytes per partition)
 SMALL_TILES_BYTES = 1024
-# PSUM banks the backward's weight-gradient phase accumulates in: 8 banks, 3 held by the pieces' pool
+# PSUM banks the backward's weight-gradient phase accumulates in: 8 banks, 3 held by the pieces' pool (transpose
+# staging, the accumulator, the affinity-gradient row)
 DW_BANKS = 5
+# PSUM banks each piece pool rotates through (`_psum`): with two, the Tensor Engine fills one bank while another
+# engine evicts the other, instead of waiting for the eviction (8 banks: "up to eight outstanding matmul
+# accumulation groups", Trainium2 architecture guide). Forward: 2 + 2 + 1 = 5 banks. Backward: 1 + 1 + 1 and
+# DW_BANKS = 5 for the weight gradients: under the dependency model, two transpose banks with DW_BANKS = 4 were
+# slower (the weight-gradient groups, one more per expert, serialise on their evictions: 2.49 -> 3.00 ms at
+# T 512, E 16, D 2048, F 768, LNC 2)
+PSUM_BANKS_FWD = {"t": 2, "acc": 2}
+PSUM_BANKS_BWD = {"t": 1, "acc": 1}
 DW_ROW_BANKS = 4  # a weight-gradient output row is written in segments of at most this many banks (2048 columns)
 
 
@@ -312,12 +323,24 @@ def backward_layout(D, F, io_dtype, widths):
 # A compiled loop body is traced once, so every tile it allocates is one fixed buffer for the whole loop; allocating
 # the working tiles up front and reusing them is what keeps the resident weights (and, backward, the resident tiles)
 # plus one block inside SBUF, and the PSUM tiles inside the 8 banks.
-def _psum_pool(io_dtype):
-    return {
-        "t": nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"),
-        "acc": nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"),
-        "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad"),
-    }
+def _psum_pool(io_dtype, banks):
+    """The pieces' PSUM tiles: banks["t"] transpose staging banks, banks["acc"] accumulators (each a whole 2 KiB
+    bank), the affinity-gradient row; `_psum` hands them out in turn."""
+    pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0},
+            "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad")}
+    for _ in range(banks["t"]):
+        pool["t"].append(nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"))
+    for _ in range(banks["acc"]):
+        pool["acc"].append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"))
+    return pool
+
+
+def _psum(ps, kind):
+    """The next bank of `kind` ("t" or "acc") in rotation. Rotation happens at trace time: a compiled loop body's
+    k-th use is the same bank every iteration, and consecutive uses inside a body alternate banks."""
+    n = ps["turn"][kind]
+    ps["turn"][kind] = n + 1
+    return ps[kind][n % len(ps[kind])]
 
 
 def _block_tiles(KB, width, dtype, name):
@@ -409,7 +432,7 @@ def _tok(tiles, tile, s, parts, c0, cols):
 def _transpose_into(dst, src, ps):
     """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
     p, f = src.shape
-    staged = ps["t"][0:f, 0:p]
+    staged = _psum(ps, "t")[0:f, 0:p]
     nisa.nc_transpose(dst=staged, data=src)
     nisa.tensor_copy(dst=dst, src=staged)
 
@@ -462,7 +485,7 @@ def _project(out, w_res, xT, B, D, n_out, ps):
     from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
-        acc = ps["acc"][0:fl, 0:B]
+        acc = _psum(ps, "acc")[0:fl, 0:B]
         for j in range(_ntiles(D, P)):
             dl = _width(D, P, j)
             nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:B],
@@ -638,7 +661,7 @@ def _forward_block(grp, row0, hbm, w, ws, ps, B, f0, first):
         sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
-            acc = ps["acc"][0:sl, 0:cl]
+            acc = _psum(ps, "acc")[0:sl, 0:cl]
             for i in range(_ntiles(FC, P)):
                 fl = _width(FC, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
@@ -675,7 +698,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     widths = _piece_classes(hbm["index"], seg_table, 3)
     FC = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
     ws = _fwd_workspace(widths[0], D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F)
-    ps = _psum_pool(x_pad.dtype)
+    ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
 
     def segment(s):
         e = _load_entry(seg_table, pid * S, 0, s)
@@ -832,7 +855,7 @@ def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
     slot_weight from group grp on): ones[1, parts]^T @ row (PE)."""
     nisa.dma_copy(dst=ws["aff_row"], src=slot_weight.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp,
                                                         indirect_dim=0))
-    acc = ps["acc"][0:parts, 0:B]
+    acc = _psum(ps, "acc")[0:parts, 0:B]
     nisa.nc_matmul(dst=acc, stationary=ws["ones"][0:1, 0:parts], moving=ws["aff_row"], accumulate=False)
     nisa.tensor_copy(dst=ws["aff_bcast"], src=acc)
 
@@ -878,7 +901,7 @@ def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
         sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
             c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
-            acc = ps["acc"][0:sl, 0:cl]
+            acc = _psum(ps, "acc")[0:sl, 0:cl]
             for i in range(_ntiles(FC, P)):
                 fl = _width(FC, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["dg"][0:fl, i, s * P:s * P + sl],
@@ -1077,7 +1100,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     tails = []
     for B in _tail_widths(widths):
         tails.append(_resident(B, 1, D, FC, io))
-    ps = _psum_pool(io)
+    ps = _psum_pool(io, PSUM_BANKS_BWD)
     ps_dw = []
     for _ in range(DW_BANKS):
         ps_dw.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_dw"))

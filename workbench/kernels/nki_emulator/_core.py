@@ -35,11 +35,17 @@ URL_AP = f"{DOCS}/latest/nki/deep-dives/nki-aps.html"
 URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
 
 # Hardware numbers (NeuronCore-v3 / Trainium2). 128 partitions; PSUM is 2 MiB = 128 x 16 KiB organised in
-# 8 banks of 2 KiB (512 fp32) per partition; SBUF is 28 MiB = 128 x 224 KiB on NeuronCore-v3.
+# 8 banks of 2 KiB (512 fp32) per partition; SBUF is 28 MiB = 128 x 224 KiB on NeuronCore-v3 (Trainium2
+# Architecture Guide for NKI), of which a kernel may allocate `nl.tile_size.total_available_sbuf_size` per
+# partition (tile_size page: "Usable SBUF free dimension per partition, in bytes"): 224 KiB less the compiler's
+# reservations, 212,464 B, the value nki-library's memory manager allocates within (bwmm_bwd_dropless.py
+# MAX_AVAILABLE_SBUF_SIZE = 224 * 1024 - 16384 - 8 - 520; the page itself prints no number). The capacity rule
+# enforces the usable figure: a kernel sized against the raw 224 KiB can fail to allocate on hardware.
 PMAX = 128
 PSUM_BANK_BYTES = 2048
 PSUM_PARTITION_BYTES = 8 * PSUM_BANK_BYTES
-SBUF_PARTITION_BYTES = 224 * 1024
+SBUF_RAW_PARTITION_BYTES = 224 * 1024
+SBUF_PARTITION_BYTES = SBUF_RAW_PARTITION_BYTES - 16384 - 8 - 520  # usable: 212,464 B
 GEMM_STATIONARY_FMAX = 128
 GEMM_MOVING_FMAX = 512
 
@@ -127,7 +133,8 @@ class _Budget:
         """Most live bytes per partition of each memory over the program; raises `<kind>-capacity` past it."""
         self.advance(0)  # the kernel has ended: so have its loops
         peaks = {}
-        for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TRN2), ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
+        for kind, cap, url in (("sbuf", SBUF_PARTITION_BYTES, URL_TILE_SIZE),
+                               ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
             # a tile allocated after instruction c exists from c + 0.5 to its last use (an unused one just at
             # c + 0.5, where it meets every other allocation made before the next instruction)
             tiles = sorted((t for t in self.tiles.values() if t[0] == kind), key=lambda t: t[2])
@@ -358,9 +365,11 @@ class Tensor:
     def _access(self, kind: str) -> None:
         _check_owner(self._storage)
         launch = _runtime.current()
-        if launch is not None and launch.lnc > 1 and self._storage.shared:
+        if launch is not None and (launch.accesses is not None or (launch.lnc > 1 and self._storage.shared)):
             pattern = list(zip(self._data.stride(), self._data.shape, strict=True)) or [(1, 1)]
-            launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
+            launch.touch(self._storage, kind, self._data.storage_offset(), pattern, None)  # the time model's trace
+            if launch.lnc > 1 and self._storage.shared:
+                launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
         """The values, for a use that cannot carry poison (an index, offset, register or loop bound): an unwritten
@@ -531,8 +540,10 @@ class AccessPattern:
         if bool(((flat < 0) | (flat >= numel)).any()):
             raise violation("index-bounds", f"{self} addresses elements outside the {numel}-element tensor", URL_AP)
         launch = _runtime.current()
-        if launch is not None and launch.lnc > 1 and self.root._storage.shared:
-            launch.record(self.root._storage, kind, int(start), self.pattern, outer)
+        if launch is not None:
+            launch.touch(self.root._storage, kind, int(start), self.pattern, outer)  # the time model's trace
+            if launch.lnc > 1 and self.root._storage.shared:
+                launch.record(self.root._storage, kind, int(start), self.pattern, outer)
         return flat, keep
 
     def read(self):

@@ -86,7 +86,11 @@ class Counters:
     padding_rows[x] for the gather that feeds a kernel's compute its input rows x: padding slots read a zero row
     (a real token whose row is exactly zero would count too; the MoE cost report cross-checks the host plan);
     work: (core, engine, op, work descriptor) -> instructions executed; the descriptor (timing.Matmul, Transpose,
-    Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time.
+    Elementwise, Dma; None where an instruction records none) is what `timing.model` turns into engine time;
+    trace: with `counters(trace=True)`, one entry per launch: per core, the executed instructions in program order,
+    each `(engine, op, work, site, accesses)`, accesses `(storage key, "r"|"w", row0, row1, col0, col1)` (the box
+    it touched: see `Launch.touch`); a compiled loop's branch is `("control", loop, None, site, ())` per
+    iteration. What `timing.schedule` replays on per-engine queues; None when not asked for.
     """
 
     static: dict = field(default_factory=dict)
@@ -105,6 +109,7 @@ class Counters:
     padding_rows: dict = field(default_factory=dict)
     work: dict = field(default_factory=dict)
     hbm_allocations: list = field(default_factory=list)
+    trace: list | None = None
 
     @property
     def static_total(self) -> int:
@@ -119,9 +124,10 @@ _active_counters: list[Counters] = []
 
 
 @contextlib.contextmanager
-def counters():
-    """Collect `Counters` over every kernel launch inside the block (nesting allowed: all active ones count)."""
-    c = Counters()
+def counters(trace: bool = False):
+    """Collect `Counters` over every kernel launch inside the block (nesting allowed: all active ones count);
+    `trace`: also record each launch's instruction trace (`Counters.trace`, for `timing.schedule`)."""
+    c = Counters(trace=[] if trace else None)
     _active_counters.append(c)
     try:
         yield c
@@ -147,9 +153,19 @@ class VirtualRegister:
 
     def __init__(self, name: str = "reg"):
         self.name = name
-        self.value: int | None = None
+        self._value: int | None = None
+
+    @property
+    def value(self) -> int | None:
+        return self._value
+
+    @value.setter
+    def value(self, v) -> None:
+        self._value = v
+        _touch_register(self, "w")
 
     def runtime_value(self) -> int:
+        _touch_register(self, "r")
         if self.value is None:
             raise _violation("register-uninitialized", f"{self.name} is read before any register_alloc(x)/"
                              "register_move/register_load gave it a value", URL_REGISTER)
@@ -189,6 +205,13 @@ class NkiScalar(VirtualRegister):
                                   "iteration value as scalar_offset= or a loop bound, or pass register bounds")
 
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _not_emulated
+
+
+def _touch_register(reg: VirtualRegister, kind: str) -> None:
+    """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset)."""
+    launch = _launch
+    if launch is not None and launch.accesses is not None:
+        launch.accesses.append((launch.key(reg), kind, 0, 0, 0, 0))
 
 
 def _kernel_line() -> str:
@@ -238,6 +261,11 @@ class Launch:
         self.pending = None  # a deferred uninitialized-read of shared HBM (see _core._uninitialized)
         self.taint: list[str] = []  # poison sources the running instruction has read (see _core._poison)
         self.moved: list = []  # (storage, init, selector) a data movement read, resolved only if it moved poison
+        self.tracing = any(c.trace is not None for c in _active_counters)
+        self.accesses = None  # while tracing: what the executing instruction touched (`touch`)
+        self.keys: dict = {}  # while tracing: id(storage or register) -> (it, serial): ids are never reused
+        if self.tracing:
+            self.stats.trace = [[] for _ in range(lnc)]
 
     # instructions ----------------------------------------------------------------------------------------------
     def emit(self, engine: str, op: str, run, site: str, work=None) -> None:
@@ -260,7 +288,50 @@ class Launch:
         _bump(self.stats.executed, engine)
         _bump(self.stats.work, (self.core, engine, op, work))
         self.current = f"core {self.core}: {op} at {site}"
-        run()
+        if not self.tracing:
+            run()
+            return
+        self.accesses = []
+        try:
+            run()
+        finally:
+            self.stats.trace[self.core].append((engine, op, work, site, self.accesses))
+            self.accesses = None
+
+    def touch(self, storage, kind: str, start: int, pattern, outer) -> None:
+        """While tracing, note the box of `storage` the executing instruction reads or writes: rows [r0, r1] and
+        columns [c0, c1] of the storage seen as rows of C elements (C: the row length of its outermost dim: one
+        partition's bytes on chip, the last dim in HBM), from flat elements start + sum i_k*step_k (`outer`, a row
+        gather's offsets, replacing term 0). A term that is not whole rows and not inside one row spans all
+        columns (a conservative box: it can only add dependencies)."""
+        if self.accesses is None:
+            return
+        data = storage.data
+        C = (data.stride(0) if storage.buffer.on_chip else data.shape[-1]) if data.dim() > 1 else max(1, data.numel())
+        r0 = r1 = start // C
+        c0 = c1 = start % C
+        for k, (s, n) in enumerate(pattern):
+            if (k == 0 and outer is not None) or n <= 1:
+                continue
+            if s % C == 0:
+                r1 += s // C * (n - 1)
+            elif s * (n - 1) < C:
+                c1 += s * (n - 1)
+            else:
+                c0, c1, r1 = 0, C - 1, r1 + s * (n - 1) // C + 1
+        if outer is not None:
+            r0, r1 = r0 + int(outer.min()) // C, r1 + int(outer.max()) // C
+        if c1 >= C:  # wraps into the next row
+            c0, c1, r1 = 0, C - 1, r1 + c1 // C
+        self.accesses.append((self.key(storage), kind, r0, r1, c0, c1))
+
+    def key(self, obj) -> int:
+        """A serial number for a storage or register, unique within the launch (an `id()` can be reused once the
+        object is freed, which would tie unrelated tiles together; holding the object keeps its id)."""
+        entry = self.keys.get(id(obj))
+        if entry is None:  # the entry holds obj, so no other object can take its id while the launch runs
+            entry = self.keys[id(obj)] = (obj, len(self.keys))
+        return entry[1]
 
     # control flow ----------------------------------------------------------------------------------------------
     def check_control(self, where: str) -> None:
@@ -458,6 +529,8 @@ def _merge(into: Counters, add: Counters) -> None:
     into.pe_transpose_flops += add.pe_transpose_flops
     into.launches += add.launches
     into.sbuf_peak = max(into.sbuf_peak, add.sbuf_peak)
+    if into.trace is not None and add.trace is not None:
+        into.trace.append(add.trace)
     into.psum_peak = max(into.psum_peak, add.psum_peak)
 
 
@@ -618,6 +691,8 @@ def _emit_loop(launch: Launch, loop: str, site: str, value: VirtualRegister, nod
         for v in values():
             value.value = v  # passed by value: the body's writes to it never reach the loop's own counter
             _bump(launch.stats.executed, "control")
+            if launch.tracing:
+                launch.stats.trace[launch.core].append(("control", loop, None, site, ()))
             for node in nodes:
                 launch.execute(node)
             trips += 1

@@ -16,6 +16,7 @@ from ._core import (
     PSUM,
     PSUM_BANK_BYTES,
     SBUF,
+    SBUF_PARTITION_BYTES,
     SHARED_HBM,
     allocate,
 )
@@ -82,9 +83,9 @@ class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
     gemm_stationary_fmax = GEMM_STATIONARY_FMAX
     gemm_moving_fmax = GEMM_MOVING_FMAX
     # "Usable SBUF free dimension per partition, in bytes" (tile_size page, v2.30): the page gives no number; this
-    # is 224 KiB less the compiler's reservations as nki-library writes them (bwmm_bwd_dropless.py
-    # MAX_AVAILABLE_SBUF_SIZE = 224 * 1024 - 16384 - 8 - 520), the only public value
-    total_available_sbuf_size = 224 * 1024 - 16384 - 8 - 520
+    # is 224 KiB less the compiler's reservations as nki-library writes them (_core.SBUF_PARTITION_BYTES: the
+    # figure the emulator's sbuf-capacity rule enforces)
+    total_available_sbuf_size = SBUF_PARTITION_BYTES
 
 
 class _Op:

@@ -1,9 +1,23 @@
-"""A trn2 time model over the emulator's counters: how long a kernel's instructions would keep each engine busy.
+"""A trn2 time model over the emulator's counters and instruction trace.
 
-Every instruction the emulator executes records a *work* descriptor next to its engine (static shapes, dtypes and
-memories of its operands: `Matmul`, `Transpose`, `Elementwise`, `Dma`), per core, in `Counters.work`. `model(c)`
-turns those records into engine busy times with NeuronCore-v3 / Trainium2 rates, each cited from AWS's docs
-(`TRN2`, `SOURCES`; a rate no doc states is marked as an assumption there):
+Two models, one set of rates (NeuronCore-v3 / Trainium2, each cited in `SOURCES`; a rate no doc states is marked
+an assumption there, a constant fitted to a published timing is marked FITTED):
+
+`schedule(c)`, the dependency model (`c` recorded with `counters(trace=True)`): each launch's instruction trace
+replayed on each core's in-order queues. An instruction starts when its queue is free and its operands are ready:
+read-after-write, write-after-write and write-after-read through the boxes of SBUF / PSUM / HBM tensors and the
+registers it touches (so reusing one workspace tile or one PSUM bank serialises, and a bank or buffer in rotation
+does not), and a core barrier waits for every core's earlier instructions. Queues: Tensor, Vector, Scalar and
+GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines. A DMA first
+generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE), then moves
+its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's share of
+HBM bandwidth (a bandwidth queue); a DMA that waits on another DMA's completion pays the ~1.3 us semaphore
+latency. A compiled loop's branch costs every engine `branch_s`. The result: the launches' makespans (the headline
+`model_ms` of the MoE cost report), each engine's busy and waiting time, and the stalls by waiting source line and
+what it waited for. Not modelled: the compiler's reordering inside a basic block (the replay keeps program order
+per queue), the DMA queue assignment (a DMA takes the DGE instance free first), HBM bank conflicts.
+
+`model(c)`, the throughput model (the bracket): per engine, the sum of its instructions' costs.
 
     tensor   per nc_matmul max(N, 64) cycles (N: moving free size), x4 for fp32 operands; a PE transpose is a
              matmul against an identity of the partition size (x2 for fp32: NeuronCore-v3's transpose mode);
@@ -13,17 +27,17 @@ turns those records into engine busy times with NeuronCore-v3 / Trainium2 rates,
              without performance modes at 1.2 GHz; gpsimd like scalar (an assumption: no documented cost model).
     dma      per physical core max(HBM bytes / its share of the chip's HBM bandwidth,
              the transfers on its 16 DMA engines: per transfer a fixed cost on each engine it uses + bytes at
-             27.2 GB/s per engine, spread over the 16).
-    register / control / sync (sequencer instructions, loop branches, barriers): not modelled (0 s; counted).
+             23 GB/s per engine, spread over the 16).
+    register / control / sync: 0 s in this model (the dependency model charges them).
 
 Bounds: `overlap_s` = the busiest engine of the busiest core (every engine runs concurrently and nothing waits),
-`serial_s` = the largest per-core sum over engines (nothing overlaps). A real kernel lands in between. The model
-is throughput only: no dependency latency, no DMA queue ordering, no semaphore waits, nothing measured on
-Trainium. Instructions that record no work descriptor (an API added without one) are counted in `unmodeled`
-and cost nothing, so a caller can tell that the model saw all of a kernel or not.
+`serial_s` = the largest per-core sum over engines (nothing overlaps). Both leave out latency (DGE, semaphores),
+so a latency-bound kernel's dependency time can exceed `serial_s`. Instructions that record no work descriptor are
+counted in `unmodeled` and cost nothing, so a caller can tell that the model saw all of a kernel or not.
 
-Any kernel run under `counters()` can be fed through it: `model(c)` for this project's MoE kernels
-(benchmarks/nki_moe_cost.py), or for another kernel's counters (e.g. AWS's nki-library kernels on this emulator).
+Any kernel run under `counters()` can be fed through either: this project's MoE kernels
+(benchmarks/nki_moe_cost.py), or another kernel's counters (e.g. AWS's nki-library kernels on this emulator).
+Nothing here was measured on Trainium.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ URL_TRN1_NKI = f"{DOCS}/nki/about/trainium_inferentia2_arch.html"  # Trainium/In
 URL_NC_V3 = f"{DOCS}/about-neuron/arch/neuron-hardware/neuron-core-v3.html"
 URL_TRN2_CHIP = f"{DOCS}/about-neuron/arch/neuron-hardware/trainium2.html"
 URL_DMA = f"{DOCS}/nki/about/nki-dma-overview.html"
+URL_DMA_BW = f"{DOCS}/nki/deep-dives/nki-dma-bandwidth-guide.html"
+URL_DGE = f"{DOCS}/nki/api/generated/nki.isa.dma_copy.html"
 
 
 # -- work descriptors (recorded by nki_emulator.isa for each traced instruction; static, hashable) ---------------------
@@ -74,11 +90,13 @@ class Elementwise(NamedTuple):
 
 class Dma(NamedTuple):
     """One DMA transfer: `nbytes` moved, `hbm_bytes` of them read or written in HBM (x2 for HBM -> HBM), over
-    `partitions` SBUF partitions (the SBUF side; 1 for HBM -> HBM)."""
+    `partitions` SBUF partitions (the SBUF side; 1 for HBM -> HBM); `rows`: the rows of an indirect (vector_offset)
+    gather or scatter, whose descriptors software DGE generates on GpSimd (0: hardware DGE)."""
 
     nbytes: int
     hbm_bytes: int
     partitions: int
+    rows: int = 0
 
 
 def _operand_facts(t):
@@ -124,7 +142,11 @@ def dma_work(dst, *srcs) -> Dma:
     moved = sum(nbytes(s) for s in srcs)
     hbm = sum(nbytes(t) for t in ends if t.buffer in (HBM, SHARED_HBM))
     sbuf = next((t for t in ends if t.buffer is SBUF), None)
-    return Dma(moved, hbm, sbuf.shape[0] if sbuf is not None and sbuf.shape else 1)  # int-indexed partition: 1
+    rows = max((t.pattern[0][1] for t in ends if getattr(t, "vector_offset", None) is not None), default=0)
+    # SBUF side: its partitions (an int-indexed partition: 1); HBM -> HBM: the destination's outer dim, spread
+    # over the engines like partitions (assumption: the DMA overview says only "depending on the shape")
+    parts = sbuf.shape[0] if sbuf is not None and sbuf.shape else 1 if sbuf is not None else dst.shape[0]
+    return Dma(moved, hbm, parts, rows)
 
 
 # -- rates -------------------------------------------------------------------------------------------------------------
@@ -144,9 +166,16 @@ class Rates:
     hbm_bytes_per_s_chip: float = 2.9e12
     cores_per_chip: int = 8
     dma_engines: int = 16
-    dma_engine_bytes_per_s: float = 27.2e9
+    dma_engine_bytes_per_s: float = 23e9
     dma_partitions_per_engine: int = 8
-    dma_fixed_s: float = 0.21e-6
+    dma_fixed_s: float = 9e-9  # FITTED (to the DMA overview's two profiles, docs/nki_kernels.md "Calibration")
+    dge_hw_s: float = 0.6e-6
+    dge_instances: int = 2
+    dge_sw_s: float = 0.6e-6
+    dge_sw_row_cycles: int = 16
+    dma_semaphore_s: float = 1.3e-6
+    sequencer_s: float = 50e-9
+    branch_s: float = 50e-9
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -179,10 +208,25 @@ SOURCES = {
                        "evenly, so an LNC=2 rank gets 2/8"),
     "dma_engines": (URL_DMA, "each NeuronCore (v2-v4) is paired with 16 DMA engines; each engine covers 8 "
                     "partitions of a 128-partition transfer"),
-    "dma_engine_bytes_per_s": (URL_DMA, "theoretical bandwidth of 27.2 GB/s per DMA engine (NeuronCore-v2, -v3)"),
-    "dma_fixed_s": (URL_DMA, "derived: example 1's profile shows one engine moving 32 KiB in 1416 ns; 32 KiB at "
-                    "27.2 GB/s is 1205 ns, leaving ~0.21 us fixed cost per transfer per engine (assumption: for "
-                    "every transfer size)"),
+    "dma_partitions_per_engine": (URL_DMA, "each of the 16 engines covers 8 partitions of a 128-partition "
+                                  "transfer"),
+    "dma_engine_bytes_per_s": (URL_DMA_BW, "23 B/ns per DMA engine on trn2 (the DMA overview's 27.2 GB/s is the "
+                               "theoretical figure); with it the overview's two profiles fit one fixed cost"),
+    "dma_fixed_s": (URL_DMA, "FITTED: the overview's profiles, 32 KiB on one engine in 1,416 ns and 2 KiB per engine "
+                    "on 16 engines in 97 ns, give 23.3 B/ns and ~9 ns per packet; 9 ns with the 23 B/ns above"),
+    "dge_hw_s": (URL_TRN2_NKI, "~600 ns per hardware-DGE DMA instruction (descriptor generation before the engines "
+                 "move bytes); assumption: it also occupies its DGE instance for that time (not pipelined)"),
+    "dge_instances": (URL_TRN2_NKI, "two hardware DGE instances per NeuronCore-v3 (trn2-readiness 7.4)"),
+    "dge_sw_s": (URL_DGE, "software DGE (indirect gathers/scatters) generates descriptors on GpSimd; assumption: "
+                 "the hardware DGE's 600 ns per instruction plus `dge_sw_row_cycles` GpSimd cycles per row (no doc "
+                 "gives a software-DGE cost)"),
+    "dge_sw_row_cycles": (URL_DGE, "assumption: 16 GpSimd cycles per descriptor row"),
+    "dma_semaphore_s": (URL_TRN2_NKI, "~1,300 ns semaphore-to-start latency across DMA engines: charged when a DMA "
+                        "waits on another DMA's completion (assumption: not when a compute engine waits on a DMA)"),
+    "sequencer_s": ("assumption", "register instructions (register_load / move / store) take 50 ns on the "
+                    "sequencer that runs them; no doc gives a figure"),
+    "branch_s": ("assumption", "a compiled loop's compare-and-branch takes 50 ns on every engine's instruction "
+                 "stream (each engine runs the loop); no doc gives a figure"),
 }
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
@@ -274,3 +318,176 @@ def model(counters, rates: Rates = TRN2) -> Timing:
         t.per_core[core]["dma"] = max(t.hbm_s[core], t.dma_queue_s[core])
     t.hbm_bytes = sum(hbm)
     return t
+
+
+# -- the dependency model: the trace replayed on per-engine in-order queues ------------------------------------------
+QUEUES = ("tensor", "vector", "scalar", "gpsimd", "register")  # in-order instruction queues of one core
+COMPUTE = ("tensor", "vector", "scalar", "gpsimd")
+_PRUNE = 512  # accesses kept per storage before the oldest are merged into one (conservative) range
+
+
+@dataclass
+class Schedule:
+    """`schedule(counters)`: the launches replayed one after the other (seconds).
+
+    seconds: the sum of the launches' makespans (slowest core of each); busy / waiting: engine -> seconds summed
+    over cores and launches (waiting: the engine idle while its next instruction waits for an operand, a DGE, a
+    barrier); core_seconds: sum over launches of makespan x cores (the denominator of the shares); dma busy is
+    engine-seconds of the core's 16 DMA engines / 16; stalls: (engine, waiting site, what it waited for) ->
+    seconds; launches: each launch's makespan."""
+
+    seconds: float = 0.0
+    busy: dict = field(default_factory=lambda: {e: 0.0 for e in ENGINES})
+    waiting: dict = field(default_factory=lambda: {e: 0.0 for e in ENGINES})
+    core_seconds: float = 0.0
+    stalls: dict = field(default_factory=dict)
+    launches: list = field(default_factory=list)
+
+    def shares(self) -> dict:
+        """engine -> {"busy": share of the cores' time, "waiting": share}."""
+        d = self.core_seconds or 1.0
+        return {e: {"busy": round(self.busy[e] / d, 4), "waiting": round(self.waiting[e] / d, 4)} for e in ENGINES}
+
+    def top_stalls(self, n: int = 5) -> list:
+        """The n largest stall causes: [{"engine", "site", "waits_for", "ms"}]."""
+        top = sorted(self.stalls.items(), key=lambda kv: -kv[1])[:n]
+        return [{"engine": e, "site": site, "waits_for": cause, "ms": round(t * 1e3, 4)} for (e, site, cause), t in top]
+
+
+class _Core:
+    """One core's queues during a replay."""
+
+    def __init__(self, r: Rates):
+        self.free = {q: 0.0 for q in QUEUES}
+        self.dge = [0.0] * r.dge_instances
+        self.dma = [0.0] * r.dma_engines
+        self.hbm = 0.0
+        self.end = 0.0  # latest completion so far
+
+
+def _overlaps(entries, box, best, cause, label):
+    """The latest end among `entries` whose box overlaps `box` (rows r0..r1, columns c0..c1), and its cause
+    (label, producer engine, its site)."""
+    r0, r1, c0, c1 = box
+    for er0, er1, ec0, ec1, end, engine, site in entries:
+        if end > best and er0 <= r1 and r0 <= er1 and ec0 <= c1 and c0 <= ec1:
+            best, cause = end, (label, engine, site)
+    return best, cause
+
+
+def _note(table, key, box, end, engine, site):
+    entries = table.setdefault(key, [])
+    entries.append((*box, end, engine, site))
+    if len(entries) > _PRUNE:  # merge the oldest half: a wider box, the latest end (can only delay, never hasten)
+        old = entries[: _PRUNE // 2]
+        entries[: _PRUNE // 2] = [(min(e[0] for e in old), max(e[1] for e in old), min(e[2] for e in old),
+                                   max(e[3] for e in old), max(e[4] for e in old), old[-1][5], old[-1][6])]
+
+
+def _stall(out, engine, site, cause, seconds) -> None:
+    what = cause if isinstance(cause, str) else "?" if cause is None else f"{cause[0]} {cause[1]} at {cause[2]}"
+    key = (engine, site, what)
+    out.stalls[key] = out.stalls.get(key, 0.0) + seconds
+    out.waiting[engine] += seconds
+
+
+def schedule(counters, rates: Rates = TRN2) -> Schedule:
+    """Replay the instruction trace of every launch in `counters` (recorded with `counters(trace=True)`) on each
+    core's in-order queues (module docstring: the rules) and return the timeline's figures."""
+    if counters.trace is None:
+        raise ValueError("schedule() needs the instruction trace: collect with nki_emulator.counters(trace=True)")
+    out = Schedule()
+    for launch in counters.trace:
+        span = _replay(launch, rates, out)
+        out.launches.append(span)
+        out.seconds += span
+        out.core_seconds += span * len(launch)
+    return out
+
+
+def _replay(cores_trace, r: Rates, out: Schedule) -> float:
+    """One launch: the cores run concurrently between core barriers; returns its makespan."""
+    cores = [_Core(r) for _ in cores_trace]
+    pos = [0] * len(cores)
+    writes: dict = {}
+    reads: dict = {}
+    while True:
+        ended = True
+        for k, trace in enumerate(cores_trace):
+            i = pos[k]
+            while i < len(trace) and not (trace[i][0] == "sync" and trace[i][1] == "core_barrier"):
+                _issue(cores[k], trace[i], r, out, writes, reads)
+                i += 1
+            pos[k] = i + 1
+            ended = ended and i >= len(trace)
+        if ended:
+            break
+        t = max(c.end for c in cores)  # the barrier: every core's earlier instructions complete first
+        for c in cores:
+            for q in QUEUES:
+                if c.free[q] < t:
+                    if q in ENGINES:
+                        _stall(out, q, "core_barrier", "the other core", t - c.free[q])
+                    c.free[q] = t
+            c.dge = [max(x, t) for x in c.dge]
+            c.dma = [max(x, t) for x in c.dma]
+            c.end = t
+    return max(c.end for c in cores)
+
+
+def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) -> None:
+    engine, op, work, site, accesses = ins
+    if engine == "control":  # every engine's stream runs the branch
+        for q in COMPUTE:
+            c.free[q] += r.branch_s
+            out.busy[q] += r.branch_s
+        return
+    ready, cause = 0.0, None
+    for key, kind, *box in accesses:
+        ready, cause = _overlaps(writes.get(key, ()), box, ready, cause, "RAW" if kind == "r" else "WAW")
+        if kind == "w":
+            ready, cause = _overlaps(reads.get(key, ()), box, ready, cause, "WAR")
+    if engine == "dma":
+        end = _dma(c, work, r, ready, cause, site, out)
+    else:
+        q = engine if engine in QUEUES else "register"
+        seconds = r.sequencer_s if q == "register" or work is None else instruction_seconds(engine, op, work, r)
+        start = max(c.free[q], ready)
+        if start > c.free[q] and q in ENGINES:
+            _stall(out, q, site, cause, start - c.free[q])
+        end = c.free[q] = start + seconds
+        if q in ENGINES:
+            out.busy[q] += seconds
+    c.end = max(c.end, end)
+    for key, kind, *box in accesses:
+        _note(writes if kind == "w" else reads, key, box, end, engine, site)
+
+
+def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
+    """Descriptor generation (hardware DGE instance, or software DGE on GpSimd for indirect transfers), then the
+    transfer on the core's DMA engines and its HBM share. Returns the completion time."""
+    if cause is not None and cause[1] == "dma":  # a DMA started by another DMA's completion semaphore
+        ready += r.dma_semaphore_s
+    if w.rows:  # software DGE: an instruction in GpSimd's in-order queue
+        start = max(c.free["gpsimd"], ready)
+        if start > c.free["gpsimd"]:
+            _stall(out, "gpsimd", site, cause, start - c.free["gpsimd"])
+        seconds = r.dge_sw_s + w.rows * r.dge_sw_row_cycles / r.gpsimd_hz
+        c.free["gpsimd"] = described = start + seconds
+        out.busy["gpsimd"] += seconds
+    else:
+        i = min(range(len(c.dge)), key=c.dge.__getitem__)
+        start = max(c.dge[i], ready)
+        if start > c.dge[i]:
+            _stall(out, "dma", site, cause, (start - c.dge[i]) / len(c.dge))  # a DGE queue idle, waiting
+        c.dge[i] = described = start + r.dge_hw_s
+    k = min(r.dma_engines, -(-w.partitions // r.dma_partitions_per_engine))
+    order = sorted(range(r.dma_engines), key=c.dma.__getitem__)[:k]
+    t0 = max(described, c.dma[order[-1]])
+    seconds = r.dma_fixed_s + w.nbytes / (k * r.dma_engine_bytes_per_s)
+    c.hbm = max(c.hbm, t0) + w.hbm_bytes / r.hbm_bytes_per_s
+    end = max(t0 + seconds, c.hbm)
+    for e in order:
+        c.dma[e] = end
+    out.busy["dma"] += k * seconds / r.dma_engines
+    return end
