@@ -131,7 +131,7 @@ def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
     df = bench.run_matrix(ROOT / "configs/cpu_moe.toml", ["native", "nki_moe"], steps=3, out=tmp_path,
                           show_progress=False).set_index("backend")
     want = trn2_moe_layer(load_config(ROOT / "configs/cpu_moe.toml", argv=["--training.steps", "3"]))
-    assert df.loc["nki_moe", "trn2_moe_layer_model_ms"] == want["model_ms_overlap"] > 0
+    assert df.loc["nki_moe", "trn2_moe_layer_model_ms"] == want["model_ms"] >= want["model_ms_overlap"] > 0
     assert df.loc["nki_moe", "trn2_moe_layer_serial_ms"] == want["model_ms_serial"] >= want["model_ms_overlap"]
     assert df.loc["nki_moe", "trn2_moe_layer_roofline_ms"] == want["roofline_ms"] > 0
     assert df.loc[["native"], bench.MODEL_COLUMNS].isna().all(axis=None)
