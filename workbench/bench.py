@@ -257,7 +257,8 @@ def write_report(df: pd.DataFrame, out: Path, meta: dict[str, Any]) -> None:
         lines += [f"**Modeled, not measured:** one rank's MoE layer of this config on trn2 (nki_moe kernels, bf16, "
                   f"LNC 2; time model over the NKI emulator's counters, `workbench.kernels.moe_cost`): "
                   f"{r.trn2_moe_layer_model_ms:.4g} ms forward + backward (dependency model: each instruction waits "
-                  f"for its engine and operands), {r.trn2_moe_layer_serial_ms:.4g} ms with no overlap; roofline {r.trn2_moe_layer_roofline_ms:.4g} ms. "
+                  f"for its engine and operands), {r.trn2_moe_layer_serial_ms:.4g} ms with no overlap; "
+                  f"roofline {r.trn2_moe_layer_roofline_ms:.4g} ms. "
                   "The table's times above are measured on this machine.", ""]
     problems = df[df.status != "ok"]
     if len(problems):
