@@ -65,10 +65,13 @@ def test_throughput_rows_agree_with_the_runs_metrics(tiny):
 
 def test_memory_plan_meets_the_cpu_allocator_within_the_target(tiny):
     """The launch's own check (plan vs the c10 CPU allocator's events), as the GPU run reports it: the step-2 peak
-    and the bytes held when step 2 began (parameters + AdamW moments), each within 5% of the plan."""
+    and the bytes held when step 2 began (parameters + AdamW moments), each within 5% of the plan. Dense only in
+    --tiny (fp32): the fake-tensor plan cannot trace an fp32 torch._grouped_mm, so the MoE runs say so instead."""
     _, results, _ = tiny
     for name, step in results["steps"].items():
-        if not name.startswith(("dense", "moe")):
+        if name.startswith("moe"):
+            assert "memory_check.json" in step["result"]["memory_error"]  # not measured, and the row says why
+        if not name.startswith("dense"):
             continue
         row = step["result"]
         assert row["memory_step"] == 2

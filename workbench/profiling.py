@@ -163,9 +163,10 @@ def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float:
     if device_kind == "neuron":
         return NEURON_CORE_PEAK[dtype] * neuron_cores_per_rank()
     if device_kind == "cuda":
-        if not torch.cuda.is_available():  # `plan --device h100` on a host without a GPU: no GPU, no MFU
+        try:
+            name = torch.cuda.get_device_name(0)
+        except (RuntimeError, AssertionError):  # `plan --device h100` on a host without a GPU: no GPU, no MFU
             return float("nan")
-        name = torch.cuda.get_device_name(0)
         for fragment, peaks in GPU_PEAKS:
             if fragment in name:
                 return peaks["bfloat16" if dtype == "float16" else dtype]
