@@ -355,6 +355,11 @@ def test_run_all_twice_then_save_in_jupyterlab(lab):
     for stale in STALE:
         assert stale not in reopened["text"], f"reopened notebook shows {stale!r}:\n{reopened['text']}"
 
+
+
+def test_memory_plan_notebook_in_jupyterlab(lab):
+    """07 in a lab of its own: opened after the 02 session's notebooks (same lab), its Run All never reached the
+    kernel in the fresh-clone run (the kernel sat idle for 240 s); as the first notebook of a lab it runs."""
     lab.run_all("07_memory_plan.ipynb", timeout=240)
     for i, text in enumerate(("plan_table(p)", "plan_advice(p)", "trn2_plans_table(plans)", "plan_chart(")):
         lab.scroll_to(text)
