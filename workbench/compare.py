@@ -79,28 +79,10 @@ def _run_of(step_dir: Path) -> Path:
                       "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
 
 
-def _dcp_step_dir(run: Path, folder: str, step: int | None) -> Path:
-    from workbench.run_folder import step_dir
-
-    try:
-        return step_dir(run, folder, step)
-    except FileNotFoundError as e:
-        raise ConfigError(f"{e} Or compare its Hugging Face export ({run / 'hf'}) if it has one.") from None
-
-
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
-    from workbench.hf_export import load_dcp_model_state
-    from workbench.model import build_model
-    from workbench.run_folder import read_config
+    from workbench.model import load_run
 
-    job = read_config(run)
-    if backend not in (None, job.model.backend):
-        raise ConfigError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint is read by "
-                          f"that backend, not {backend!r}. To load it into {backend!r}, export it first "
-                          f"(python -m workbench.hf_export --run {run} --out DIR) and compare DIR.")
-    step_dir = step_dir or _dcp_step_dir(run, job.checkpoint.folder, step)
-    model = build_model(job)
-    load_dcp_model_state(model, step_dir)
+    model, job, step_dir = load_run(run, backend, step, step_dir)
     return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, job.model.tokenizer_path)
 
 

@@ -110,7 +110,7 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
     from workbench import hf
 
     if isinstance(config, (str, os.PathLike)) and Path(config).is_dir():
-        return _load_run(Path(config), backend, step)
+        return load_run(Path(config), backend, step)[0]
     job = _job(config, backend or "native", hf_checkpoint)
     model = build_model(job)
     if job.model.hf_checkpoint:
@@ -118,19 +118,38 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
     return model
 
 
-def _load_run(run: Path, backend: str | None, step: int | None) -> torch.nn.Module:
-    """A run folder's model with the weights of its DCP checkpoint (hashed and allowlisted before any is parsed)."""
+def load_run(run: Path, backend: str | None = None, step: int | None = None, step_dir: Path | None = None):
+    """A run folder's model with the weights of one DCP checkpoint (hashed and allowlisted before any is parsed).
+
+    Args:
+        run: the run folder (its `config.toml` fixes the model and backend).
+        backend: None or the run's own backend (a DCP checkpoint loads into the backend that wrote it).
+        step: the checkpoint step (None = the newest complete one); ignored when `step_dir` is given.
+        step_dir: a `step-N/` directory of this run to load instead.
+
+    Returns:
+        (model, the run's JobConfig, the step directory loaded).
+
+    Raises:
+        ConfigError: another backend, or no such checkpoint (the message lists the steps there are).
+    """
     from workbench.hf_export import load_dcp_model_state
-    from workbench.run_folder import read_config, step_dir
+    from workbench.run_folder import read_config
+    from workbench.run_folder import step_dir as find_step_dir
 
     job = read_config(run)
     if backend not in (None, job.model.backend):
         raise ConfigError(f"{run} was trained with backend {job.model.backend!r}; its DCP checkpoint loads into that "
                           f"backend, not {backend!r}. Export it (python -m workbench.hf_export --run {run} --out DIR) "
                           f"and load DIR with hf_checkpoint=DIR to change backends.")
+    if step_dir is None:
+        try:
+            step_dir = find_step_dir(run, job.checkpoint.folder, step)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{e} Or use its Hugging Face export ({run / 'hf'}) if it has one.") from None
     model = build_model(job)
-    load_dcp_model_state(model, step_dir(run, job.checkpoint.folder, step))
-    return model
+    load_dcp_model_state(model, step_dir)
+    return model, job, step_dir
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
@@ -149,4 +168,4 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str 
     return hf.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
 
 
-__all__ = ["load_model", "build_model", "materialize", "export_hf"]
+__all__ = ["load_model", "load_run", "build_model", "materialize", "export_hf"]
