@@ -1,5 +1,6 @@
 """Pins one CPU code path for the whole test session, before anything imports torch (why and what:
-`PINNED_CPU_PATH` in tests/run_helpers.py). Every torchrun rank and notebook kernel a test starts inherits it."""
+`PINNED_CPU_PATH` in tests/run_helpers.py), and sets glibc's malloc to keep freed memory (`SESSION_MALLOC`, same
+file). Every xdist worker, torchrun rank and notebook kernel a test starts inherits both."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-from run_helpers import PINNED_ACTIVE, PINNED_CPU_PATH, active_cpu_path  # noqa: E402
+from run_helpers import PINNED_ACTIVE, PINNED_CPU_PATH, SESSION_MALLOC, active_cpu_path  # noqa: E402
 
 os.environ.update(PINNED_CPU_PATH)
+os.environ.update(SESSION_MALLOC)  # read by glibc when a process starts: children only
 
 
 def pytest_sessionstart(session):
