@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import FIRST_20_OF_30, cached_run
+from run_helpers import FIRST_12_OF_30, cached_run
 
 
 @pytest.fixture
@@ -18,6 +18,6 @@ def outdir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def native_moe_2rank(tmp_path_factory) -> Path:
-    """configs/cpu_moe.toml, native, 20 of 30 steps, 2 ranks: also the reference for the other MoE paths."""
-    return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", *FIRST_20_OF_30,
+    """configs/cpu_moe.toml, native, 12 of 30 steps, 2 ranks: also the reference for the other MoE paths."""
+    return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", *FIRST_12_OF_30,
                       nproc=2)[0]

@@ -13,7 +13,7 @@ last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a
 small deliberate change (lr x 1.01, one token more per document, another seed) still fails the check.
 
 The 2-rank cases (and the 1-rank native ones) use exactly the arguments of runs other tests already make (the first
-20 steps of the 30-step schedule, `FIRST_20_OF_30`), so `cached_run` shares them within a pytest session; only the
+12 steps of the 30-step schedule, `FIRST_12_OF_30`), so `cached_run` shares them within a pytest session; only the
 three 1-rank huggingface_v5/nki_moe cases are extra launches, shortened to `GOLDEN_STEPS` steps.
 
 Regenerate deliberately, only after a change that is meant to move the curves (say which in the commit):
@@ -40,7 +40,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script too (regenerate, spread)
 from run_helpers import (  # noqa: E402
-    FIRST_20_OF_30,
+    FIRST_12_OF_30,
     PINNED_ACTIVE,
     PINNED_CPU_PATH,
     ROOT,
@@ -54,7 +54,7 @@ ASSETS = Path(__file__).parent / "assets" / "losses"
 GOLDEN_STEPS = 8
 ATOL = 1e-6  # a pinned run repeats bit for bit; this only covers float -> JSON -> float
 SHORT = ("--training.steps", str(GOLDEN_STEPS))
-LONG = FIRST_20_OF_30  # the shared launches
+LONG = FIRST_12_OF_30  # the shared launches
 NATIVE, HF, NKI = ("--model.backend", "native"), ("--model.backend", "huggingface_v5"), \
     ("--model.backend", "nki_moe", "--model.moe_block_size", "32")
 HF_EXPORT = ("--checkpoint.export_hf", "true", "--checkpoint.export_dtype", "float32")

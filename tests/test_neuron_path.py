@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from run_helpers import FIRST_20_OF_30, ROOT, cached_run, free_port, losses_by_step
+from run_helpers import FIRST_12_OF_30, ROOT, cached_run, free_port, losses_by_step
 
 DENSE = "configs/cpu_dense.toml"
 
@@ -67,7 +67,7 @@ def _standin_run(out, *args: str, log=None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_neuron_adjustments_on_gloo_equal_plain_cpu(tmp_path, tmp_path_factory):
-    plain_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_20_OF_30, nproc=2)
+    plain_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
     log = tmp_path / "standin"
     proc = _standin_run(tmp_path, "--training.steps", "6", "--lr_scheduler.total_steps", "30", log=log)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

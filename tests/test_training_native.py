@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from run_helpers import (
-    FIRST_20_OF_30,
+    FIRST_12_OF_30,
     ROOT,
     cached_run,
     free_port,
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"
 
 
-def assert_learns(run_dir: Path, steps: int = 20) -> list[float]:
+def assert_learns(run_dir: Path, steps: int = 12) -> list[float]:
     losses = [losses_by_step(run_dir)[s] for s in range(1, steps + 1)]
     assert all(math.isfinite(x) for x in losses)
     first5, last5 = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -39,8 +39,8 @@ def assert_learns(run_dir: Path, steps: int = 20) -> list[float]:
 
 @pytest.mark.parametrize("config", [DENSE, MOE])
 @pytest.mark.parametrize("nproc", [2, 1])
-def test_native_trains_20_steps(config, nproc, tmp_path_factory):
-    run_dir, stdout = cached_run(tmp_path_factory, config, "--model.backend", "native", *FIRST_20_OF_30, nproc=nproc)
+def test_native_trains_12_steps(config, nproc, tmp_path_factory):
+    run_dir, stdout = cached_run(tmp_path_factory, config, "--model.backend", "native", *FIRST_12_OF_30, nproc=nproc)
     assert_learns(run_dir)
     # run folder contract
     assert (run_dir / "config.toml").is_file()
@@ -49,7 +49,7 @@ def test_native_trains_20_steps(config, nproc, tmp_path_factory):
         assert key in rec
     assert rec["backend"] == "native" and 0 < rec["mfu"] < 1 and rec["peak_memory_bytes"] > 0
     # rank 0 prints one progress line per step and a summary; the other rank stays quiet
-    assert stdout.count("step 20/20") == 1 and "done: native" in stdout
+    assert stdout.count("step 12/12") == 1 and "done: native" in stdout
 
 
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--checkpoint.interval", "5",
@@ -58,49 +58,52 @@ COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--checkpo
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[int, float]:
-    """The reference curve: the shared 2-rank launch, 20 steps of the same 30-step lr schedule as COMMON (saving
+    """The reference curve: the shared 2-rank launch, 12 steps of the same 30-step lr schedule as COMMON (saving
     checkpoints changes no number, so the launch without them serves)."""
-    run_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_20_OF_30, nproc=2)
+    run_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
     return losses_by_step(run_dir)
 
 
-def test_resume_continues_exactly(uninterrupted, outdir):
-    args = (*COMMON, "--job.dump_folder", str(outdir))
-    run_train(DENSE, *args, "--training.steps", "5", nproc=2)
-    assert (outdir / "cpu_dense" / "checkpoint" / "step-5" / ".metadata").is_file()
-    shutil.copytree(outdir / "cpu_dense", outdir / "one_rank" / "cpu_dense")
-    proc = run_train(DENSE, *args, "--training.steps", "10", nproc=2)  # the same command, relaunched
-    assert "steps 6-10" in proc.stdout
-    resumed = losses_by_step(outdir / "cpu_dense")
-    for step in range(6, 11):
-        assert abs(resumed[step] - uninterrupted[step]) <= 1e-6, (step, resumed[step], uninterrupted[step])
-    # The 2-rank checkpoint resumed on 1 rank with the same global batch (local batch 2 x 2): the data position is
-    # global, so steps 6-10 see the same rows; only the order of the fp32 reductions differs.
-    proc = run_train(DENSE, *COMMON, "--job.dump_folder", str(outdir / "one_rank"), "--training.steps", "10",
-                     "--training.local_batch_size", "4", nproc=1)
-    assert "steps 6-10" in proc.stdout
-    one = losses_by_step(outdir / "one_rank" / "cpu_dense")
-    for step in range(6, 11):
-        assert abs(one[step] - uninterrupted[step]) <= 1e-4, (step, one[step], uninterrupted[step])
-
-
-def test_sigkill_loses_at_most_one_interval(uninterrupted, outdir):
-    args = (*COMMON, "--job.dump_folder", str(outdir), "--training.steps", "20")
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> tuple[Path, int, int]:
+    """A 2-rank 12-step launch (checkpoints every 5 steps) SIGKILLed, torchrun and both ranks at once, once step 6
+    is logged: (its dump folder, the last step it logged, its newest complete checkpoint). Tests resume copies."""
+    outdir = tmp_path_factory.mktemp("killed")
     run_dir = outdir / "cpu_dense"
-    victims = kill_run_when(DENSE, *args, nproc=2, timeout=300, ready=lambda: (
-        (run_dir / "metrics.jsonl").is_file() and max(losses_by_step(run_dir), default=0) >= 8))
+    victims = kill_run_when(DENSE, *COMMON, "--job.dump_folder", str(outdir), "--training.steps", "12", nproc=2,
+                            timeout=300, ready=lambda: ((run_dir / "metrics.jsonl").is_file()
+                                                        and max(losses_by_step(run_dir), default=0) >= 6))
     time.sleep(0.5)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in victims)
     killed_at = max(losses_by_step(run_dir))
-    assert 8 <= killed_at < 20, killed_at
-    resume_from = max(step_dirs(run_dir / "checkpoint", complete=True))  # committed: checksums.json written
-    assert killed_at - resume_from < 5  # at most one interval lost
+    return outdir, killed_at, max(step_dirs(run_dir / "checkpoint", complete=True))  # committed: checksums written
 
-    proc = run_train(DENSE, *args, nproc=2)
-    assert f"steps {resume_from + 1}-20" in proc.stdout
-    after = losses_by_step(run_dir)
-    for step in range(resume_from + 1, 21):
+
+def test_sigkill_loses_at_most_one_interval(uninterrupted, killed, tmp_path):
+    """The same command relaunched after a SIGKILL continues from the newest complete checkpoint, exactly."""
+    src, killed_at, resume_from = killed
+    assert 6 <= killed_at < 12, killed_at
+    assert killed_at - resume_from < 5  # at most one interval lost
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    proc = run_train(DENSE, *COMMON, "--job.dump_folder", str(tmp_path), "--training.steps", "12", nproc=2)
+    assert f"steps {resume_from + 1}-12" in proc.stdout
+    after = losses_by_step(tmp_path / "cpu_dense")
+    for step in range(resume_from + 1, 13):
         assert abs(after[step] - uninterrupted[step]) <= 1e-6, (step, after[step], uninterrupted[step])
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(uninterrupted, killed, tmp_path):
+    """The killed 2-rank run's checkpoint resumed on 1 rank with the same global batch (local batch 2 x 2): the data
+    position is global, so the next steps see the same rows; only the order of the fp32 reductions differs."""
+    src, _, resume_from = killed
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    last = min(resume_from + 3, 12)
+    proc = run_train(DENSE, *COMMON, "--job.dump_folder", str(tmp_path), "--training.steps", str(last),
+                     "--training.local_batch_size", "4", nproc=1)
+    assert f"steps {resume_from + 1}-{last}" in proc.stdout
+    one = losses_by_step(tmp_path / "cpu_dense")
+    for step in range(resume_from + 1, last + 1):
+        assert abs(one[step] - uninterrupted[step]) <= 1e-4, (step, one[step], uninterrupted[step])
 
 
 def test_two_agents_on_localhost_equal_one_agent(uninterrupted, outdir):

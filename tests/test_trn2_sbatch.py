@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import FIRST_20_OF_30, ROOT, cached_run, free_port, losses_by_step
+from run_helpers import FIRST_12_OF_30, ROOT, cached_run, free_port, losses_by_step
 
 SRUN = """#!/bin/bash
 # stand-in for Slurm's srun in tests: one task per node, all on this machine. It takes exactly the flags
@@ -92,7 +92,7 @@ def test_sbatch_passes_its_srun_flags(tmp_path):
 
 @pytest.mark.slow
 def test_sbatch_script_as_two_local_agents(tmp_path, tmp_path_factory):
-    one_agent, _ = cached_run(tmp_path_factory, "configs/cpu_dense.toml", "--model.backend", "native", *FIRST_20_OF_30,
+    one_agent, _ = cached_run(tmp_path_factory, "configs/cpu_dense.toml", "--model.backend", "native", *FIRST_12_OF_30,
                               nproc=2)
     bin_dir = srun_standin(tmp_path)
     shared = tmp_path / "fsx"
