@@ -25,7 +25,7 @@ def run(args: list[str], state=None, steps: int = 3):
     import torch
 
     from workbench import plan
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     job = load_config(argv=args)
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from tests.run_helpers import free_port
-    from workbench import device
+    from workbench.platform import device
 
     device.prepare("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")

@@ -101,7 +101,7 @@ def summarize(c, direction):
 
 def measure(args):
     """Run the layer (`parse_args` namespace) and count it: (the JSON result, what the printed tables need)."""
-    from workbench.config import Model
+    from workbench.core.config import Model
 
     bs = args.block_size or Model().moe_block_size
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn

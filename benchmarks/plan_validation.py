@@ -46,8 +46,9 @@ def measure(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workbench import device, plan
-    from workbench.config import load_config
+    from workbench import plan
+    from workbench.core.config import load_config
+    from workbench.platform import device
 
     device.prepare("cpu")
     os.environ.setdefault("RANK", "0")

@@ -16,7 +16,8 @@ import torch
 
 import workbench
 from run_helpers import randomize_norms_and_biases
-from workbench import device, flavors
+from workbench.core import flavors
+from workbench.platform import device
 
 device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 

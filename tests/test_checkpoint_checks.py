@@ -14,9 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench import checkpoint, run_folder
-from workbench.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
-from workbench.errors import CheckpointError
+from workbench.core.errors import CheckpointError
+from workbench.run import checkpoint, run_folder
+from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
 
 # DCP in one process without a process group (what this file wants) warns that it assumes so
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from run_helpers import ROOT
-from workbench.config import ConfigError, help_text, load_config, parse_cli, validate
+from workbench.core.config import ConfigError, help_text, load_config, parse_cli, validate
 
 ARTICLE = ROOT / "configs" / "qwen3_trainium.toml"
 DENSE = ROOT / "configs" / "cpu_dense.toml"
@@ -31,7 +31,7 @@ def test_world_size_is_passed_not_read_from_the_environment(monkeypatch):
 
 
 def test_shape_is_resolved_once_and_carried(monkeypatch):
-    from workbench import flavors
+    from workbench.core import flavors
 
     calls = []
     real = flavors.resolve
@@ -53,11 +53,11 @@ def test_shape_is_resolved_once_and_carried(monkeypatch):
     ("nki_moe", ["--model.moe_block_size", "200"], "model.moe_block_size=200: the NKI kernels take a block of"),
 ])
 def test_each_backend_checks_its_own_rules(backend, argv, message):
-    from workbench.config import BACKEND_RULES
+    from workbench.core.config import BACKEND_RULES
 
     job = load_config(None, model={"flavor": "tiny-moe", "backend": "native"}, world_size=2)
     for i in range(0, len(argv), 2):
-        from workbench.config import _set
+        from workbench.core.config import _set
 
         _set(job, argv[i][2:], argv[i + 1])
     job.model.backend = backend
@@ -70,7 +70,7 @@ def test_each_backend_checks_its_own_rules(backend, argv, message):
 @pytest.mark.parametrize("toml", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
 def test_load_config_imports_no_torch(toml):
     """The bottom floor (config, flavors, errors) validates a TOML, backend rules included, without torch."""
-    code = (f"import sys; from workbench.config import load_config; load_config('configs/{toml}', world_size=64); "
+    code = (f"import sys; from workbench.core.config import load_config; load_config('configs/{toml}', world_size=64); "
             "print(sorted(m for m in ('torch', 'torchtitan', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -222,12 +222,12 @@ def test_each_backend_module_satisfies_the_backend_protocol(name):
     import inspect
 
     from workbench import backends
-    from workbench.config import BACKENDS
+    from workbench.core.config import BACKENDS
 
     assert set(BACKENDS) == {"huggingface_v5", "native", "nki_moe"}
     module = backends.get(name)
     assert isinstance(module, backends.Backend)
-    assert not isinstance(importlib.import_module("workbench.flavors"), backends.Backend)  # the check can fail
+    assert not isinstance(importlib.import_module("workbench.core.flavors"), backends.Backend)  # the check can fail
     for member in ("model_config", "model_spec", "hf_adapter"):
         want = list(inspect.signature(getattr(backends.Backend, member)).parameters)[1:]  # without self
         assert list(inspect.signature(getattr(module, member)).parameters) == want, (name, member)

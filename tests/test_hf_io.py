@@ -18,8 +18,10 @@ import torch
 
 import workbench
 from run_helpers import randomize_norms_and_biases, run_train
-from workbench import device, errors, flavors, hf
-from workbench.config import load_config
+from workbench.backends import hf
+from workbench.core import errors, flavors
+from workbench.core.config import load_config
+from workbench.platform import device
 
 device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 

@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from tests.run_helpers import free_port
 from workbench import plan
-from workbench.config import ConfigError, load_config
+from workbench.core.config import ConfigError, load_config
 
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from workbench import device
+    from workbench.platform import device
 
     device.prepare("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")

@@ -23,7 +23,7 @@ import torch
 
 from run_helpers import free_port, run_train
 from workbench import plan
-from workbench.config import load_config
+from workbench.core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import device, flavors
+from workbench.core import flavors
+from workbench.platform import device
 
 device.prepare("cpu")
 
@@ -76,7 +77,7 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
     ("torchtitan.models.qwen3", "_qwen3_norm"): (
         "ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
-    # workbench/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
+    # workbench/run/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._find_load_step"): (
         "58210d23f832ed61", "overridden: resume from the newest *verified* step (fallback on a corrupt one)"),
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._save"): (
@@ -87,7 +88,7 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_load"): (
         "cd70ea52b87a2a5b", "wrapped: global shapes checked against the metadata first; its dcp.load replaced by "
         "checkpoint.load_dcp (allowlisted reader and planner); DCP's error cut to one line"),
-    # workbench/checkpoint.py: what nothing unpickled outside an allowlist replaces or relies on (torch 2.14.0)
+    # workbench/run/checkpoint.py: what nothing unpickled outside an allowlist replaces or relies on (torch 2.14.0)
     ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata"): (
         "e7da7abb9870b33d", "overridden by _AllowlistReader.read_metadata (hashed, allowlisted; storage_meta as here)"),
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.load_bytes"): (

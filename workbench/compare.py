@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import ConfigError, WorkbenchError, announce, recognised
+from workbench.core.errors import ConfigError, WorkbenchError, announce, recognised
 
 DEFAULT_PROMPTS = ("To be, or not to be,", "ROMEO:", "Now is the winter of our discontent")
 
@@ -271,7 +271,7 @@ class Comparison:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Writes tensors.csv, generations.csv, summary.json and compare.md into `out`."""
-        from workbench.profiling import markdown_table
+        from workbench.run.profiling import markdown_table
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)

@@ -18,23 +18,23 @@ from pathlib import Path
 
 import torch
 
-from workbench.errors import CheckpointError, ConfigError, HFExportError, WorkbenchError, announce, recognised
-from workbench.run_folder import read_config
-from workbench.run_folder import step_dir as _step_dir
+from workbench.core.errors import CheckpointError, ConfigError, HFExportError, WorkbenchError, announce, recognised
+from workbench.run.run_folder import read_config
+from workbench.run.run_folder import step_dir as _step_dir
 
 
 def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
     """Fills `model` with the model weights of a workbench DCP checkpoint (stored at top-level keys).
 
     Every file is hashed against `checksums.json` before any is parsed, and nothing is unpickled outside the
-    allowlist (`workbench.checkpoint.load_dcp`): a checkpoint from elsewhere is as safe to open as safetensors.
+    allowlist (`workbench.run.checkpoint.load_dcp`): a checkpoint from elsewhere is as safe to open as safetensors.
 
     Raises:
         CheckpointError: a file is missing, truncated or altered (exit 4).
         UnsafeCheckpointError: a file asks to load a class outside the allowlist (nothing of it ran).
         ConfigError: the checkpoint is not of this model.
     """
-    from workbench.checkpoint import load_dcp, read_metadata, verify_checkpoint
+    from workbench.run.checkpoint import load_dcp, read_metadata, verify_checkpoint
 
     problem = verify_checkpoint(step_dir)
     if problem:
@@ -63,7 +63,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         dtype: stored dtype; None = the run's checkpoint.export_dtype.
         overwrite: replace an existing `out`.
     """
-    from workbench import hf
+    from workbench.backends import hf
     from workbench.model import build_model
 
     run = Path(run)

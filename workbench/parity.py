@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workbench.config import BACKENDS
-from workbench.errors import ConfigError
+from workbench.core.config import BACKENDS
+from workbench.core.errors import ConfigError
 
 REFERENCE = "transformers"
 
@@ -117,7 +117,7 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
         BackendUnavailable: the backend does not apply to this model (e.g. nki_moe on a dense checkpoint).
     """
     from workbench import backends
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.model import build_model
 
     try:  # the backend's own rules (nki_moe on a dense checkpoint) decide what applies
@@ -215,7 +215,7 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
     """
     import pandas as pd
 
-    from workbench import device
+    from workbench.platform import device
 
     device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()

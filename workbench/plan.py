@@ -56,10 +56,10 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.config import JobConfig, load_config, validate
-from workbench.device import compiled_for_lnc
-from workbench.errors import ConfigError, announce
-from workbench.run_folder import checkpoint_space
+from workbench.core.config import JobConfig, load_config, validate
+from workbench.core.errors import ConfigError, announce
+from workbench.platform.device import compiled_for_lnc
+from workbench.run.run_folder import checkpoint_space
 
 GiB = 1024**3
 MiB = 1024**2
@@ -304,7 +304,7 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     from torchtitan.components.loss import ChunkedLossWrapper
 
     from workbench.model import materialize
-    from workbench.trainer import build_titan_config
+    from workbench.run.trainer import build_titan_config
 
     cfg = build_titan_config(job, device_kind, world_size)
     cfg.compile.enable = False  # eager memory (what compile can save is not promised by the plan)
@@ -351,7 +351,7 @@ def parallel_dims_for(job: JobConfig, device_kind: str, world_size: int):
     """torchtitan's ParallelDims for the job, mesh built (needs an initialised process group)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    from workbench.trainer import build_titan_config
+    from workbench.run.trainer import build_titan_config
 
     pd = ParallelDims.from_config(build_titan_config(job, device_kind, world_size).parallelism, world_size)
     pd.build_mesh()
@@ -529,9 +529,9 @@ def trace(job: JobConfig, device: str, world_size: int, progress=_stderr) -> dic
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from workbench import device as wb_device
-    from workbench.checkpoint import checkpoint_bytes
-    from workbench.trainer import quiet_titan_logs
+    from workbench.platform import device as wb_device
+    from workbench.run.checkpoint import checkpoint_bytes
+    from workbench.run.trainer import quiet_titan_logs
 
     device_kind = DEVICES[device].kind
     wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
@@ -1013,7 +1013,7 @@ def cpu_floor_bytes(job: JobConfig) -> int:
 @functools.lru_cache(maxsize=16)
 def _total_params(shape) -> int:
     """`flavors.count_params(shape)["total"]`, once per shape (it builds the model on meta)."""
-    from workbench import flavors
+    from workbench.core import flavors
 
     return flavors.count_params(shape)["total"]
 
@@ -1135,7 +1135,7 @@ def check_on_launch(trainer) -> None:
     job, kind = trainer.job, trainer.device.type
     if not measures_on_launch(job, kind):
         return
-    from workbench.trainer import say
+    from workbench.run.trainer import say
 
     if kind == "cpu" and job.profiling.enable:
         say("memory check: skipped on CPU while [profiling] is on (one torch.profiler at a time)")
@@ -1195,7 +1195,7 @@ def _report_step(report: dict, step: int, measured: list[int], run_dir: Path, re
                  ) -> None:
     """Rank 0: add one step's per-rank peaks (and what each rank held when the step began, `resident`) to the
     report, rewrite memory_check.json, print the line."""
-    from workbench.trainer import say
+    from workbench.run.trainer import say
 
     top = max(range(len(measured)), key=measured.__getitem__)
     entry = {"step": step, "measured_bytes": measured, "max_bytes": measured[top], "max_rank": top}

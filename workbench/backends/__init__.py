@@ -14,11 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from workbench.config import BACKENDS, JobConfig
-from workbench.errors import ConfigError
+from workbench.core.config import BACKENDS, JobConfig
+from workbench.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from workbench.flavors import Qwen3Shape
+    from workbench.core.flavors import Qwen3Shape
 
 
 @runtime_checkable
@@ -32,7 +32,8 @@ class Backend(Protocol):
         """torchtitan's `ModelSpec`: that model config plus parallelize function and state-dict adapter."""
 
     def hf_adapter(self, shape: Qwen3Shape) -> Any:
-        """The state-dict key mapping: `to_hf(state_dict)` and `from_hf(hf_state_dict)` (used by `workbench.hf`)."""
+        """The state-dict key mapping: `to_hf(state_dict)` and `from_hf(hf_state_dict)` (used by
+        `workbench.backends.hf`)."""
 
 
 def get(name: str) -> Backend:

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.protocols.model_spec import ModelSpec
 
-from workbench import flavors
 from workbench.backends import native
-from workbench.config import JobConfig
+from workbench.core import flavors
+from workbench.core.config import JobConfig
 from workbench.kernels import blockwise_moe_auto
 
 

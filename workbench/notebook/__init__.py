@@ -2,7 +2,7 @@
 
 The numbered notebooks in `notebooks/` stay thin: a `parameters` cell of plain literals, a `config` cell
 (`job = job_from_params(...)`), then one call per cell into `workbench` (this package, `workbench.train`,
-`workbench.profiling`, `workbench.bench`, `workbench.compare`).
+`workbench.run.profiling`, `workbench.bench`, `workbench.compare`).
 
 This is the only package that imports ipywidgets, and it does so lazily (only when a live dashboard opens),
 so `python -m workbench.notebook run` and the config checks work without a frontend. The names below are

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from workbench.config import JobConfig
+from workbench.core.config import JobConfig
 
 ENV_MODE = "WORKBENCH_DASHBOARD"
 _HEAD = 256  # bytes of metrics.jsonl compared on every poll to notice that the file was replaced

@@ -18,10 +18,10 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.config import JobConfig
+from workbench.core.config import JobConfig
 from workbench.notebook.display import MISSING, Table, checks, key_values, memory_unit, number, percent
 from workbench.notebook.params import repo_root
-from workbench.run_folder import read_metrics
+from workbench.run.run_folder import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Environment (00_setup)
@@ -40,7 +40,7 @@ def neuron_cores() -> str:
     Written from the TorchNeuron docs (`torch.neuron.device_count()`; `NEURON_RT_VISIBLE_CORES` restricts
     it); unverified here (no Trainium).
     """
-    from workbench import device
+    from workbench.platform import device
 
     if not device.neuron_available():
         return "not present (torch_neuronx not installed)"
@@ -59,7 +59,8 @@ def environment_report(requested_device: str = "auto") -> Table:
     """
     import torch
 
-    from workbench import data, device
+    from workbench import data
+    from workbench.platform import device
 
     rows: list[tuple[str, str, Any]] = [
         ("software", "python", platform.python_version()),
@@ -105,7 +106,7 @@ def asset_facts() -> Table:
     tok = data.load_tokenizer()
     plays = data.document_sources("shakespeare")
     sample = "To be, or not to be, that is the question:"
-    from workbench import flavors
+    from workbench.core import flavors
 
     rows = [
         ("tokenizer vocabulary (with added tokens)", tok.get_vocab_size(with_added_tokens=True)),
@@ -150,7 +151,7 @@ def config_table(job: JobConfig, *, changed_only: bool = True, skip: Iterable[st
 def param_counts(shape) -> dict[str, int]:
     """Parameter counts of a Qwen3 shape, by formula (no model is built, torchtitan is not imported).
 
-    Same keys and numbers as `workbench.flavors.count_params` (which builds the torchtitan model on the meta
+    Same keys and numbers as `workbench.core.flavors.count_params` (which builds the torchtitan model on the meta
     device; tests/test_notebooks.py checks they agree): total, embedding, active (MoE: top_k of the experts).
     """
     d, hd = shape.dim, shape.head_dim
@@ -169,7 +170,7 @@ def param_counts(shape) -> dict[str, int]:
 
 def flavor_table(job: JobConfig) -> Table:
     """Architecture numbers and parameter counts of the job's model."""
-    from workbench import flavors
+    from workbench.core import flavors
 
     counts = param_counts(job.shape)
     rows = [("flavor", job.flavor_name), *flavors.describe(job.shape).items(),
@@ -282,7 +283,7 @@ def run_folder_table(run_dir: str | os.PathLike, max_depth: int = 2) -> Table:
 
 
 # ------------------------------------------------------------------------------------------------
-# Profiling runs (04_profiling): the files workbench.profiling.StepProfiler writes
+# Profiling runs (04_profiling): the files workbench.run.profiling.StepProfiler writes
 # ------------------------------------------------------------------------------------------------
 
 
@@ -292,8 +293,8 @@ class ProfileReport:
 
     Attributes:
         breakdown: per profiled step, wall time and phases in ms (data, forward, backward, optimizer, other,
-            communication; see `workbench.profiling.step_breakdown`).
-        top_ops: operators by self time (`workbench.profiling.top_ops`).
+            communication; see `workbench.run.profiling.step_breakdown`).
+        top_ops: operators by self time (`workbench.run.profiling.top_ops`).
         info: profile_rank{R}.json (steps, peak memory, files).
         trace: the Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
     """
@@ -334,11 +335,11 @@ def profile_report(run_dir: str | os.PathLike, rank: int = 0, folder: str | None
 def performance_table(run_dir: str | os.PathLike, skip_first: int = 1) -> Table:
     """How MFU is computed for a run, number by number (medians over the steps after `skip_first`).
 
-    Rows: model FLOPs per token (from the shape: `workbench.profiling.flops_per_token`), tokens/s per device,
+    Rows: model FLOPs per token (from the shape: `workbench.run.profiling.flops_per_token`), tokens/s per device,
     achieved TFLOP/s, the device's peak TFLOP/s (implied by the logged MFU), MFU, step time, peak memory.
     """
-    from workbench import profiling
-    from workbench.run_folder import read_config
+    from workbench.run import profiling
+    from workbench.run.run_folder import read_config
 
     job = read_config(run_dir)
     m = metrics_frame(run_dir)
@@ -567,7 +568,7 @@ def shared_init(job: JobConfig, out: str | os.PathLike) -> Path:
     loads it), so that the paths start from the very same weights."""
     import copy
 
-    from workbench import hf
+    from workbench.backends import hf
     from workbench.model import build_model
 
     native = copy.deepcopy(job)

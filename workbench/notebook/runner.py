@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import ConfigError
+from workbench.core.errors import ConfigError
 from workbench.notebook.params import repo_root
 
 CONFIG_TAG = "config"  # cells the runner executes up front to validate the parameters

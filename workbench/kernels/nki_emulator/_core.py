@@ -726,7 +726,7 @@ def note_uses(run) -> None:
 class Kernel:
     """An emulated `@nki.jit` kernel: `kernel[lnc](*args)` launches on an LNC grid; `kernel(*args)` at the LNC of
     NEURON_LOGICAL_NC_CONFIG (1 when unset), as the NKI LNC page describes. From NKI 0.7.0 that LNC must equal the
-    compiler's (`workbench.device.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
+    compiler's (`workbench.platform.device.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
     `lnc-degree` (NCC_EVRF066), checked before the kernel runs.
 
     Call it with torch tensors or numpy arrays (they become shared HBM tensors). Returns torch tensors when any
@@ -823,6 +823,6 @@ def simulate(kernel):
     return lambda *args, **kwargs: kernel(*args, **kwargs)
 
 
-from workbench.device import logical_nc_config  # noqa: E402 - the one reader of NEURON_LOGICAL_NC_CONFIG
+from workbench.platform.device import logical_nc_config  # noqa: E402 - the one reader of NEURON_LOGICAL_NC_CONFIG
 
 from . import _runtime, _subset, version  # noqa: E402 - these import names defined above

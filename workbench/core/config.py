@@ -2,7 +2,7 @@
 
 torchtitan 0.3.0 configures jobs with Python registries instead of TOML, so this module is our own layer:
 it reads the TOML the article shows (its field names accepted as written), lets every field be overridden on
-the command line, validates everything *before* any process group starts, and `workbench.trainer`
+the command line, validates everything *before* any process group starts, and `workbench.run.trainer`
 translates the result into torchtitan's `Trainer.Config`.
 
 Layout::
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from workbench.errors import ConfigError, FlavorError
+from workbench.core.errors import ConfigError, FlavorError
 
 if TYPE_CHECKING:
-    from workbench.flavors import Qwen3Shape
+    from workbench.core.flavors import Qwen3Shape
 
 Backend = Literal["huggingface_v5", "native", "nki_moe"]
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
@@ -124,7 +124,7 @@ class Model:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         """The model's own values, its shape (resolved here, once: `job.shape`), then its backend's rules."""
-        from workbench import flavors
+        from workbench.core import flavors
 
         if self.name.lower() != "qwen3":
             raise ConfigError(f"model.name={self.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
@@ -180,7 +180,7 @@ def check_native(job: JobConfig) -> None:
 
 def check_nki_moe(job: JobConfig) -> None:
     """A MoE model, a block size the NKI kernels take, blockwise experts, no expert parallelism."""
-    from workbench import flavors
+    from workbench.core import flavors
 
     m = job.model
     if not job.shape.is_moe:
@@ -432,7 +432,8 @@ class Profiling:
 
 @dataclass
 class Neuron:
-    """Adjustments for the TorchNeuron `neuron` device (`workbench/neuron_adjustments.py`); each can be switched off."""
+    """Adjustments for the TorchNeuron `neuron` device (`workbench/platform/neuron_adjustments.py`); each can be
+    switched off."""
 
     apply: Literal["auto", "always", "never"] = "auto"
     """auto: on the neuron device only; always: also on cpu/cuda (offline check of this code path); never."""
@@ -487,7 +488,7 @@ class JobConfig:
         return self._resolved()[0]
 
     def _resolved(self) -> tuple[str, Qwen3Shape]:
-        from workbench import flavors
+        from workbench.core import flavors
 
         key = (self.model.flavor, self.model.hf_checkpoint, self.model.n_layers)
         cached = self.__dict__.get("_shape_cache")  # not a dataclass field: never in to_dict / config.toml

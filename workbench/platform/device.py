@@ -3,7 +3,7 @@
 `detect()` is cheap and import-safe. `prepare(kind)` must run before torchtitan is imported anywhere in
 the process: torchtitan reads the device type once, at import of `torchtitan.tools.utils`, and falls back
 to "cuda" when no accelerator is present. `prepare` fixes that choice (and, on CPU only, applies the
-adjustments in `workbench.cpu_adjustments`).
+adjustments in `workbench.platform.cpu_adjustments`).
 
 Neuron (TorchNeuron, `torch-neuronx` 2.14): the PrivateUse1 device is called ``neuron`` and its process
 group backend ``neuron``; both are written from AWS's public docs and are unverified here (no Trainium).
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.errors import DeviceError
+from workbench.core.errors import DeviceError
 
 KINDS = ("cpu", "cuda", "neuron")
 
@@ -108,20 +108,20 @@ _prepared: str | None = None
 def prepare(kind: str, neuron_cfg=None) -> list[str]:
     """Pins torchtitan to `kind` (call before torchtitan is imported; idempotent).
 
-    On CPU this also applies `workbench.cpu_adjustments` — the only place where torchtitan or transformers are
+    On CPU this also applies `workbench.platform.cpu_adjustments` — the only place where torchtitan or transformers are
     adjusted to run on CPU — and, where `[neuron] apply` says so (on the neuron device by default),
-    `workbench.neuron_adjustments`.
+    `workbench.platform.neuron_adjustments`.
 
     Args:
         kind: "cpu", "cuda" or "neuron".
-        neuron_cfg: the job's `[neuron]` section (`workbench.config.Neuron`); None = its defaults.
+        neuron_cfg: the job's `[neuron]` section (`workbench.core.config.Neuron`); None = its defaults.
 
     Returns:
         The Neuron adjustments applied (empty when none).
     """
     global _prepared
-    from workbench import neuron_adjustments
-    from workbench.config import Neuron
+    from workbench.core.config import Neuron
+    from workbench.platform import neuron_adjustments
 
     if _prepared == kind:
         return []
@@ -130,7 +130,7 @@ def prepare(kind: str, neuron_cfg=None) -> list[str]:
     neuron_cfg = neuron_cfg or Neuron()
     on_neuron_path = neuron_adjustments.applies(neuron_cfg, kind)
     if kind == "cpu":
-        from workbench import cpu_adjustments
+        from workbench.platform import cpu_adjustments
 
         cpu_adjustments.apply(force_sum=not on_neuron_path)
     else:

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from workbench import flavors
-from workbench.dist_utils import rank as _rank
-from workbench.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
+from workbench.core import flavors
+from workbench.core.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
+from workbench.platform.dist_utils import rank as _rank
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

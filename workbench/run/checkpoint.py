@@ -18,7 +18,7 @@ overridden, nothing copied) with:
     unpickled with only the classes DCP metadata is made of, BYTE_IO entries with `weights_only=True`; a checkpoint
     that asks for anything else is refused unrun (`UnsafeCheckpointError`, exit 4), never fallen back from.
 
-The failures are `workbench.errors` classes: `workbench.train.main` prints them as one line and exits with their
+The failures are `workbench.core.errors` classes: `workbench.train.main` prints them as one line and exits with their
 code instead of a traceback per rank.
 """
 
@@ -45,9 +45,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from workbench.dist_utils import all_gather, barrier, broadcast, rank
-from workbench.errors import CheckpointError, CheckpointMismatchError, RunError, UnsafeCheckpointError, WorkbenchError
-from workbench.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
+from workbench.core.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    RunError,
+    UnsafeCheckpointError,
+    WorkbenchError,
+)
+from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank
+from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from workbench.errors import WorkbenchError, announce
+from workbench.core.errors import WorkbenchError, announce
 
 
 def rank() -> int:
