@@ -371,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                "warmup_steps": scale.warmup_steps, "steps": {}}
     import torch
 
-    from workbench.platform import device
+    from workbench.platform import titan_device
 
     try:
-        device.prepare("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
+        titan_device.prepare("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
     except Exception as e:  # noqa: BLE001 - e.g. a torch too old for torchtitan: the env step records it
         print(f"accelerator_check: device.prepare failed: {type(e).__name__}: {e}", flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="accelerator_check_"))

@@ -57,11 +57,11 @@ def measure(ckpt: str) -> dict:
     from workbench.backends import hf
     from workbench.core.config import JobConfig
     from workbench.model import build_model
-    from workbench.platform import device
+    from workbench.platform import titan_device
 
     job = JobConfig()
     job.model.hf_checkpoint = ckpt
-    device.prepare("cpu")
+    titan_device.prepare("cpu")
     backends.get("native")  # imports torchtitan: part of the baseline, not of the model
     base = _rss_now()
     model = build_model(job)

@@ -48,9 +48,9 @@ def measure(argv: list[str]) -> dict:
 
     from workbench import plan
     from workbench.core.config import load_config
-    from workbench.platform import device
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")
+    titan_device.prepare("cpu")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     if "MASTER_ADDR" not in os.environ:

@@ -20,13 +20,13 @@ ENV = "WORKBENCH_JOB_TOML"
 def workbench_job():
     """torchtitan `Trainer.Config` of the job in $WORKBENCH_JOB_TOML (a resolved workbench TOML)."""
     from workbench.core.config import load_config
-    from workbench.platform import device
+    from workbench.platform import device, titan_device
 
     if ENV not in os.environ:
         raise RuntimeError(f"Set {ENV} to a workbench TOML (benchmarks/engine_overhead.py does this).")
     job = load_config(os.environ[ENV])
     kind = device.detect(job.job.device).kind
-    device.prepare(kind)  # torchtitan on CPU needs the workbench's CPU adjustments (as the native path has them)
+    titan_device.prepare(kind)  # torchtitan on CPU needs the workbench's CPU adjustments (as the native path has them)
 
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer

@@ -21,9 +21,9 @@ from run_helpers import randomize_norms_and_biases, run_train
 from workbench.backends import hf
 from workbench.core import errors, flavors
 from workbench.core.config import load_config
-from workbench.platform import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
 

@@ -16,9 +16,9 @@ import torch
 from test_training_native import assert_learns
 
 from run_helpers import FIRST_20_OF_30, cached_run, losses_by_step, read_metrics, run_train
-from workbench.platform import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
 from workbench.core import flavors  # noqa: E402  (after the device is pinned)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.platform import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
 from workbench import parity  # noqa: E402
 from workbench.core import flavors  # noqa: E402

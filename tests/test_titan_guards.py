@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from workbench.core import flavors
-from workbench.platform import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
 TORCHTITAN_VERSION = "0.3.0"
 TORCH_VERSION = "2.14.0"

@@ -152,7 +152,7 @@ def nki_check(installed: str | None, on_neuron: bool) -> Check:
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
     """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
-    from workbench.platform.device import LNC_ENV, TRN2_LNC, logical_nc_config
+    from workbench.platform.neuron_env import LNC_ENV, runtime_lnc
 
     checks = []
     if not files:
@@ -173,7 +173,7 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
 
     raw = os.environ.get(LNC_ENV, "")
     try:
-        lnc = logical_nc_config(default=TRN2_LNC if files else 1)  # unset: trn2's 2 on a Neuron host, 1 elsewhere
+        lnc = runtime_lnc(on_neuron=bool(files))  # a Neuron host: its device files
         lnc_check = Check("NEURON_LOGICAL_NC_CONFIG", "ok", raw or f"unset (= {lnc})")
         if files and not raw:
             lnc_check.fix = "set it explicitly (export NEURON_LOGICAL_NC_CONFIG=2) so compiler, runtime and NKI agree"

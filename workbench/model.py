@@ -43,9 +43,9 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
 
 def _prepare_device(job: JobConfig) -> None:
     """torchtitan must be pinned to a device before it is imported (on CPU: the CPU adjustments)."""
-    from workbench.platform import device
+    from workbench.platform import device, titan_device
 
-    device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
+    titan_device.prepare(titan_device.prepared_kind() or device.detect(job.job.device).kind)
 
 
 def materialize(model_config, seed: int | None, parallelize: Callable | None = None) -> torch.nn.Module:

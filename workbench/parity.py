@@ -215,9 +215,9 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
     """
     import pandas as pd
 
-    from workbench.platform import device
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
+    titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
     ref, ref_forward = reference_model(checkpoint_dir)
     batches = make_batches(settings, ref.config.vocab_size)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from workbench.core.config import JobConfig, load_config, validate
 from workbench.core.errors import ConfigError, announce
-from workbench.platform.device import compiled_for_lnc
+from workbench.platform.neuron_env import compiled_for_lnc
 from workbench.run.run_folder import checkpoint_space
 
 GiB = 1024**3
@@ -529,12 +529,12 @@ def trace(job: JobConfig, device: str, world_size: int, progress=_stderr) -> dic
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from workbench.platform import device as wb_device
+    from workbench.platform import titan_device
     from workbench.run.checkpoint import checkpoint_bytes
     from workbench.run.trainer import quiet_titan_logs
 
     device_kind = DEVICES[device].kind
-    wb_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
+    titan_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
     quiet_titan_logs(job.job.verbose)  # the warnings training hides (initial_load_model_only, DTensor RNG) too
     t0 = time.perf_counter()
     if dist.is_initialized():

@@ -38,10 +38,10 @@ def run(job: JobConfig, info=None) -> Path:
         job: the validated config.
         info: the device found by `device.detect` (detected here when None).
     """
-    from workbench.platform import device
+    from workbench.platform import device, titan_device
 
     info = info or device.detect(job.job.device)
-    adjusted = device.prepare(info.kind, job.neuron)
+    adjusted = titan_device.prepare(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -348,10 +348,12 @@ def test_kernel_plan_needs_an_expert_per_core():
 
 
 def test_logical_nc_config(monkeypatch):
-    from workbench.platform.device import logical_nc_config
+    from workbench.platform.neuron_env import lnc_is_set, logical_nc_config, runtime_lnc, unbracketed_lnc
 
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
     assert logical_nc_config() == 2 and logical_nc_config(default=1) == 1  # unset: trn2's 2 (or the default)
+    assert not lnc_is_set() and unbracketed_lnc() == 1  # unset: kernel(...) runs at LNC 1
+    assert runtime_lnc(on_neuron=True) == 2 and runtime_lnc(on_neuron=False) == 1
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     assert logical_nc_config() == 1
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")

@@ -7,7 +7,8 @@ to make a kernel pass. Coverage, rules and known differences from `nki.simulate`
 """
 
 from . import isa, language, version
-from ._core import NkiRuleError, jit, simulate
+from ._core import jit, simulate
+from ._rules import NkiRuleError
 from ._runtime import Counters, HbmAllocation, counters
 from .dtypes import dtype
 
