@@ -99,9 +99,9 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "2abaf8f4b17a09d7", "replaced (unless to_hf): dcp.save through the checksumming writer, then checksums.json"),
     ("torchtitan.components.checkpointer.base", "BaseCheckpointManager.load"): (
         "e3be770adff126d6", "wrapped: an explicit load_step verified first, the disk check after"),
-    # workbench/plan.py: _tracker_class subclasses torch's private FSDP memory tracker (torch 2.14.0)
+    # workbench/memory/tracer.py: tracker_class subclasses torch's private FSDP memory tracker (torch 2.14.0)
     ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"): (
-        "b9563c2a05a76020", "its values are plan._categories' keys; PlanRefType copies its members"),
+        "b9563c2a05a76020", "its values are tracer.categories_at_peak' keys; PlanRefType copies its members"),
     ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.__init__"): (
         "5ae8d4324dc4fdd5", "subclassed by plan's Tracker, which sets _ref_class after it"),
     ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._fsdp_state_pre_forward"): (

@@ -50,7 +50,9 @@ def run(job: JobConfig, info=None) -> Path:
 
     import torch
 
-    from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
+    from workbench.memory import measure
+    from workbench.platform.dist_utils import say
+    from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs
 
     run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
@@ -62,7 +64,7 @@ def run(job: JobConfig, info=None) -> Path:
     cfg = build_titan_config(job, info.kind, world_size)
     if info.kind == "cpu":
         cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
-    trainer = WorkbenchTrainer(cfg, stop)
+    trainer = WorkbenchTrainer(cfg, stop, launch_check=measure.check_on_launch)
     try:
         trainer.train()
     finally:
@@ -119,9 +121,9 @@ def preflight(argv: list[str], world_size: int):
     info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
     check_device(job, info.kind)
     if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)
-        from workbench import plan
+        from workbench.memory import gate
 
-        plan.check_fits(job, world_size, info.kind)
+        gate.check_fits(job, world_size, info.kind)
     return job, info
 
 

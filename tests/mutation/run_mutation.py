@@ -53,10 +53,10 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
                                                               ("Dashboard", "summary_text"), ("Dashboard", "frame"))),
                 ["tests/test_dashboard.py", "tests/test_bench.py"], ""),
     # The memory plan's categorising part: the tracker's reference types -> categories, and the tracker that files
-    # tensors under them (its nested methods are mutants of `_tracker_class`).
-    "plan": (["workbench/plan.py"], _names("workbench.plan", ("_categories",)),
+    # tensors under them (its nested methods are mutants of `tracker_class`).
+    "plan": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("categories_at_peak",)),
              ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
-    "plan_tracker": (["workbench/plan.py"], _names("workbench.plan", ("_tracker_class",)),
+    "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
                      ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
     "hf": (["workbench/backends/hf.py"], _names("workbench.backends.hf",
                                                      ("unit_of", "plan_units", "_ignorable", "check_against")),

@@ -630,12 +630,12 @@ OTHER_NOTE = ("other temporaries = backward temporaries (what the backward pass 
 
 
 def plan_with_status(job: JobConfig, device: str, nproc: int, **kwargs) -> dict:
-    """`workbench.plan.plan` with a status line while it traces and re-plans (nothing on stderr)."""
-    from workbench import plan
+    """`workbench.memory.report.plan` with a status line while it traces and re-plans (nothing on stderr)."""
+    from workbench.memory import report
     from workbench.notebook.dashboard import status_line
 
     with status_line(f"planning {job.model.flavor} {job.model.backend} on {nproc} rank(s) of {device}") as say:
-        return plan.plan(job, device, nproc, progress=say, **kwargs)
+        return report.plan(job, device, nproc, progress=say, **kwargs)
 
 
 def compare_with_status(a, b, what: str = "comparing", **kwargs):
@@ -650,13 +650,13 @@ def compare_with_status(a, b, what: str = "comparing", **kwargs):
 def plan_table(p: dict) -> Table:
     """A memory plan's categories per rank, "other temporaries" split into its parts, in GiB or MiB (one unit),
     with each one's share of the peak, then the peak against the rank's memory and the verdict."""
-    from workbench import plan
+    from workbench.memory import report
 
     unit = "GiB" if p["peak_bytes"] >= 2**30 else "MiB"
-    rows = [(f"   └ {name}" if part else name, plan.amount(b, unit), f"{100 * b / p['peak_bytes']:.0f} %")
-            for name, b, part in plan.breakdown(p)]
-    rows.append(("peak", plan.amount(p["peak_bytes"], unit), "100 %"))
-    rows.append((f"memory per rank ({p['device']})", plan.amount(p["capacity_bytes"], unit),
+    rows = [(f"   └ {name}" if part else name, report.amount(b, unit), f"{100 * b / p['peak_bytes']:.0f} %")
+            for name, b, part in report.breakdown(p)]
+    rows.append(("peak", report.amount(p["peak_bytes"], unit), "100 %"))
+    rows.append((f"memory per rank ({p['device']})", report.amount(p["capacity_bytes"], unit),
                  f"{'fits' if p['fits'] else 'DOES NOT FIT'}: headroom {100 * p['headroom']:.0f} %"))
     title = (f"memory plan: {p['flavor']} {p['backend']} on {p['world_size']} rank(s) of {p['device']} "
              f"({Path(p['config']).name if p['config'] else 'defaults'})")
@@ -666,16 +666,16 @@ def plan_table(p: dict) -> Table:
 def plan_advice(p: dict) -> Table:
     """What to change: each category (or part of other temporaries) over 10 % of the peak, the tensors that make
     it at the peak, the setting that shrinks it and, where re-planned, the new peak and the saving."""
-    from workbench import plan
+    from workbench.memory import report
 
     unit = "GiB" if p["peak_bytes"] >= 2**30 else "MiB"
     rows = []
     for a in p.get("advice", []):
-        top = "\n".join(f"{plan.tensor_group(t)}: {plan.amount(t['bytes'], unit)}" for t in a["top"])
+        top = "\n".join(f"{report.tensor_group(t)}: {report.amount(t['bytes'], unit)}" for t in a["top"])
         after = a["peak_bytes_after"]
-        rows.append((a["category"], plan.amount(a["bytes"], unit), top, a["change"] or "—",
-                     plan.amount(after, unit) if after is not None else "—",
-                     plan.amount(p["peak_bytes"] - after, unit) if after is not None else "—"))
+        rows.append((a["category"], report.amount(a["bytes"], unit), top, a["change"] or "—",
+                     report.amount(after, unit) if after is not None else "—",
+                     report.amount(p["peak_bytes"] - after, unit) if after is not None else "—"))
     return Table.of(rows, ["category", f"size ({unit})", f"top tensors at the peak ({unit})", "setting that shrinks it",
                            f"peak after ({unit})", f"saving ({unit})"], title="what to change",
                     footnotes=["peak after / saving: the changed config re-planned (the largest category's lever); "
@@ -686,7 +686,7 @@ def plan_advice(p: dict) -> Table:
 def trn2_plans(configs: Iterable[str], live: bool = False) -> dict[str, dict]:
     """{"config · backend": plan} of shipped trn2 configs: the plans quoted in their header comments, or (`live`)
     re-planned on 64 ranks (minutes each)."""
-    from workbench import plan
+    from workbench.memory import report, tables
     from workbench.notebook.params import job_from_params, resolve_path
 
     plans = {}
@@ -694,25 +694,25 @@ def trn2_plans(configs: Iterable[str], live: bool = False) -> dict[str, dict]:
         name = resolve_path(path).stem
         if live:
             trn2_job = job_from_params(path, nproc=64)
-            plans[f"{name} · {trn2_job.model.backend}"] = plan.plan(trn2_job, "trn2", 64, suggest=False)
+            plans[f"{name} · {trn2_job.model.backend}"] = report.plan(trn2_job, "trn2", 64, suggest=False)
             continue
-        for backend, quoted in plan.quoted_plans(resolve_path(path)).items():
-            plans[f"{name} · {backend}"] = {**quoted, "capacity_bytes": plan.capacity("trn2", 64), "device": "trn2"}
+        for backend, quoted in report.quoted_plans(resolve_path(path)).items():
+            plans[f"{name} · {backend}"] = {**quoted, "capacity_bytes": tables.capacity("trn2", 64), "device": "trn2"}
     return plans
 
 
 def trn2_plans_table(plans: dict[str, dict]) -> Table:
     """The plans side by side in GiB per rank: one row per config · backend, one column per category, the peak,
     the rank's memory and the headroom."""
-    from workbench import plan
+    from workbench.memory import report, tables
 
     rows = []
     for label, p in plans.items():
         cats = p["categories"]
-        rows.append((label, *(f"{cats.get(c, 0) / 2**30:.2f}" for c in plan.CATEGORIES),
+        rows.append((label, *(f"{cats.get(c, 0) / 2**30:.2f}" for c in tables.CATEGORIES),
                      f"{p['peak_bytes'] / 2**30:.2f}", f"{p['capacity_bytes'] / 2**30:.2f}",
                      f"{100 * (1 - p['peak_bytes'] / p['capacity_bytes']):.0f} %"))
-    headers = ["config · backend", *(plan.SHORT[c] for c in plan.CATEGORIES), "peak", "memory", "headroom"]
+    headers = ["config · backend", *(report.SHORT[c] for c in tables.CATEGORIES), "peak", "memory", "headroom"]
     return Table.of(rows, headers, title="per-rank memory plans of the shipped trn2 configs (GiB, 64 ranks)",
                     footnotes=["params, grads, optimizer: the sharded training state; all-gathered: FSDP's unsharded "
                                "copies; attention: SDPA's S x S scores (no fused kernel on neuron); other: "
@@ -725,14 +725,14 @@ def plan_chart(plans: dict[str, dict], title: str = "per-rank memory plans"):
     marked on it (red tick) and its peak written at its end; one distinct colour per category."""
     import matplotlib.pyplot as plt
 
-    from workbench import plan
+    from workbench.memory import tables
 
     labels = list(plans)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(labels) + 2.2), layout="constrained")
     plt.close(fig)
     colours = plt.get_cmap("tab10").colors
     left = [0.0] * len(labels)
-    for i, cat in enumerate(plan.CATEGORIES):
+    for i, cat in enumerate(tables.CATEGORIES):
         vals = [plans[k]["categories"].get(cat, 0) / 2**30 for k in labels]
         ax.barh(labels, vals, left=left, label=cat, color=colours[i % 10])
         left = [a + v for a, v in zip(left, vals, strict=True)]

@@ -25,6 +25,12 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def say(msg: str) -> None:
+    """Prints on global rank 0 only (the workbench's user-facing output)."""
+    if rank() == 0:
+        print(msg, flush=True)
+
+
 def _group_size() -> int:
     """World size of the initialised process group; 1 without one."""
     dist = sys.modules.get("torch.distributed")

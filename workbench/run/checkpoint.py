@@ -52,7 +52,7 @@ from workbench.core.errors import (
     UnsafeCheckpointError,
     WorkbenchError,
 )
-from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank
+from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank, say
 from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
@@ -330,11 +330,6 @@ def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> li
     return out
 
 
-def _say(msg: str) -> None:
-    if rank() == 0:
-        print(msg, flush=True)
-
-
 def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -371,14 +366,14 @@ class WorkbenchCheckpointManager(CheckpointManager):
             problem = self._verify(step)
             if problem is None:
                 if bad:
-                    _say(f"workbench: resuming from step {step} (the newest verified checkpoint).")
+                    say(f"workbench: resuming from step {step} (the newest verified checkpoint).")
                 return step
             bad.append(f"step {step}: {problem}")
             if self.wb_config.on_corrupt == "error" and "did not finish" not in problem:
                 raise CheckpointError(f"checkpoint step {step} is unusable: {problem}.",
                                       f"move {self._create_checkpoint_id(step)} away to resume from an older "
                                       "checkpoint, or set --checkpoint.on_corrupt fallback.")
-            _say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
+            say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
         if bad:
             raise CheckpointError(
                 f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
@@ -509,7 +504,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
         if self.wb_config.refuse_low_disk:
             raise CheckpointError(message, f"free space in {self.folder}, lower checkpoint.keep_latest_k, or set "
                                            "--checkpoint.refuse_low_disk false to only warn.")
-        _say(f"workbench: warning: {message}")
+        say(f"workbench: warning: {message}")
 
     def _disk_space_message(self, estimate: int) -> str | None:
         # Creates nothing: torchtitan's `_load` asks each rank on its own whether the folder exists, so a folder rank 0

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,12 @@ from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data, plan
+from workbench import data
 from workbench.core.config import JobConfig, resolved_dtype
 from workbench.core.errors import NonFiniteError, RunError, RunFolderError, StoppedError
 from workbench.data.loader import PackedTextDataLoader
 from workbench.platform import neuron_adjustments
-from workbench.platform.dist_utils import StopRequest, broadcast
+from workbench.platform.dist_utils import StopRequest, broadcast, say
 from workbench.platform.dist_utils import rank as _rank
 from workbench.run import profiling
 from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete
@@ -81,12 +82,6 @@ class LazyTokenizer(BaseTokenizer):
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._hf(), name)
-
-
-def say(msg: str) -> None:
-    """Prints on global rank 0 only (the workbench's user-facing output)."""
-    if _rank() == 0:
-        print(msg, flush=True)
 
 
 def _grad_norm(model_parts) -> float:
@@ -176,9 +171,13 @@ class WorkbenchTrainer(Trainer):
         job: JobConfig = field(default_factory=JobConfig)
         """The validated workbench config (its shape resolved: `job.shape`)."""
 
-    def __init__(self, config: Config, stop: StopRequest | None = None):
+    def __init__(self, config: Config, stop: StopRequest | None = None,
+                 launch_check: Callable[[WorkbenchTrainer], None] | None = None):
+        """`launch_check(trainer)`: runs once before the first step of this launch (the launcher hands in the memory
+        plan's `workbench.memory.measure.check_on_launch`); None: nothing."""
         self.job = config.job
         self.stop = stop
+        self.launch_check = launch_check
         self.run_lock: RunLock | None = None
         self._t0 = time.perf_counter()
         try:
@@ -302,7 +301,8 @@ class WorkbenchTrainer(Trainer):
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
-        plan.check_on_launch(self)  # measured peak per rank vs the memory plan after steps 1 and 2 (memory_measure)
+        if self.launch_check is not None:  # measured peak per rank vs the memory plan after steps 1 and 2
+            self.launch_check(self)
         self._start_step = self.step - 1  # the loop increments step before calling train_step; 0 = fresh run
         # torchtitan starts the first step's clock when it builds the metrics processor; restart it so step 1
         # measures the step (with warm-up/compile), not init and checkpoint loading.
@@ -478,4 +478,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "say", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "quiet_titan_logs"]
