@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from run_helpers import ROOT
-from workbench.core.config import ConfigError, help_text, load_config, parse_cli, validate
+from workbench.core.config import help_text, load_config, parse_cli, validate
+from workbench.core.errors import ConfigError
 
 ARTICLE = ROOT / "configs" / "qwen3_trainium.toml"
 DENSE = ROOT / "configs" / "cpu_dense.toml"

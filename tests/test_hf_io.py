@@ -186,11 +186,12 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = hf_logits(export, ids)
     # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
-    from workbench.hf_export import _step_dir, load_dcp_model_state
+    from workbench.run.checkpoint import load_dcp_model_state
+    from workbench.run.run_folder import step_dir
 
     job = load_config(run / "config.toml")
     trained = build_model(job)
-    load_dcp_model_state(trained, _step_dir(run, "checkpoint", None))
+    load_dcp_model_state(trained, step_dir(run, "checkpoint", None))
     assert max_diff(logits(trained, ids), reference) <= TOL
     assert max_diff(logits(load_model(None, hf_checkpoint=export), ids), reference) <= TOL
     assert max_diff(reference, hf_logits(tiny_moe_checkpoint, ids)) > 1e-3  # training changed the weights

@@ -22,7 +22,8 @@ titan_device.prepare("cpu")
 
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
 from workbench.core import flavors  # noqa: E402  (after the device is pinned)
-from workbench.core.config import ConfigError, load_config  # noqa: E402
+from workbench.core.config import load_config  # noqa: E402
+from workbench.core.errors import ConfigError  # noqa: E402
 from workbench.model import materialize  # noqa: E402
 
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"

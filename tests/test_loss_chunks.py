@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.run_helpers import free_port
-from workbench.core.config import ConfigError, load_config
+from workbench.core.config import load_config
+from workbench.core.errors import ConfigError
 from workbench.memory import tracer
 
 

@@ -134,7 +134,7 @@ def load_run(run: Path, backend: str | None = None, step: int | None = None, ste
     Raises:
         ConfigError: another backend, or no such checkpoint (the message lists the steps there are).
     """
-    from workbench.hf_export import load_dcp_model_state
+    from workbench.run.checkpoint import load_dcp_model_state
     from workbench.run.run_folder import read_config
     from workbench.run.run_folder import step_dir as find_step_dir
 

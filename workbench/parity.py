@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.core.config import BACKENDS
-from workbench.core.errors import ConfigError
+from workbench.core.errors import BackendUnavailable, ConfigError
 
 REFERENCE = "transformers"
 
@@ -55,10 +55,6 @@ class Settings:
     weight_decay: float = 0.0
     seed: int = 0
     dataset: str = "shakespeare"
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend that cannot run this checkpoint here; the message goes into the report row."""
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], labels [B, S])

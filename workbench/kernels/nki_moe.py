@@ -73,13 +73,13 @@ operands and the SwiGLU's elementwise math use the io dtype (as the torch refere
 accumulation, the combine's sums and partial sums over F chunks are fp32. The code sticks to the documented NKI
 Python subset (plain for loops over range, no comprehensions).
 
-Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
-"""
+Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from workbench.core.errors import check_argument
 from workbench.kernels.nki_api import nisa, nki, nl
 
 P = nl.tile_size.pmax  # 128 partitions
@@ -743,8 +743,8 @@ def _expect(t, name, dims, shape, dtype):
     if ok:
         for i in range(len(shape)):
             ok = ok and (shape[i] is None or t.shape[i] == shape[i])
-    assert ok, (f"{name} must be {dims} {dtype}, got {tuple(t.shape)} {t.dtype}: pass the tables of "
-                "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
+    check_argument(ok, name, f"{name} must be {dims} {dtype}, got {tuple(t.shape)} {t.dtype}: pass the tables of "
+                   "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
 
 
 def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc):
@@ -754,21 +754,21 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     _expect(piece, "piece", "[M, 3]", (None, 3), I32)
     _expect(seg_table, "seg_table", "[LNC * S, 3 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - 3) // 2
-    assert L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, (
-        f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+    check_argument(L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
+                   f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
     _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
-    assert slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, (
-        f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
-        f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
+    check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
+                   f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
+                   f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
     return L
 
 
 def _expect_per_core(rows, count, names, lnc):
-    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count; `names`:
-    the two arguments' names."""
+    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count, `names`."""
     _expect(rows, names[0], "[LNC * n, 1]", (None, 1), I32)
-    assert rows.shape[0] % lnc == 0, f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}"
+    check_argument(rows.shape[0] % lnc == 0, names[0],
+                   f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}")
     _expect(count, names[1], "[1, 1]", (1, 1), I32)
 
 

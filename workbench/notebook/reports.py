@@ -629,24 +629,6 @@ OTHER_NOTE = ("other temporaries = backward temporaries (what the backward pass 
               "gradients of a layer before they are reduce-scattered) + reduce-scatter buffers + the inputs.")
 
 
-def plan_with_status(job: JobConfig, device: str, nproc: int, **kwargs) -> dict:
-    """`workbench.memory.report.plan` with a status line while it traces and re-plans (nothing on stderr)."""
-    from workbench.memory import report
-    from workbench.notebook.dashboard import status_line
-
-    with status_line(f"planning {job.model.flavor} {job.model.backend} on {nproc} rank(s) of {device}") as say:
-        return report.plan(job, device, nproc, progress=say, **kwargs)
-
-
-def compare_with_status(a, b, what: str = "comparing", **kwargs):
-    """`workbench.compare.compare(a, b, **kwargs)` with a status line while it loads, evaluates and generates."""
-    from workbench.compare import compare
-    from workbench.notebook.dashboard import status_line
-
-    with status_line(f"{what}: loading both checkpoints, held-out logits, greedy generations"):
-        return compare(a, b, **kwargs)
-
-
 def plan_table(p: dict) -> Table:
     """A memory plan's categories per rank, "other temporaries" split into its parts, in GiB or MiB (one unit),
     with each one's share of the peak, then the peak against the rank's memory and the verdict."""

@@ -31,6 +31,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from workbench.core.errors import (
     CheckpointError,
     CheckpointMismatchError,
+    ConfigError,
     RunError,
     UnsafeCheckpointError,
     WorkbenchError,
@@ -613,3 +615,30 @@ def _checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: floa
 
 __all__ = ["WorkbenchCheckpointManager", "check_checkpoint", "verify_checkpoint", "verify_files", "file_checksum",
            "read_checksums", "commit_checksums", "newest_complete", "stale_checkpoints", "HASH"]
+
+
+def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
+    """Fills `model` with the model weights of a workbench DCP checkpoint (stored at top-level keys).
+
+    Every file is hashed against `checksums.json` before any is parsed, and nothing is unpickled outside the
+    allowlist (`workbench.run.checkpoint.load_dcp`): a checkpoint from elsewhere is as safe to open as safetensors.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or altered (exit 4).
+        UnsafeCheckpointError: a file asks to load a class outside the allowlist (nothing of it ran).
+        ConfigError: the checkpoint is not of this model.
+    """
+    problem = verify_checkpoint(step_dir)
+    if problem:
+        raise CheckpointError(f"{step_dir} is unusable: {problem}.",
+                              "export another step (--step N), or restore this checkpoint from its source.")
+    state = model.state_dict()  # the keys torchtitan saved (e.g. wq/wk/wv, not the fused wqkv)
+    stored = read_metadata(step_dir).state_dict_metadata
+    absent = [k for k in state if k not in stored]
+    if absent:
+        raise ConfigError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
+                          "of this run's model (config.toml and checkpoint disagree).")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        load_dcp(state, step_dir)
+    model.load_state_dict(state)

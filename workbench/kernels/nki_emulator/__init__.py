@@ -6,9 +6,10 @@ the documented tile, buffer and dtype rules (raising `NkiRuleError` that names t
 to make a kernel pass. Coverage, rules and known differences from `nki.simulate`: docs/nki_emulator.md.
 """
 
+from workbench.core.errors import NkiRuleError
+
 from . import isa, language, version
 from ._core import jit, simulate
-from ._rules import NkiRuleError
 from ._runtime import Counters, HbmAllocation, counters
 from .dtypes import dtype
 

@@ -26,7 +26,7 @@ import torch
 from workbench.platform.neuron_env import lnc_is_set, logical_nc_config, unbracketed_lnc
 
 from . import _runtime, _subset, dtypes, version
-from ._rules import NkiRuleError, violation  # noqa: F401 - NkiRuleError: the emulator's error, raised from here
+from ._rules import violation
 
 DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en"
 URL_TILING = f"{DOCS}/latest/nki/about/tiling-overview.html"

@@ -1,14 +1,9 @@
-"""The emulator's one error: a kernel broke a documented NKI rule (the bottom of the emulator: imports nothing)."""
+"""The emulator's one error, a kernel broke a documented NKI rule: `violation` builds it (the class is
+`workbench.core.errors.NkiRuleError`). The bottom of the emulator."""
 
 from __future__ import annotations
 
-
-class NkiRuleError(RuntimeError):
-    """A kernel broke a documented NKI/NeuronCore rule; the message names the rule, the fix and the doc page."""
-
-    def __init__(self, rule: str, detail: str, url: str):
-        self.rule = rule
-        super().__init__(f"[{rule}] {detail} (see {url})")
+from workbench.core.errors import NkiRuleError
 
 
 def violation(rule: str, detail: str, url: str) -> NkiRuleError:
