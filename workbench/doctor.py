@@ -152,7 +152,7 @@ def nki_check(installed: str | None, on_neuron: bool) -> Check:
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
     """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
-    from workbench.platform.neuron_env import LNC_ENV, runtime_lnc
+    from workbench.core.neuron_env import LNC_ENV, runtime_lnc
 
     checks = []
     if not files:

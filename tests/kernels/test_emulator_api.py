@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.kernels.test_nki_emulator import evict, load, raises, store
+from workbench.core.neuron_env import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
 from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
 from workbench.kernels.nki_emulator import language as nl
-from workbench.platform.neuron_env import compiled_for_lnc
 
 
 def rand(*shape, seed=0):

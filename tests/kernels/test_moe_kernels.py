@@ -348,7 +348,7 @@ def test_kernel_plan_needs_an_expert_per_core():
 
 
 def test_logical_nc_config(monkeypatch):
-    from workbench.platform.neuron_env import lnc_is_set, logical_nc_config, runtime_lnc, unbracketed_lnc
+    from workbench.core.neuron_env import lnc_is_set, logical_nc_config, runtime_lnc, unbracketed_lnc
 
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
     assert logical_nc_config() == 2 and logical_nc_config(default=1) == 1  # unset: trn2's 2 (or the default)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from workbench.core.neuron_env import logical_nc_config
 from workbench.kernels import nki_moe
 from workbench.kernels.moe_reference import (
     BlockPlan,
@@ -27,7 +28,6 @@ from workbench.kernels.moe_reference import (
     slot_weights,
 )
 from workbench.kernels.nki_api import REAL_NKI, nki
-from workbench.platform.neuron_env import logical_nc_config
 
 
 def kernel_block_size(block_size: int) -> int:
@@ -616,7 +616,7 @@ HOST_KERNELS = Kernels(_on_host(nki_moe.moe_blockwise_fwd), _on_host(nki_moe.moe
 
 def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
     """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator), launched on
-    the configured logical NeuronCore count (`platform.neuron_env.logical_nc_config()`, the compiler's LNC)."""
+    the configured logical NeuronCore count (`core.neuron_env.logical_nc_config()`, the compiler's LNC)."""
     _, _, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     tiles = tiles_per_sub(kernel_block_size(block_size), D, F_, x_TD.dtype)
     plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config(), tiles)

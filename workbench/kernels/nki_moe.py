@@ -59,7 +59,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
   disjoint.
-* **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`platform.neuron_env.logical_nc_config()`); shared HBM
+* **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`core.neuron_env.logical_nc_config()`); shared HBM
   scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the

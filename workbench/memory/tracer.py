@@ -17,8 +17,8 @@ import sys
 import time
 
 from workbench.core.config import JobConfig
+from workbench.core.neuron_env import compiled_for_lnc
 from workbench.memory import tables
-from workbench.platform.neuron_env import compiled_for_lnc
 
 _NKI_SCOPE: list[str] = []
 """"forward" / "backward" on top while the nki_moe experts' glue and kernels run in the trace: what they allocate

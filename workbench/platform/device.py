@@ -1,7 +1,7 @@
 """Which accelerator this process trains on: cpu, cuda or neuron.
 
 `detect()` is cheap and import-safe. Pinning torchtitan to the detected kind is `workbench.platform.titan_device`;
-the Neuron compiler's environment (the logical NeuronCore degree) is `workbench.platform.neuron_env`.
+the Neuron compiler's environment (the logical NeuronCore degree) is `workbench.core.neuron_env`.
 
 Neuron (TorchNeuron, `torch-neuronx` 2.14): the PrivateUse1 device is called ``neuron`` and its process
 group backend ``neuron``; both are written from AWS's public docs and are unverified here (no Trainium).

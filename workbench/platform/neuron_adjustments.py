@@ -24,7 +24,7 @@ config asks for; see tests/test_neuron_path.py). Nothing here has run on a Train
 5. Memory statistics after a device synchronize (`neuron.sync_memory_stats`). Execution is asynchronous; the
    Neuron memory-profiling guide synchronizes (`torch.neuron.synchronize()`) before reading statistics, which
    torchtitan's `DeviceMemoryMonitor.get_peak_stats` does not.
-6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG`, read by `workbench.platform.neuron_env.runtime_lnc`
+6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG`, read by `workbench.core.neuron_env.runtime_lnc`
    (unset: 2 on the neuron device, trn2's default, per
    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html;
    1 elsewhere), is shown in the start-up line; the NKI kernels launch on the same value: their launch grid must
@@ -34,7 +34,7 @@ config asks for; see tests/test_neuron_path.py). Nothing here has run on a Train
 from __future__ import annotations
 
 from workbench.core.config import Neuron
-from workbench.platform.neuron_env import runtime_lnc
+from workbench.core.neuron_env import runtime_lnc
 
 DEFAULT_TIMEOUT_S = 300  # torchtitan's own default, kept off Neuron
 

@@ -87,7 +87,7 @@ NEURON_CORE_PEAK = {"bfloat16": 79e12, "float16": 79e12, "float32": 181e12 / 8}
 
 def neuron_cores_per_rank() -> int:
     """Physical NeuronCores behind one rank: the logical-core setting; unset = trn2's default, 2."""
-    from workbench.platform.neuron_env import runtime_lnc
+    from workbench.core.neuron_env import runtime_lnc
 
     return runtime_lnc(on_neuron=True)
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.platform.neuron_env import lnc_is_set, logical_nc_config, unbracketed_lnc
+from workbench.core.neuron_env import lnc_is_set, logical_nc_config, unbracketed_lnc
 
 from . import _runtime, _subset, dtypes, version
 from ._rules import violation
@@ -719,7 +719,7 @@ def note_uses(run) -> None:
 class Kernel:
     """An emulated `@nki.jit` kernel: `kernel[lnc](*args)` launches on an LNC grid; `kernel(*args)` at the LNC of
     NEURON_LOGICAL_NC_CONFIG (1 when unset), as the NKI LNC page describes. From NKI 0.7.0 that LNC must equal the
-    compiler's (`platform.neuron_env.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
+    compiler's (`core.neuron_env.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
     `lnc-degree` (NCC_EVRF066), checked before the kernel runs.
 
     Call it with torch tensors or numpy arrays (they become shared HBM tensors). Returns torch tensors when any

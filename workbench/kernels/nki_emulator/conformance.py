@@ -143,7 +143,7 @@ def launch(kernel, lnc: int, kwargs: dict):
     import inspect
 
     bound = inspect.signature(kernel.func).bind(**kwargs)
-    from workbench.platform.neuron_env import compiled_for_lnc
+    from workbench.core.neuron_env import compiled_for_lnc
 
     with compiled_for_lnc(lnc):  # compiled for the LNC it launches on, as AWS's tests compile it (NKI 0.7.0 checks)
         return kernel[lnc](*bound.args, **bound.kwargs)
