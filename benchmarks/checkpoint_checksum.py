@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 from workbench.core import flavors
-from workbench.run.checkpoint import _checksumming_writer, commit_checksums, verify_checkpoint
+from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
 
 
 def param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -65,7 +65,7 @@ def save_plain(state, path: Path) -> None:
 
 def save_workbench(state, path: Path) -> None:
     sums: dict = {}
-    metadata = dcp.save(state, storage_writer=_checksumming_writer(str(path), sums), no_dist=True)
+    metadata = dcp.save(state, storage_writer=checksumming_writer(str(path), sums), no_dist=True)
     commit_checksums(path, sums, metadata)
 
 

@@ -28,7 +28,7 @@ def save_step(folder: Path, step: int, complete: bool = True) -> Path:
     sums: dict = {}
     g = torch.Generator().manual_seed(step)
     state = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
-    metadata = dcp.save(state, storage_writer=checkpoint._checksumming_writer(str(path), sums))
+    metadata = dcp.save(state, storage_writer=checkpoint.checksumming_writer(str(path), sums))
     if complete:
         commit_checksums(path, sums, metadata)
     return path

@@ -21,7 +21,7 @@ import torch
 
 from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
 from workbench.core import errors
-from workbench.run.checkpoint import _checksumming_writer, commit_checksums, verify_checkpoint
+from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
 from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs, trim_metrics
 
 DENSE = "configs/cpu_dense.toml"
@@ -89,7 +89,7 @@ def _save(path: Path) -> None:
 
     sums: dict = {}
     state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
-    metadata = dcp.save(state, storage_writer=_checksumming_writer(str(path), sums), no_dist=True)
+    metadata = dcp.save(state, storage_writer=checksumming_writer(str(path), sums), no_dist=True)
     commit_checksums(path, sums, metadata)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from workbench.core.moe_blocks import kernel_block_size
 from workbench.kernels import (
     blockwise_moe,
     blockwise_moe_auto,
@@ -15,7 +16,6 @@ from workbench.kernels import (
     plan_blocks,
     route,
 )
-from workbench.kernels.autograd import kernel_block_size
 from workbench.kernels.nki_api import REAL_NKI
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.core.errors import ConfigError, FlavorError
+from workbench.core.moe_blocks import kernel_block_size
 
 if TYPE_CHECKING:
     from workbench.core.flavors import Qwen3Shape
@@ -190,10 +191,12 @@ def check_nki_moe(job: JobConfig) -> None:
             f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
         )
     # Checked on every device (a config that trains here must launch on trn2): the blocks
-    # `kernels.autograd.kernel_block_size` splits into kernel blocks (a test checks the two agree).
-    if not (m.moe_block_size <= 128 or m.moe_block_size % 128 == 0):
+    # `kernel_block_size` splits into kernel blocks, the kernels' own rule.
+    try:
+        kernel_block_size(m.moe_block_size)
+    except ValueError:
         raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
-                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.")
+                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.") from None
     if m.moe_experts_impl != "grouped_mm":
         raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
                           "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from workbench.core.moe_blocks import kernel_block_size
 from workbench.core.neuron_env import logical_nc_config
 from workbench.kernels import nki_moe
 from workbench.kernels.moe_reference import (
@@ -28,22 +29,6 @@ from workbench.kernels.moe_reference import (
     slot_weights,
 )
 from workbench.kernels.nki_api import REAL_NKI, nki
-
-
-def kernel_block_size(block_size: int) -> int:
-    """Slots per full kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
-
-    A plan block larger than that is several consecutive kernel blocks with the same expert (one segment, so
-    the expert's weights are still loaded once). 256 keeps the backward's resident weights plus one block's
-    activations inside SBUF at D = 2048 (docs/nki_kernels.md).
-    """
-    if 1 <= block_size <= nki_moe.P:
-        return block_size
-    for kb in (256, 128):
-        if block_size % kb == 0:
-            return kb
-    raise ValueError(f"the NKI kernels need block_size <= 128 or a multiple of 128, got {block_size}")
-
 
 TAIL_GRANULE = 32  # slots: each expert is padded to a multiple of this, not of the block
 

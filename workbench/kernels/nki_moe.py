@@ -200,7 +200,7 @@ def _resident_bytes(D, FC, itemsize, n_mats):
     return n_mats * max(_ntiles(D, P) * FC, _ntiles(FC, P) * D) * itemsize
 
 
-def _f_chunk(D, F, itemsize, n_mats):
+def f_chunk(D, F, itemsize, n_mats):
     """Forward: FC, the width of the F chunk kept resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES,
     else the widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert
     segment; the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks
@@ -285,7 +285,7 @@ def _shape_bytes(shapes):
     return total
 
 
-def _fit_backward(D, F, io_dtype, widths):
+def fit_backward(D, F, io_dtype, widths):
     """(FC, NT) of the backward, (0, 0) when nothing fits (see `backward_layout`)."""
     KB = widths[0]
     need = tiles_needed(widths)
@@ -312,7 +312,7 @@ def backward_layout(D, F, io_dtype, widths):
     Raises:
         ValueError: not even the narrowest chunk fits with one sub-segment's tiles.
     """
-    FC, NT = _fit_backward(D, F, io_dtype, widths)
+    FC, NT = fit_backward(D, F, io_dtype, widths)
     if NT == 0:
         raise ValueError(f"the NKI MoE backward does not fit SBUF at D={D}, F={F}, {widths[0]}-slot blocks in "
                          f"{io_dtype}: use a smaller model.moe_block_size")
@@ -696,7 +696,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     x_pad = hbm["x"]
     D, F = x_pad.shape[1], hbm_w.gate.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    FC = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
+    FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
     ws = _fwd_workspace(widths[0], D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
 
@@ -824,7 +824,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     ng, G = token_index.shape
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    chunked = _f_chunk(D, F, io.itemsize, 3) < F
+    chunked = f_chunk(D, F, io.itemsize, 3) < F
     y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="y_slots")
     g_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="g_saved")
     u_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="u_saved")
@@ -1094,7 +1094,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     x_pad = hbm["x"]
     io, D, F = x_pad.dtype, x_pad.shape[1], hbm_w.down.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    FC, NT = _fit_backward(D, F, io, widths)
+    FC, NT = fit_backward(D, F, io, widths)
     ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F)
     res = _resident(tile_slots(widths[0]), NT, D, FC, io)
     tails = []
@@ -1193,7 +1193,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _expect(u_saved, "u_saved", "[F, NS]", (F, ng * G), io)
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    FC = _fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
+    FC = fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
     dx_slots = nl.ndarray((ng * G, D), dtype=F32 if FC < F else io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
     grads = ExpertWeights(gate=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),

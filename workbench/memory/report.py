@@ -141,7 +141,7 @@ def _replan(job: JobConfig, change: dict, device: str, world: int, reserve_gib: 
 
 
 def plan(job: JobConfig, device: str = "trn2", nproc: int = 1, nnodes: int = 1, suggest: bool = True,
-         max_replans: int = 3, reserve_gib: float | None = None, advise: int = 1, progress=tracer._stderr) -> dict:
+         max_replans: int = 3, reserve_gib: float | None = None, advise: int = 1, progress=tracer.to_stderr) -> dict:
     """The memory plan of `job` on `nproc` x `nnodes` ranks of `device` (see module doc); JSON-serialisable.
 
     The peak is the traced step's plus the device runtime's share (`runtime_reserve`; `reserve_gib` replaces it).

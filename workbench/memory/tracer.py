@@ -366,11 +366,11 @@ def _kernel_calls(calls: list) -> dict:
     return out
 
 
-def _stderr(msg: str) -> None:
+def to_stderr(msg: str) -> None:
     print(f"workbench.plan: {msg}", file=sys.stderr, flush=True)
 
 
-def trace(job: JobConfig, device: str, world_size: int, progress=_stderr) -> dict:
+def trace(job: JobConfig, device: str, world_size: int, progress=to_stderr) -> dict:
     """Per-rank peak memory of one steady-state training step of `job` on `world_size` ranks (fake tensors).
 
     Args:

@@ -481,7 +481,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
         sums: dict[str, dict[str, Any]] = {}
         # Tests only: hold every save between its shard files and its .metadata, so a kill -9 lands inside a save.
         delay = float(os.environ.get("WORKBENCH_TEST_SAVE_DELAY_S", "0") or 0)
-        metadata = dcp.save(state_dict, storage_writer=_checksumming_writer(checkpoint_id, sums, delay))
+        metadata = dcp.save(state_dict, storage_writer=checksumming_writer(checkpoint_id, sums, delay))
         commit_checksums(Path(checkpoint_id), sums, metadata)
         return None
 
@@ -582,7 +582,7 @@ class _HashingStream:
         self.raw.close()
 
 
-def _checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float = 0.0):
+def checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float = 0.0):
     """DCP's FileSystemWriter whose streams record `{file: {bytes, xxh3_64}}` into `sums` as they are written.
 
     `delay` (tests): wait that many seconds before `.metadata` is written.

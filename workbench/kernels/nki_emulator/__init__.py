@@ -9,9 +9,9 @@ to make a kernel pass. Coverage, rules and known differences from `nki.simulate`
 from workbench.core.errors import NkiRuleError
 
 from . import isa, language, version
-from ._core import jit, simulate
-from ._runtime import Counters, HbmAllocation, counters
+from ._core import Kernel, capacity_lifted, jit, simulate
+from ._runtime import Counters, HbmAllocation, counters, races_reported
 from .dtypes import dtype
 
-__all__ = ["Counters", "HbmAllocation", "NkiRuleError", "counters", "dtype", "isa", "jit", "language", "simulate",
-           "version"]
+__all__ = ["Counters", "HbmAllocation", "Kernel", "NkiRuleError", "capacity_lifted", "counters", "dtype", "isa", "jit",
+           "language", "races_reported", "simulate", "version"]

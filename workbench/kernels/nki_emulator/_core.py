@@ -15,6 +15,7 @@ reference counting frees it deterministically when the kernel drops its last ref
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import math
@@ -783,6 +784,20 @@ def _check_compiler_lnc(lnc: int, implicit: bool) -> None:
         raise violation("lnc-degree", f"the kernel runs at LNC {lnc} ({how}) but the compiler at LNC {compiler} "
                         f"({source}): launch it as kernel[{compiler}], or export NEURON_LOGICAL_NC_CONFIG={lnc} so "
                         "both agree", URL_EVRF066)
+
+
+@contextlib.contextmanager
+def capacity_lifted():
+    """Count SBUF/PSUM peaks without stopping at the capacity rules, so that a kernel over them still yields its
+    counters; the caller compares `Counters.sbuf_peak` / `psum_peak` with the capacities itself (the conformance
+    command's counters of AWS's kernels)."""
+    global SBUF_PARTITION_BYTES, PSUM_PARTITION_BYTES
+    saved = SBUF_PARTITION_BYTES, PSUM_PARTITION_BYTES
+    SBUF_PARTITION_BYTES = PSUM_PARTITION_BYTES = 1 << 40
+    try:
+        yield
+    finally:
+        SBUF_PARTITION_BYTES, PSUM_PARTITION_BYTES = saved
 
 
 def jit(func=None, **options):
