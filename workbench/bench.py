@@ -53,7 +53,7 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.core.config import BACKENDS, load_config
+from workbench.core.config import BACKENDS, DEFAULT_BACKEND, NKI_KERNEL_BACKENDS, load_config
 from workbench.core.errors import ConfigError, announce, recognised
 from workbench.run.run_folder import read_metrics
 
@@ -219,12 +219,12 @@ def run_matrix(config: str | Path, backends: Iterable[str] = BACKENDS, *, steps:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows = [run_backend(config, b, out=out, overrides=overrides, nproc=nproc, warmup_steps=warmup_steps,
                         show_progress=show_progress) for b in backends]
-    model = trn2_model_row(base) if "nki_moe" in backends else None
+    model = trn2_model_row(base) if NKI_KERNEL_BACKENDS.intersection(backends) else None
     for row in rows:
-        if row["backend"] == "nki_moe" and model:
+        if row["backend"] in NKI_KERNEL_BACKENDS and model:
             row.update(model)
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    native = df.loc[(df.backend == "native") & (df.status == "ok"), "tokens_per_s"]
+    native = df.loc[(df.backend == DEFAULT_BACKEND) & (df.status == "ok"), "tokens_per_s"]
     df["speed_vs_native"] = df["tokens_per_s"] / native.iloc[0] if len(native) else float("nan")
     meta = {"config": str(config), "flavor": base.model.flavor, "steps": base.training.steps, "nproc": nproc,
             "warmup_steps": warmup_steps, "seq_len": base.training.seq_len,

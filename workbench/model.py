@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from workbench.core import flavors
-from workbench.core.config import BACKEND_RULES, JobConfig, load_config
+from workbench.core.config import BACKEND_RULES, DEFAULT_BACKEND, JobConfig, load_config
 from workbench.core.errors import ConfigError
 
 
@@ -112,7 +112,7 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
 
     if isinstance(config, (str, os.PathLike)) and Path(config).is_dir():
         return load_run(Path(config), backend, step)[0]
-    job = _job(config, backend or "native", hf_checkpoint)
+    job = _job(config, backend or DEFAULT_BACKEND, hf_checkpoint)
     model = build_model(job)
     if job.model.hf_checkpoint:
         hf.load_into_model(model, job.model.hf_checkpoint)

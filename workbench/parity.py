@@ -126,7 +126,7 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
     except ConfigError as e:
         raise BackendUnavailable(str(e)) from None
     model = build_model(job)  # seeded by job.seed = settings.seed
-    adapter = backends.get(name).hf_adapter(job.shape)
+    adapter = backends.hf_adapter(name, job.shape)
     _load_strict(model, adapter.from_hf(dict(load_hf_state_dict(checkpoint_dir))), name)
     return model, model
 

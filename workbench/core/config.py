@@ -33,8 +33,14 @@ from workbench.core.moe_blocks import kernel_block_size
 if TYPE_CHECKING:
     from workbench.core.flavors import Qwen3Shape
 
-Backend = Literal["huggingface_v5", "native", "nki_moe"]
-BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
+BackendName = Literal["huggingface_v5", "native", "nki_moe"]
+BACKENDS: tuple[str, ...] = typing.get_args(BackendName)  # the one list of training paths (modules: workbench.backends)
+DEFAULT_BACKEND = "native"
+"""torchtitan's own Qwen3: the default path, and the baseline the others are measured against."""
+FSDP_ONLY_BACKENDS = frozenset({"huggingface_v5"})
+"""Paths without tensor parallelism (transformers' modeling: FSDP only, `check_huggingface_v5`)."""
+NKI_KERNEL_BACKENDS = frozenset({"nki_moe"})
+"""Paths whose experts run the NKI kernels on the neuron device (the torch reference elsewhere)."""
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
@@ -100,7 +106,7 @@ class Model:
     n_layers: int = 0
     """Decoder layers; 0 = the flavor's. Fewer makes a shallower copy of the flavor with its real layer shapes
     (benchmarks, memory checks, debugging); not with hf_checkpoint (the checkpoint fixes its depth)."""
-    backend: Backend = "native"
+    backend: BackendName = DEFAULT_BACKEND
     """Training path: huggingface_v5 (transformers' modeling), native (torchtitan), nki_moe (NKI experts)."""
     norm_type: str = "RMSNorm"
     """Normalisation layer; Qwen3 uses RMSNorm (accepted for the article's config; nothing else is valid)."""

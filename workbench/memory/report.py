@@ -9,7 +9,7 @@ import os
 import resource
 from pathlib import Path
 
-from workbench.core.config import JobConfig, validate
+from workbench.core.config import FSDP_ONLY_BACKENDS, JobConfig, validate
 from workbench.core.errors import ConfigError
 from workbench.memory import tables, tracer
 from workbench.memory.tables import GiB, MiB
@@ -61,7 +61,7 @@ def candidates(job: JobConfig, world_size: int, categories: dict[str, int], cap:
         cheap.append((flag, batch1))
     if t.activation_checkpoint != "full":
         cheap.append(("--training.activation_checkpoint full", {"training__activation_checkpoint": "full"}))
-    if job.model.backend != "huggingface_v5":
+    if job.model.backend not in FSDP_ONLY_BACKENDS:
         for tp in (2, 4, 8):
             if tp > par.tp and t.seq_len % tp == 0:
                 cheap.append((f"--parallelism.tp {tp} --parallelism.dp_shard -1",
@@ -109,7 +109,7 @@ def levers(job: JobConfig, world_size: int) -> dict[str, tuple[str, dict, int]]:
     offer(["sharded parameters", "gradients", "optimizer state"],  # the sharded state splits over twice the ranks
           f"{2 * world_size} ranks with --parallelism.dp_shard {2 * shard} (FSDP degree x2)",
           {"parallelism__dp_shard": 2 * shard}, 2 * world_size)
-    if job.model.backend != "huggingface_v5":  # full-size per-layer tensors split by tensor parallelism
+    if job.model.backend not in FSDP_ONLY_BACKENDS:  # full-size per-layer tensors split by tensor parallelism
         tp = next((tp for tp in (2, 4, 8) if tp > par.tp and t.seq_len % tp == 0), 0)
         if tp:
             offer(["all-gathered parameters", "unsharded gradients", "reduce-scatter buffers", "activations"],

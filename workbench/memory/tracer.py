@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from workbench.core.config import JobConfig
+from workbench.core.config import NKI_KERNEL_BACKENDS, JobConfig
 from workbench.core.neuron_env import compiled_for_lnc
 from workbench.memory import tables
 
@@ -346,7 +346,7 @@ def _as_on(device: str, job: JobConfig, calls: list):
     with contextlib.ExitStack() as stack:
         if tables.FUSED_SDPA[kind] is None:
             stack.enter_context(_math_sdpa())
-        if kind == "neuron" and job.model.backend == "nki_moe":
+        if kind == "neuron" and job.model.backend in NKI_KERNEL_BACKENDS:
             stack.enter_context(_nki_kernels_planned(tables.DEVICES[device].lnc, calls))
         yield
 
