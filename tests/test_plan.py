@@ -110,7 +110,7 @@ def test_not_fitting_is_replanned_with_a_working_change(monkeypatch, capsys):
     # A device just too small for the plain loss: the planner must find (by re-planning) what fits. The re-plans
     # run in this process, where the patched device exists.
     monkeypatch.setitem(tables.DEVICES, "trn2", tables.Device("cpu", 0.8 * base))
-    monkeypatch.setattr(plan, "plan_in_subprocess", lambda job, device, world, reserve_gib=None: report.plan(
+    monkeypatch.setattr(tracer, "plan_in_subprocess", lambda job, device, world, reserve_gib=None: report.plan(
         job, device, world, suggest=False, reserve_gib=reserve_gib))
     p = report.plan(load_config(argv=TINY), "trn2", 1)
     assert not p["fits"] and p["peak_bytes"] == base

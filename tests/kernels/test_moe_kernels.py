@@ -152,7 +152,7 @@ def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
     def untiled(D, F, io, widths):
         return F, nki_moe.tiles_needed(widths)
 
-    monkeypatch.setattr(nki_moe, "_fit_backward", untiled)
+    monkeypatch.setattr(nki_moe, "fit_backward", untiled)
     x, ids, w, wg, wu, wd = make_case(2, 1, 1, 4096, 768, dtype=torch.bfloat16)
     out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128)  # LNC 1; the forward fits whole (144 KiB)
     with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\]"):
