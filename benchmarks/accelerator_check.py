@@ -135,8 +135,9 @@ def memory_row(run_dir: str) -> dict:
 
 def train_case(ctx: dict, model: str, backend: str, compiled: bool) -> dict:
     """One real launch (`workbench.bench.run_backend`) and its throughput, MFU and memory rows."""
-    from workbench import bench, profiling
-    from workbench.config import load_config
+    from workbench import bench
+    from workbench.core.config import load_config
+    from workbench.run import profiling
 
     scale: Scale = ctx["scale"]
     config = ROOT / ("configs/cpu_dense.toml" if model == "dense" else "configs/cpu_moe.toml")
@@ -167,8 +168,9 @@ def step_parity(ctx: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from workbench import flavors, parity
-    from workbench.config import BACKENDS
+    from workbench import parity
+    from workbench.core import flavors
+    from workbench.core.config import BACKENDS
 
     scale: Scale = ctx["scale"]
     kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -369,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                "warmup_steps": scale.warmup_steps, "steps": {}}
     import torch
 
-    from workbench import device
+    from workbench.platform import titan_device
 
     try:
-        device.prepare("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
+        titan_device.prepare("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
     except Exception as e:  # noqa: BLE001 - e.g. a torch too old for torchtitan: the env step records it
         print(f"accelerator_check: device.prepare failed: {type(e).__name__}: {e}", flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="accelerator_check_"))

@@ -4,7 +4,7 @@ One rank holding a whole Qwen3-0.6B training state (fp32 parameters of the real 
 tensors DCP writes) is saved three ways into a temporary folder:
   * plain DCP (`dcp.save`, torchtitan's default writer);
   * the workbench's save: the same writer hashing every byte as it is written (xxh3-64), the read-back check of
-    every file against those checksums, and `checksums.json` (`workbench.checkpoint.dcp_save`'s path);
+    every file against those checksums, and `checksums.json` (`workbench.run.checkpoint.dcp_save`'s path);
   * hashing alone, for comparison: zlib.crc32 and xxh3-64 over the saved files (page cache warm).
 and the load-time verification (`verify_checkpoint`: sizes + every file's checksum). The saves alternate (plain,
 workbench, plain, workbench, ...) so that load from other processes hits both alike.
@@ -27,8 +27,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench import flavors
-from workbench.checkpoint import _checksumming_writer, commit_checksums, verify_checkpoint
+from workbench.core import flavors
+from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
 
 
 def param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -65,7 +65,7 @@ def save_plain(state, path: Path) -> None:
 
 def save_workbench(state, path: Path) -> None:
     sums: dict = {}
-    metadata = dcp.save(state, storage_writer=_checksumming_writer(str(path), sums), no_dist=True)
+    metadata = dcp.save(state, storage_writer=checksumming_writer(str(path), sums), no_dist=True)
     commit_checksums(path, sums, metadata)
 
 

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/engine_overhead", help="run folders and logs")
     args, overrides = parser.parse_known_args(argv)
 
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     out = Path(args.out).resolve()
     runs: list[pd.DataFrame] = []

@@ -31,7 +31,7 @@ BACKENDS = ("native", "huggingface_v5")
 def step_throughputs(config: str, backend: str, *, nproc: int, steps: int, warmup: int, dump: Path,
                      tag: str) -> list[float]:
     """Trains once and returns tokens/s (per rank) of each logged step after the warm-up."""
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.train import train
 
     job = load_config(ROOT / config, model={"backend": backend}, training={"steps": steps},

@@ -3,7 +3,7 @@ fp32 [tokens, 151,936] logits dominate memory.
 
     python benchmarks/loss_chunks.py [--chunks 8] [--seq 1024] [--batch 2] [--steps 3]
 
-For each backend: the real model + FSDP2 + loss + optimizer (`workbench.plan.build`, one gloo rank), the same
+For each backend: the real model + FSDP2 + loss + optimizer (`workbench.memory.tracer.build`, one gloo rank), the same
 weights and batch for both losses; prints the loss and the largest gradient difference, the peak of live tensor
 bytes of one steady-state step (PyTorch's tracker in real mode, as benchmarks/plan_validation.py) and the median
 step time, side by side.
@@ -24,12 +24,12 @@ sys.path.insert(0, str(ROOT))
 def run(args: list[str], state=None, steps: int = 3):
     import torch
 
-    from workbench import plan
-    from workbench.config import load_config
+    from workbench.core.config import load_config
+    from workbench.memory import tracer
 
     job = load_config(argv=args)
     torch.manual_seed(0)
-    b = plan.build(job, "cpu", 1, plan.parallel_dims_for(job, "cpu", 1))
+    b = tracer.build(job, "cpu", 1, tracer.parallel_dims_for(job, "cpu", 1))
     if state is not None:
         b.model.load_state_dict(state)
     t = job.training
@@ -43,20 +43,20 @@ def run(args: list[str], state=None, steps: int = 3):
     grads = {n: p.grad.full_tensor().clone() for n, p in b.model.named_parameters()}
     sd = {k: v.clone() for k, v in b.model.state_dict().items()}
     # Memory: a fresh build (the tracker must see the model from its first step), warmed optimizer, one step.
-    m = plan.build(job, "cpu", 1, plan.parallel_dims_for(job, "cpu", 1))
-    plan.warm_optimizer(m)
-    tracker = plan._tracker_class(m.vocab_local)(m.model, m.optimizers.optimizers[0])
+    m = tracer.build(job, "cpu", 1, tracer.parallel_dims_for(job, "cpu", 1))
+    tracer.warm_optimizer(m)
+    tracker = tracer.tracker_class(m.vocab_local)(m.model, m.optimizers.optimizers[0])
     with tracker:
-        plan.training_step(m, tokens, labels)
+        tracer.training_step(m, tokens, labels)
         m.optimizers.step()
         m.optimizers.zero_grad(set_to_none=True)
-    peak = sum(plan._categories(next(iter(tracker.get_tracker_snapshot("peak").values()))).values())
+    peak = sum(tracer.categories_at_peak(next(iter(tracker.get_tracker_snapshot("peak").values()))).values())
     del m, tracker
     b.optimizers.zero_grad(set_to_none=True)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        plan.training_step(b, tokens, labels)
+        tracer.training_step(b, tokens, labels)
         b.optimizers.step()
         b.optimizers.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -73,9 +73,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from tests.run_helpers import free_port
-    from workbench import device
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")
+    titan_device.prepare("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     print(f"seq {a.seq} x batch {a.batch}, {a.chunks} chunks; memory = peak live tensor bytes of one step")

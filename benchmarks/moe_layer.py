@@ -7,7 +7,7 @@ Every option has that default; `--experts 8 64 128 --dtypes float32 bfloat16 --r
 All three get the same routing and weights and compute grads for x, the top-k weights and the three expert
 weights. torchtitan's path is `LocalTokenDispatcher` (sort by expert) + `GroupedExperts` (`torch._grouped_mm`)
 + combine. Stock GroupedExperts hard-casts x and the weights to bf16 inside forward; like the training path on
-CPU, this script applies `workbench.cpu_adjustments` so GroupedExperts computes in the input dtype and the fp32
+CPU, this script applies `workbench.platform.cpu_adjustments` so GroupedExperts computes in the input dtype and the fp32
 rows compare fp32 with fp32 (pass --stock-titan to time torchtitan's unadjusted bf16-inside forward instead). The
 naive loop is Hugging Face's eager pattern (mask, gather, MLP, index_add per expert).
 Ratios are speedups of the reference: titan_time / ref_time and naive_time / ref_time. Not a test: numbers
@@ -119,7 +119,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.stock_titan:
-        from workbench import cpu_adjustments
+        from workbench.platform import cpu_adjustments
 
         cpu_adjustments.apply()  # GroupedExperts in the input dtype, as in CPU training
 
@@ -127,7 +127,7 @@ def main():
           f"F={args.hidden}, reference block_size={args.block_size}; best of {args.repeats} rounds after a warm-up")
     print("titan = LocalTokenDispatcher + GroupedExperts, "
           + ("stock: casts to bf16 internally, also in the fp32 rows" if args.stock_titan
-             else "computing in the input dtype (workbench.cpu_adjustments, as in CPU training)"))
+             else "computing in the input dtype (workbench.platform.cpu_adjustments, as in CPU training)"))
     header = (f"{'E':>4} {'K':>2} {'dtype':>9} | {'reference':>10} {'titan':>10} {'naive':>10} | "
               f"{'vs titan':>8} {'vs naive':>8}")
     print(header + "\n" + "-" * len(header))

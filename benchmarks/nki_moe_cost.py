@@ -50,8 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from workbench.core.moe_blocks import kernel_block_size  # noqa: E402
 from workbench.kernels import plan_blocks  # noqa: E402
-from workbench.kernels.autograd import KernelPlan, kernel_block_size, tiles_per_sub  # noqa: E402
+from workbench.kernels.autograd import KernelPlan, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
 from workbench.kernels.nki_api import nl  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
@@ -101,7 +102,7 @@ def summarize(c, direction):
 
 def measure(args):
     """Run the layer (`parse_args` namespace) and count it: (the JSON result, what the printed tables need)."""
-    from workbench.config import Model
+    from workbench.core.config import Model
 
     bs = args.block_size or Model().moe_block_size
     T, E, K, D, F = args.tokens, args.experts, args.top_k, args.hidden, args.ffn

@@ -3,8 +3,8 @@ training step run for real on CPU over gloo.
 
     python benchmarks/plan_validation.py [--quick]
 
-Measured = PyTorch's tracker in *real* mode: the same `workbench.plan.build` (real model, real FSDP2 / AC, real loss
-and optimizer), real tensors, real gloo collectives, one warm-up step then one tracked step. It counts the bytes of
+Measured = PyTorch's tracker in *real* mode: the same `workbench.memory.tracer.build` (real model, real FSDP2 / AC, real
+loss and optimizer), real tensors, real gloo collectives, one warm-up step then one tracked step. It counts the bytes of
 every real storage alive at each op -- the quantity the plan predicts (live tensor bytes per rank; the CPU
 allocator has no peak statistics of its own, and process RSS also counts the interpreter, libraries and
 allocator caching). What it checks: fake-tensor shape propagation, the fake process group, the AC mode, the
@@ -46,10 +46,11 @@ def measure(argv: list[str]) -> dict:
     import torch
     import torch.distributed as dist
 
-    from workbench import device, plan
-    from workbench.config import load_config
+    from workbench.core.config import load_config
+    from workbench.memory import tracer
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")
+    titan_device.prepare("cpu")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     if "MASTER_ADDR" not in os.environ:
@@ -59,19 +60,19 @@ def measure(argv: list[str]) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=world)
     job = load_config(argv=argv)
-    b = plan.build(job, "cpu", world, plan.parallel_dims_for(job, "cpu", world))
-    plan.warm_optimizer(b, job.training.gradient_accumulation_steps)
+    b = tracer.build(job, "cpu", world, tracer.parallel_dims_for(job, "cpu", world))
+    tracer.warm_optimizer(b, job.training.gradient_accumulation_steps)
     t = job.training
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, 151_936, (t.local_batch_size, t.seq_len), generator=g)
-    tracker = plan._tracker_class(b.vocab_local, t.seq_len)(b.model, b.optimizers.optimizers[0])
+    tracker = tracer.tracker_class(b.vocab_local, t.seq_len)(b.model, b.optimizers.optimizers[0])
     tracker.track_inputs((tokens,))
     with tracker:
-        plan.training_step(b, tokens, tokens.roll(-1, 1))
+        tracer.training_step(b, tokens, tokens.roll(-1, 1))
         b.optimizers.step()
         b.optimizers.zero_grad(set_to_none=True)
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    cats = plan._categories(snap)
+    cats = tracer.categories_at_peak(snap)
     dist.destroy_process_group()
     return {"peak_bytes": sum(cats.values()), "categories": cats}
 

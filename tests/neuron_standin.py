@@ -5,7 +5,8 @@
 `import torch_neuronx` registers the real "neuron" backend on a trn2 host (AWS's torch.distributed guide); here the
 same name is registered for a plain gloo backend, which, like any backend that does not implement it, rejects
 `ReduceOp.PREMUL_SUM`. The run then goes through the workbench's own code unchanged: `[neuron] apply = "always"`
-applies `workbench/neuron_adjustments.py` on CPU, which maps the device to `neuron.process_group` and forces FSDP's
+applies `workbench/platform/neuron_adjustments.py` on CPU,
+which maps the device to `neuron.process_group` and forces FSDP's
 SUM reduction. Each rank appends one line to `$WORKBENCH_STANDIN_LOG.<rank>` when its backend is created, so a test
 can tell that the run really used this process group.
 """

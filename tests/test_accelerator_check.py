@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from run_helpers import ROOT, read_metrics
-from workbench import flavors
+from workbench.core import flavors
 
 pytestmark = pytest.mark.slow
 
@@ -108,8 +108,8 @@ def test_a_gpu_launch_can_be_planned_on_a_host_without_one():
 
     import torch
 
-    from workbench.config import load_config
-    from workbench.trainer import build_titan_config
+    from workbench.core.config import load_config
+    from workbench.run.trainer import build_titan_config
 
     assert not torch.cuda.is_available()
     job = load_config(ROOT / "configs/cpu_dense.toml", argv=["--job.dump_folder", "/nonexistent-never-written"])

@@ -120,7 +120,7 @@ def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
     """On a MoE config the nki_moe row gets the time model's trn2 MoE-layer figures (the real emulator run at
     cpu_moe's shapes, under a second), labelled as a model in bench.md; the other rows stay empty there."""
     import workbench.train
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.kernels.moe_cost import trn2_moe_layer
 
     def fake_train(job, nproc, stream, timeout_s=None):

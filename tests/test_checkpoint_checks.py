@@ -14,9 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench import checkpoint, run_folder
-from workbench.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
-from workbench.errors import CheckpointError
+from workbench.core.errors import CheckpointError
+from workbench.run import checkpoint, run_folder
+from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
 
 # DCP in one process without a process group (what this file wants) warns that it assumes so
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -28,7 +28,7 @@ def save_step(folder: Path, step: int, complete: bool = True) -> Path:
     sums: dict = {}
     g = torch.Generator().manual_seed(step)
     state = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
-    metadata = dcp.save(state, storage_writer=checkpoint._checksumming_writer(str(path), sums))
+    metadata = dcp.save(state, storage_writer=checkpoint.checksumming_writer(str(path), sums))
     if complete:
         commit_checksums(path, sums, metadata)
     return path

@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from run_helpers import cached_run, kill_run_when, losses_by_step, run_train
-from workbench.checkpoint import check_checkpoint, newest_complete, stale_checkpoints, verify_checkpoint
+from workbench.run.checkpoint import check_checkpoint, newest_complete, stale_checkpoints, verify_checkpoint
 
 DENSE = "configs/cpu_dense.toml"
 # The lr schedule is fixed to 12 steps, so that runs of any length (and any checkpoint interval) follow one curve.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from workbench.run_folder import checkpoint_space
+from workbench.run.run_folder import checkpoint_space
 
 
 def test_peak_copies_and_bytes_still_needed(tmp_path):

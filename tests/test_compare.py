@@ -10,8 +10,8 @@ import torch
 
 from run_helpers import ROOT, run_train
 from workbench import compare
-from workbench.config import load_config
-from workbench.errors import ConfigError
+from workbench.core.config import load_config
+from workbench.core.errors import ConfigError
 from workbench.model import load_model
 
 SMALL = dict(seq_len=32, rows=2, max_new_tokens=4, prompts=("ROMEO:", "To be, or not to be"))

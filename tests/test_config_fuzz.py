@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from run_helpers import ROOT
-from workbench import errors, train
+from workbench import train
+from workbench.core import errors
 
 SEED = 33
 N_MUTATIONS = 120
@@ -100,7 +101,7 @@ def argv_of(base: str, m: Mutation, tmp: Path, i: int) -> list[str]:
 
 def world_size_of(base: str) -> int:
     """The smallest world size the unmutated base config validates for (trn2 configs name their degrees)."""
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     for n in (1, 2, 4, 8, 16, 32, 64, 128):
         try:
@@ -171,7 +172,7 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
     (["--training.dataset="], "training.dataset is empty"),
 ])
 def test_a_range_error_names_field_value_and_range(argv, message):
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     with pytest.raises(errors.ConfigError) as e:
         load_config(ROOT / "configs/cpu_dense.toml", argv)
@@ -179,15 +180,15 @@ def test_a_range_error_names_field_value_and_range(argv, message):
 
 
 def test_the_cpu_memory_gate_refuses_with_the_numbers_and_the_fix():
-    from workbench import plan
-    from workbench.config import check_device, load_config
+    from workbench.core.config import check_device, load_config
+    from workbench.memory import gate
 
     job = load_config(ROOT / "configs/cpu_dense.toml", training__local_batch_size=4096)
     floor = 4096 * 128 * 151936 * 4  # the fp32 logits alone (the tiny model's weights come on top)
-    assert plan.cpu_floor_bytes(job) > floor
-    with pytest.raises(errors.ConfigError, match=rf"needs at least {plan.cpu_floor_bytes(job) / 1024**3:.1f} GiB per "
+    assert gate.cpu_floor_bytes(job) > floor
+    with pytest.raises(errors.ConfigError, match=rf"needs at least {gate.cpu_floor_bytes(job) / 1024**3:.1f} GiB per "
                                                  r"rank .* lower --training.local_batch_size"):
-        plan.check_fits(job, 1, "cpu")
+        gate.check_fits(job, 1, "cpu")
     job = load_config(ROOT / "configs/cpu_dense.toml", model__attn_backend="flex")
     with pytest.raises(errors.ConfigError, match="model.attn_backend='flex' runs on CUDA only .* this device is cpu"):
         check_device(job, "cpu")

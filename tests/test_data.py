@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from workbench import data
+from workbench.core.errors import DatasetError
 from workbench.data import prepare as prep
 from workbench.data.loader import PackedDataset, PackedTextDataLoader, Stream, heldout_sets, heldout_tokens
-from workbench.errors import DatasetError
 
 ROOT = Path(__file__).resolve().parents[1]
 

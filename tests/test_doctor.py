@@ -242,7 +242,7 @@ def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):
 
 
 def test_compiled_for_lnc_sets_and_restores_the_variable(monkeypatch):
-    from workbench.device import LNC_ENV, compiled_for_lnc, logical_nc_config
+    from workbench.core.neuron_env import LNC_ENV, compiled_for_lnc, logical_nc_config
 
     monkeypatch.delenv(LNC_ENV, raising=False)
     with compiled_for_lnc(1):

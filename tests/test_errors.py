@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from run_helpers import ROOT
-from workbench import errors
+from workbench.core import errors
 
 
 def _bench(tmp):

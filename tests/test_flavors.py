@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench import flavors
+from workbench.core import flavors
 
 OFFICIAL = [n for n, s in flavors.FLAVORS.items() if s.official_params]
 

@@ -18,10 +18,12 @@ import torch
 
 import workbench
 from run_helpers import randomize_norms_and_biases, run_train
-from workbench import device, errors, flavors, hf
-from workbench.config import load_config
+from workbench.backends import hf
+from workbench.core import errors, flavors
+from workbench.core.config import load_config
+from workbench.platform import titan_device
 
-device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
 
@@ -184,11 +186,12 @@ def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
     ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
     reference = hf_logits(export, ids)
     # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
-    from workbench.hf_export import _step_dir, load_dcp_model_state
+    from workbench.run.checkpoint import load_dcp_model_state
+    from workbench.run.run_folder import step_dir
 
     job = load_config(run / "config.toml")
     trained = build_model(job)
-    load_dcp_model_state(trained, _step_dir(run, "checkpoint", None))
+    load_dcp_model_state(trained, step_dir(run, "checkpoint", None))
     assert max_diff(logits(trained, ids), reference) <= TOL
     assert max_diff(logits(load_model(None, hf_checkpoint=export), ids), reference) <= TOL
     assert max_diff(reference, hf_logits(tiny_moe_checkpoint, ids)) > 1e-3  # training changed the weights

@@ -16,13 +16,14 @@ import torch
 from test_training_native import assert_learns
 
 from run_helpers import FIRST_12_OF_30, cached_run, losses_by_step, read_metrics, run_train
-from workbench import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
-from workbench import flavors  # noqa: E402  (after the device is pinned)
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
-from workbench.config import ConfigError, load_config  # noqa: E402
+from workbench.core import flavors  # noqa: E402  (after the device is pinned)
+from workbench.core.config import load_config  # noqa: E402
+from workbench.core.errors import ConfigError  # noqa: E402
 from workbench.model import materialize  # noqa: E402
 
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"

@@ -1,6 +1,6 @@
 """training.loss_chunks: torchtitan's ChunkedLossWrapper (native, nki_moe) and the same chunked lm_head + CE for
 huggingface_v5 give the plain loss and gradients (fp32, within 1e-6), through the real model, FSDP2 wrapping and
-loss the trainer builds (`workbench.plan.build`), in-process on a one-rank gloo group."""
+loss the trainer builds (`workbench.memory.tracer.build`), in-process on a one-rank gloo group."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ import torch
 import torch.distributed as dist
 
 from tests.run_helpers import free_port
-from workbench import plan
-from workbench.config import ConfigError, load_config
+from workbench.core.config import load_config
+from workbench.core.errors import ConfigError
+from workbench.memory import tracer
 
 
 @pytest.fixture(scope="module")
 def one_rank():
-    from workbench import device
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")
+    titan_device.prepare("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -28,9 +29,9 @@ def one_rank():
 
 
 def _loss_and_grads(job, state=None):
-    pd = plan.parallel_dims_for(job, "cpu", 1)
+    pd = tracer.parallel_dims_for(job, "cpu", 1)
     torch.manual_seed(0)
-    b = plan.build(job, "cpu", 1, pd)
+    b = tracer.build(job, "cpu", 1, pd)
     if state is not None:
         b.model.load_state_dict(state)
     g = torch.Generator().manual_seed(1)

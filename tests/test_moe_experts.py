@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import workbench
-from workbench.moe_experts import HF_EXPERTS, FallbackGroupedExperts, grouped_mm
+from workbench.backends.moe_experts import HF_EXPERTS, FallbackGroupedExperts, grouped_mm
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -65,5 +65,5 @@ def test_model_fallback_experts_equal_grouped_mm(backend, impl):
 
 
 def test_nki_moe_rejects_experts_impl():
-    with pytest.raises(workbench.config.ConfigError, match="nki_moe computes its experts blockwise"):
+    with pytest.raises(workbench.core.errors.ConfigError, match="nki_moe computes its experts blockwise"):
         workbench.load_config("configs/cpu_moe.toml", model={"backend": "nki_moe", "moe_experts_impl": "loop"})

@@ -2,9 +2,10 @@
 
 * `job.device` failures are one line with exit code 2, before any process group (forced neuron/cuda, and auto on a
   host whose Neuron device files exist while torch_neuronx does not import).
-* `[neuron] apply = "always"` runs `workbench/neuron_adjustments.py` through the real launch path on 2 gloo ranks,
-  with the process group registered under the configured name ("neuron", tests/neuron_standin.py): the losses equal
-  the plain CPU run's to 1e-6, and switching the SUM reduction off makes FSDP hand PREMUL_SUM to that process group,
+* `[neuron] apply = "always"` runs `workbench/platform/neuron_adjustments.py` through the real launch path on 2 gloo
+  ranks, with the process group registered under the configured name ("neuron", tests/neuron_standin.py): the losses
+  equal the plain CPU run's to 1e-6, and switching the SUM reduction off makes FSDP hand PREMUL_SUM to that process
+  group,
   which rejects it.
 
 Not proven here: that TorchNeuron's own "neuron" backend, SDPA dispatch, memory statistics or timeouts behave as

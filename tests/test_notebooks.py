@@ -101,7 +101,7 @@ def test_clean_keeps_only_checked_outputs(tmp_path):
 
 def test_param_counts_formula_matches_flavors():
     """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
-    from workbench import flavors
+    from workbench.core import flavors
     from workbench.notebook.reports import param_counts
 
     for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
@@ -264,7 +264,7 @@ def test_dashboard_follows_a_replaced_or_truncated_metrics_file(tmp_path, capsys
     dash = Dashboard(tmp_path, total_steps=8, title="rerun")
     dash("building model\n")
     assert dash.records == []
-    metrics.unlink()  # what workbench.trainer does on a fresh run
+    metrics.unlink()  # what workbench.run.trainer does on a fresh run
     metrics.write_text(_record(1, 12.0))
     dash("step 1/8\n")
     assert [r["loss"] for r in dash.records] == [12.0]

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import device
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
-from workbench import flavors, parity  # noqa: E402
+from workbench import parity  # noqa: E402
+from workbench.core import flavors  # noqa: E402
 
 # Small custom shapes (vocab 512): one tied dense model, one untied MoE model, so both tie paths are crossed.
 SHAPES = {

@@ -23,7 +23,8 @@ import torch
 
 from run_helpers import free_port, run_train
 from workbench import plan
-from workbench.config import load_config
+from workbench.core.config import load_config
+from workbench.memory import measure, report, tables, tracer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -42,7 +43,7 @@ def test_plan_matches_real_step_one_rank():
     import plan_validation
 
     job = load_config(argv=TINY)
-    planned = plan.trace(job, "cpu", 1)
+    planned = tracer.trace(job, "cpu", 1)
     measured = plan_validation.measure(TINY)
     _close(planned, measured)
     # The logits dominate a tiny real-vocabulary model: 512 tokens x 151,936 x fp32 x (logits, log-softmax, grad).
@@ -60,18 +61,18 @@ def test_plan_against_the_c10_allocators_own_events_one_rank():
     import torch.distributed as dist
 
     job = load_config(argv=TINY)
-    planned = plan.trace(job, "cpu", 1)
+    planned = tracer.trace(job, "cpu", 1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        b = plan.build(job, "cpu", 1, plan.parallel_dims_for(job, "cpu", 1))
-        plan.warm_optimizer(b)
+        b = tracer.build(job, "cpu", 1, tracer.parallel_dims_for(job, "cpu", 1))
+        tracer.warm_optimizer(b)
         model_bytes = sum(t.numel() * t.element_size() for t in (*b.model.parameters(), *b.model.buffers()))
         optimizer_bytes = sum(v.numel() * v.element_size() for opt in b.optimizers.optimizers
                               for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
         tokens = torch.randint(0, job.shape.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
-        meter = plan.AllocatorPeak("cpu", [b.model], b.optimizers)
+        meter = measure.AllocatorPeak("cpu", [b.model], b.optimizers)
         meter.start()
-        plan.training_step(b, tokens, tokens.roll(-1, 1))
+        tracer.training_step(b, tokens, tokens.roll(-1, 1))
         b.optimizers.step()
         b.optimizers.zero_grad(set_to_none=True)
         measured = meter.stop()
@@ -105,18 +106,18 @@ def test_plan_matches_real_step_two_ranks():
 
 
 def test_not_fitting_is_replanned_with_a_working_change(monkeypatch, capsys):
-    base = plan.trace(load_config(argv=TINY), "cpu", 1)["peak_bytes"]
+    base = tracer.trace(load_config(argv=TINY), "cpu", 1)["peak_bytes"]
     # A device just too small for the plain loss: the planner must find (by re-planning) what fits. The re-plans
     # run in this process, where the patched device exists.
-    monkeypatch.setitem(plan.DEVICES, "trn2", plan.Device("cpu", 0.8 * base))
-    monkeypatch.setattr(plan, "plan_in_subprocess", lambda job, device, world, reserve_gib=None: plan.plan(
+    monkeypatch.setitem(tables.DEVICES, "trn2", tables.Device("cpu", 0.8 * base))
+    monkeypatch.setattr(tracer, "plan_in_subprocess", lambda job, device, world, reserve_gib=None: report.plan(
         job, device, world, suggest=False, reserve_gib=reserve_gib))
-    p = plan.plan(load_config(argv=TINY), "trn2", 1)
+    p = report.plan(load_config(argv=TINY), "trn2", 1)
     assert not p["fits"] and p["peak_bytes"] == base
     good = [s for s in p["suggestions"] if s["fits"]]
     assert good and good[-1]["peak_bytes"] < 0.8 * base
     assert "loss_chunks" in p["suggestions"][0]["change"]
-    assert "DOES NOT FIT" in plan.render(p) and good[-1]["change"] in plan.render(p)
+    assert "DOES NOT FIT" in report.render(p) and good[-1]["change"] in report.render(p)
     # What to change: the largest category first, the tensors that make it at the peak (the logits' [tokens, vocab]
     # fp32 tensors) and its lever, whose saving is the re-planned peak (the suggestion's trace, reused).
     first = p["advice"][0]
@@ -126,11 +127,11 @@ def test_not_fitting_is_replanned_with_a_working_change(monkeypatch, capsys):
     assert sum(t["bytes"] for t in first["top"]) <= first["bytes"]
     # "other temporaries" is exactly the sum of its parts, and the rendered table shows them
     assert sum(p["other_parts"].values()) == p["categories"]["other temporaries"]
-    text = plan.render(p)
-    for part in plan.OTHER_PARTS:
+    text = report.render(p)
+    for part in tables.OTHER_PARTS:
         assert f"  - {part}" in text
     unit = "GiB" if p["peak_bytes"] >= GiB else "MiB"
-    assert f"saves {plan.amount(p['peak_bytes'] - first['peak_bytes_after'], unit)} {unit}, re-planned" in text
+    assert f"saves {report.amount(p['peak_bytes'] - first['peak_bytes_after'], unit)} {unit}, re-planned" in text
     err = capsys.readouterr().err
     assert "tracing one training step" in err and "initial_load_model_only" not in err and "DTensor" not in err
 
@@ -161,18 +162,18 @@ def test_shipped_trn2_configs_fit(config):
     share, SDPA's math path and (nki_moe) the kernels' own buffers included; the re-planned ones must equal their
     quotes (python -m workbench.plan re-plans any)."""
     backends, replanned = SHIPPED[config]
-    quoted = plan.quoted_plans(ROOT / "configs" / config)
+    quoted = report.quoted_plans(ROOT / "configs" / config)
     assert sorted(quoted) == sorted(backends)
     for backend in backends:
         assert quoted[backend]["peak_bytes"] <= 0.9 * 24 * 2**30, (backend, quoted[backend])
     for backend in replanned:
         job = load_config(ROOT / "configs" / config, argv=["--model.backend", backend], world_size=64)
-        p = plan.plan_in_subprocess(job, "trn2", 64)
+        p = tracer.plan_in_subprocess(job, "trn2", 64)
         assert p["fits"] and p["headroom"] >= 0.10, p
         assert quoted[backend]["peak_bytes"] / 2**30 == pytest.approx(p["peak_bytes"] / 2**30, abs=0.01), (
             f"the config's PLAN comment for {backend} is stale: re-plan and update it")
         cats = p["categories"]
-        assert cats["device runtime"] == sum(r["bytes"] for r in plan.runtime_reserve("trn2")) > 0
+        assert cats["device runtime"] == sum(r["bytes"] for r in tables.runtime_reserve("trn2")) > 0
         assert cats["attention scores"] > 0 and p["sdpa"]["kernel"].startswith("math")  # no fused SDPA on neuron
         assert (cats["nki kernel buffers"] > 0) == (backend == "nki_moe")
         assert (p["nki_kernels"] != {}) == (backend == "nki_moe")
@@ -193,12 +194,12 @@ def test_nki_moe_kernel_buffers_equal_what_the_kernels_allocate_in_the_emulator(
     from workbench.kernels.nki_emulator import counters
 
     job = load_config(argv=MOE_TINY)
-    traced = plan.trace(job, "trn2", 1)
+    traced = tracer.trace(job, "trn2", 1)
     kernels = traced["nki_kernels"]
     assert {k: v["calls"] for k, v in kernels.items()} == {"moe_blockwise_fwd": 2, "moe_blockwise_bwd": 2}  # 2 layers
     s = job.shape
     case = make_case(2 * 256, s.top_k, s.num_experts, s.dim, s.moe_ffn_dim, dtype=torch.bfloat16)
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(plan.DEVICES["trn2"].lnc))  # the compiler's LNC on trn2
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", str(tables.DEVICES["trn2"].lnc))  # the compiler's LNC on trn2
     with counters() as c:
         out = blockwise_moe_nki(*case, block_size=job.model.moe_block_size)
         out.float().sum().backward()
@@ -208,14 +209,14 @@ def test_nki_moe_kernel_buffers_equal_what_the_kernels_allocate_in_the_emulator(
     planned_bytes = sum(k["hbm_bytes_per_call"] for k in kernels.values())
     assert planned_bytes == sum(a.nbytes for a in c.hbm_allocations) > 3 * 8 * 64 * 64 * 4  # >= the fp32 dW
     on_cpu = load_config(argv=[*MOE_TINY, "--training.dtype", "bfloat16"])  # bf16: the fake grouped_mm's only dtype
-    assert plan.trace(on_cpu, "cpu", 1)["nki_kernels"] == {}  # off Neuron the torch reference runs: no kernels
+    assert tracer.trace(on_cpu, "cpu", 1)["nki_kernels"] == {}  # off Neuron the torch reference runs: no kernels
 
 
 def test_attention_without_a_fused_kernel_plans_the_math_scores():
     """On CPU SDPA runs its fused flash kernel (no S x S tensor); on trn2 none is known, so the plan traces the math
     path: every layer keeps its fp32 softmax [B, H, S, S] for backward (no activation checkpointing here)."""
     job = load_config(argv=TINY)
-    on_cpu, on_trn2 = plan.trace(job, "cpu", 1), plan.trace(job, "trn2", 1)
+    on_cpu, on_trn2 = tracer.trace(job, "cpu", 1), tracer.trace(job, "trn2", 1)
     assert on_cpu["sdpa"]["kernel"] == "aten._scaled_dot_product_flash_attention_for_cpu"
     assert on_cpu["categories"]["attention scores"] == 0
     assert on_trn2["sdpa"]["kernel"].startswith("math") and "neuron" in on_trn2["sdpa"]["note"]
@@ -227,20 +228,20 @@ def test_attention_without_a_fused_kernel_plans_the_math_scores():
 def test_device_runtime_is_its_own_category_from_the_table_or_the_override():
     """trn2's runtime reserve: every item has a source (the microcode figure from the Neuron device-memory page,
     the rest documented assumptions); the plan adds it as "device runtime"; --reserve-gib replaces it."""
-    items = plan.runtime_reserve("trn2")
-    assert items[0]["source"].startswith(plan.DEVICE_MEMORY_DOC) and items[0]["bytes"] == 2 * 96 * MiB
+    items = tables.runtime_reserve("trn2")
+    assert items[0]["source"].startswith(tables.DEVICE_MEMORY_DOC) and items[0]["bytes"] == 2 * 96 * MiB
     assert all(i["source"].startswith("assumption") for i in items[1:])
-    assert plan.runtime_reserve("cpu") == []
+    assert tables.runtime_reserve("cpu") == []
     job = load_config(argv=TINY)
-    p = plan.plan(job, "trn2", 1, suggest=False)
+    p = report.plan(job, "trn2", 1, suggest=False)
     reserve = sum(i["bytes"] for i in items)
     assert p["categories"]["device runtime"] == reserve == 1764 * MiB
     traced = sum(v for k, v in p["categories"].items() if k != "device runtime")
     assert p["peak_bytes"] == traced + reserve
-    q = plan.plan(job, "trn2", 1, suggest=False, reserve_gib=0.5)
+    q = report.plan(job, "trn2", 1, suggest=False, reserve_gib=0.5)
     assert q["categories"]["device runtime"] == GiB // 2 and q["peak_bytes"] == traced + GiB // 2
     assert q["device_runtime"] == [{"what": "device runtime", "bytes": GiB // 2, "source": "--reserve-gib"}]
-    assert "device runtime" in plan.render(p) and "--reserve-gib" in plan.render(p)
+    assert "device runtime" in report.render(p) and "--reserve-gib" in report.render(p)
 
 
 def test_allocator_peak_on_cpu_counts_the_c10_allocators_own_events():
@@ -251,7 +252,7 @@ def test_allocator_peak_on_cpu_counts_the_c10_allocators_own_events():
     model(torch.ones(1, 256)).sum().backward()
     opt.step()  # AdamW state: exp_avg + exp_avg_sq (+ a 4-byte step per parameter)
     live = 4 * 65_792 * 4 + 2 * 4  # params, grads, two moments; two fp32 step scalars
-    meter = plan.AllocatorPeak("cpu", [model], opt)
+    meter = measure.AllocatorPeak("cpu", [model], opt)
     meter.start()
     a = torch.ones(1000, 1000)  # 4 MB
     b = torch.ones(500, 1000)  # + 2 MB: 6 MB live
@@ -270,7 +271,7 @@ def test_first_launch_check_skips_a_device_without_allocator_statistics(capsys):
     model = torch.nn.Linear(2, 2)
     trainer = SimpleNamespace(job=load_config(argv=[*TINY, "--job.memory_measure", "always"]), model_parts=[model],
                               device=SimpleNamespace(type="neuron"), optimizers=torch.optim.SGD(model.parameters()))
-    plan.check_on_launch(trainer)
+    measure.check_on_launch(trainer)
     assert "memory check: skipped, torch.neuron lacks one of synchronize" in capsys.readouterr().out
     assert not model._forward_pre_hooks and not trainer.optimizers._optimizer_step_post_hooks
 
@@ -307,16 +308,17 @@ def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_dev
     neuron_module = SimpleNamespace()  # SDK 2.33's torch.neuron without allocator statistics
     for current, module, name in (("neuron", "accelerator", "torch.accelerator"), ("cuda", "neuron", "torch.neuron")):
         fake = SimpleNamespace(accelerator=Accelerator(current), neuron=neuron_module)
-        meter = plan.AllocatorPeak("neuron", [], None, torch_module=fake)
+        meter = measure.AllocatorPeak("neuron", [], None, torch_module=fake)
         assert meter.module is getattr(fake, module) and meter.name == name
         assert meter.source == f"{name}.max_memory_allocated() after {name}.synchronize()"
-    meter = plan.AllocatorPeak("neuron", [], None, torch_module=SimpleNamespace(accelerator=Accelerator("neuron")))
+    meter = measure.AllocatorPeak("neuron", [], None, torch_module=SimpleNamespace(accelerator=Accelerator("neuron")))
     meter.start()
     meter.module.peak = 3 * GiB  # what the device allocator saw during the window
     assert meter.stop() == 3 * GiB and meter.module.calls == ["synchronize", "reset", "synchronize"]
     assert meter.resident == GiB
     # this host: torch.accelerator has no device, so cpu keeps its own path and neuron finds no torch.neuron
-    assert plan.allocator_module("cpu") == (None, "") and plan.allocator_module("neuron") == (None, "torch.neuron")
+    assert measure.allocator_module("cpu") == (None, "")
+    assert measure.allocator_module("neuron") == (None, "torch.neuron")
 
 
 def test_memory_measure_takes_only_its_values(capsys):

@@ -1,4 +1,4 @@
-"""workbench.profiling: the FLOP formula (hand count, ~6N rule), peak FLOP/s, trace analysis, and a profiled run."""
+"""workbench.run.profiling: the FLOP formula (hand count, ~6N rule), peak FLOP/s, trace analysis, and a profiled run."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from torch.profiler import record_function
 
 from run_helpers import read_metrics, run_train
-from workbench import flavors, profiling
-from workbench.config import Profiling
+from workbench.core import flavors
+from workbench.core.config import Profiling
+from workbench.run import profiling
 
 # ------------------------------------------------------------------------------------------------
 # FLOPs per token

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
-from workbench import errors
-from workbench.checkpoint import _checksumming_writer, commit_checksums, verify_checkpoint
-from workbench.run_folder import LOCK_FILE, RunLock, step_dirs, trim_metrics
+from workbench.core import errors
+from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
+from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs, trim_metrics
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
@@ -55,7 +55,7 @@ def root_cause(proc) -> str:
 
 def test_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
     run = tmp_path / "run"
-    holder = _child(f"from workbench.run_folder import RunLock; RunLock({str(run)!r}).acquire(); print('held', "
+    holder = _child(f"from workbench.run.run_folder import RunLock; RunLock({str(run)!r}).acquire(); print('held', "
                     "flush=True); import time; time.sleep(60)")
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(errors.RunLockedError) as refused:
@@ -89,7 +89,7 @@ def _save(path: Path) -> None:
 
     sums: dict = {}
     state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
-    metadata = dcp.save(state, storage_writer=_checksumming_writer(str(path), sums), no_dist=True)
+    metadata = dcp.save(state, storage_writer=checksumming_writer(str(path), sums), no_dist=True)
     commit_checksums(path, sums, metadata)
 
 
@@ -126,7 +126,7 @@ def test_trim_metrics_drops_steps_after_the_checkpoint(tmp_path):
 
 STOPPER = """
 import sys, time
-from workbench.dist_utils import StopRequest
+from workbench.platform.dist_utils import StopRequest
 stop = StopRequest(same_within_s=1.0)
 print('ready', flush=True)
 while True:
@@ -237,7 +237,7 @@ def _one_line_failure(proc, code: int, start: str) -> str:
 def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     """Bytes that are not UTF-8 are a bad row, skipped and located in the launcher's check (before any process
     group); `prepare --strict` refuses them in one line (tests/test_data.py)."""
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.data.loader import resolve
     from workbench.data.prepare import Prepared
     from workbench.train import check_inputs
@@ -292,7 +292,7 @@ def test_unwritable_dump_folder_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("lr", ["0", "-0.01", "-1e-12", "nan"])
 def test_non_positive_lr_is_refused(lr):
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     with pytest.raises(errors.ConfigError, match=rf"optimizer.lr must be positive; got {re.escape(str(float(lr)))}\."):
         load_config(ROOT / DENSE, ["--optimizer.lr", lr])
@@ -301,7 +301,7 @@ def test_non_positive_lr_is_refused(lr):
 
 @pytest.mark.parametrize("holdout", [0, 1])
 def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdout, monkeypatch):
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.train import check_inputs
 
     monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import device, flavors
+from workbench.core import flavors
+from workbench.platform import titan_device
 
-device.prepare("cpu")
+titan_device.prepare("cpu")
 
 TORCHTITAN_VERSION = "0.3.0"
 TORCH_VERSION = "2.14.0"
@@ -76,7 +77,7 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
     ("torchtitan.models.qwen3", "_qwen3_norm"): (
         "ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
-    # workbench/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
+    # workbench/run/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._find_load_step"): (
         "58210d23f832ed61", "overridden: resume from the newest *verified* step (fallback on a corrupt one)"),
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._save"): (
@@ -87,7 +88,7 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager.dcp_load"): (
         "cd70ea52b87a2a5b", "wrapped: global shapes checked against the metadata first; its dcp.load replaced by "
         "checkpoint.load_dcp (allowlisted reader and planner); DCP's error cut to one line"),
-    # workbench/checkpoint.py: what nothing unpickled outside an allowlist replaces or relies on (torch 2.14.0)
+    # workbench/run/checkpoint.py: what nothing unpickled outside an allowlist replaces or relies on (torch 2.14.0)
     ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata"): (
         "e7da7abb9870b33d", "overridden by _AllowlistReader.read_metadata (hashed, allowlisted; storage_meta as here)"),
     ("torch.distributed.checkpoint.default_planner", "DefaultLoadPlanner.load_bytes"): (
@@ -98,9 +99,9 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "2abaf8f4b17a09d7", "replaced (unless to_hf): dcp.save through the checksumming writer, then checksums.json"),
     ("torchtitan.components.checkpointer.base", "BaseCheckpointManager.load"): (
         "e3be770adff126d6", "wrapped: an explicit load_step verified first, the disk check after"),
-    # workbench/plan.py: _tracker_class subclasses torch's private FSDP memory tracker (torch 2.14.0)
+    # workbench/memory/tracer.py: tracker_class subclasses torch's private FSDP memory tracker (torch 2.14.0)
     ("torch.distributed._tools.fsdp2_mem_tracker", "_FSDPRefType"): (
-        "b9563c2a05a76020", "its values are plan._categories' keys; PlanRefType copies its members"),
+        "b9563c2a05a76020", "its values are tracer.categories_at_peak' keys; PlanRefType copies its members"),
     ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker.__init__"): (
         "5ae8d4324dc4fdd5", "subclassed by plan's Tracker, which sets _ref_class after it"),
     ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker._fsdp_state_pre_forward"): (

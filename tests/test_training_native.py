@@ -23,7 +23,7 @@ from run_helpers import (
     run_train,
     train_cmd,
 )
-from workbench.run_folder import step_dirs
+from workbench.run.run_folder import step_dirs
 
 pytestmark = pytest.mark.slow
 DENSE, MOE = "configs/cpu_dense.toml", "configs/cpu_moe.toml"

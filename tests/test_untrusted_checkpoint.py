@@ -22,9 +22,10 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 from run_helpers import cached_run, run_train
-from workbench import compare, errors, hf_export
-from workbench.checkpoint import check_checkpoint, load_dcp, read_metadata
+from workbench import compare, hf_export
+from workbench.core import errors
 from workbench.model import load_model
+from workbench.run.checkpoint import check_checkpoint, load_dcp, read_metadata
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")

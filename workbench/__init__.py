@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["load_config", "train", "load_model", "export_hf"]
 
 _API = {
-    "load_config": ("workbench.config", "load_config"),
+    "load_config": ("workbench.core.config", "load_config"),
     "train": ("workbench.train", None),  # the launcher module (python -m workbench.train); its API is .train()
     "load_model": ("workbench.model", "load_model"),
     "export_hf": ("workbench.model", "export_hf"),

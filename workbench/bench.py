@@ -17,7 +17,7 @@ Columns of bench.csv / bench.md (bench.png plots them), per path, all from rank 
     tokens_per_s            median tokens/s per device (torchtitan's definition; metrics.jsonl `tokens_per_second`)
     tokens_per_s_all_ranks  tokens_per_s x nproc
     step_time_median_s / step_time_p90_s    over the timed steps
-    mfu                     median MFU (model FLOPs from the shape / the device's peak; workbench.profiling)
+    mfu                     median MFU (model FLOPs from the shape / the device's peak; workbench.run.profiling)
     peak_memory_gib         highest `peak_memory_bytes` (device memory; process RSS high-water mark on CPU)
     first_step_s            wall time of step 1: compilation / lazy initialisation / warm-up (not in the medians)
     time_to_first_step_s    launch of torchrun -> first step logged (measured here: imports, init, step 1)
@@ -53,9 +53,9 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.config import BACKENDS, load_config
-from workbench.errors import ConfigError, announce, recognised
-from workbench.run_folder import read_metrics
+from workbench.core.config import BACKENDS, DEFAULT_BACKEND, NKI_KERNEL_BACKENDS, load_config
+from workbench.core.errors import ConfigError, announce, recognised
+from workbench.run.run_folder import read_metrics
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
 # Every config change the matrix makes to each run: nothing but training is timed.
@@ -219,12 +219,12 @@ def run_matrix(config: str | Path, backends: Iterable[str] = BACKENDS, *, steps:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     rows = [run_backend(config, b, out=out, overrides=overrides, nproc=nproc, warmup_steps=warmup_steps,
                         show_progress=show_progress) for b in backends]
-    model = trn2_model_row(base) if "nki_moe" in backends else None
+    model = trn2_model_row(base) if NKI_KERNEL_BACKENDS.intersection(backends) else None
     for row in rows:
-        if row["backend"] == "nki_moe" and model:
+        if row["backend"] in NKI_KERNEL_BACKENDS and model:
             row.update(model)
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    native = df.loc[(df.backend == "native") & (df.status == "ok"), "tokens_per_s"]
+    native = df.loc[(df.backend == DEFAULT_BACKEND) & (df.status == "ok"), "tokens_per_s"]
     df["speed_vs_native"] = df["tokens_per_s"] / native.iloc[0] if len(native) else float("nan")
     meta = {"config": str(config), "flavor": base.model.flavor, "steps": base.training.steps, "nproc": nproc,
             "warmup_steps": warmup_steps, "seq_len": base.training.seq_len,
@@ -246,7 +246,7 @@ def trn2_model_row(job) -> dict[str, float] | None:
 
 def write_report(df: pd.DataFrame, out: Path, meta: dict[str, Any]) -> None:
     """bench.csv (every column), bench.md (metrics table + settings + failures) and bench.png."""
-    from workbench.profiling import markdown_table
+    from workbench.run.profiling import markdown_table
 
     df.to_csv(out / "bench.csv", index=False)
     shown = df[["backend", "status", *METRIC_COLUMNS, "trn2_moe_layer_model_ms"]]

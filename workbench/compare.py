@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import ConfigError, WorkbenchError, announce, recognised
+from workbench.core.errors import ConfigError, WorkbenchError, announce, recognised
 
 DEFAULT_PROMPTS = ("To be, or not to be,", "ROMEO:", "Now is the winter of our discontent")
 
@@ -97,11 +97,12 @@ def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: i
     Raises:
         ConfigError: the path is none of the above, or has no such step.
     """
+    from workbench.core.config import DEFAULT_BACKEND
     from workbench.model import load_model
 
     p = Path(path)
     if (p / "config.json").is_file():
-        backend = backend or "native"
+        backend = backend or DEFAULT_BACKEND
         model = load_model(None, backend=backend, hf_checkpoint=p)
         return Loaded(f"{backend}:{p}", backend, model, model.workbench_info.tokenizer_path)
     if (p / ".metadata").is_file():
@@ -121,7 +122,7 @@ def comparable_state(loaded: Loaded) -> tuple[dict[str, torch.Tensor], dict[str,
     """(weights under HF keys, buffers the HF format cannot hold under the model's keys), detached fp32."""
     from workbench import backends
 
-    adapter = backends.get(loaded.backend).hf_adapter(loaded.model.workbench_info.shape)
+    adapter = backends.hf_adapter(loaded.backend, loaded.model.workbench_info.shape)
     state = loaded.model.state_dict()
     buffers = {name for name, _ in loaded.model.named_buffers()}
     hf = {k: v.detach().float() for k, v in adapter.to_hf(state).items()}
@@ -271,7 +272,7 @@ class Comparison:
 
     def save(self, out: str | os.PathLike) -> Path:
         """Writes tensors.csv, generations.csv, summary.json and compare.md into `out`."""
-        from workbench.profiling import markdown_table
+        from workbench.run.profiling import markdown_table
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def _base(version: str) -> str:
 
 
 def neuron_host() -> list[str]:
-    from workbench.device import neuron_device_files
+    from workbench.platform.device import neuron_device_files
 
     return neuron_device_files()
 
@@ -152,7 +152,7 @@ def nki_check(installed: str | None, on_neuron: bool) -> Check:
 
 def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
     """Neuron device files, visible devices, LNC, and ranks / memory per rank on this node."""
-    from workbench.device import LNC_ENV, TRN2_LNC, logical_nc_config
+    from workbench.core.neuron_env import LNC_ENV, runtime_lnc
 
     checks = []
     if not files:
@@ -173,7 +173,7 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
 
     raw = os.environ.get(LNC_ENV, "")
     try:
-        lnc = logical_nc_config(default=TRN2_LNC if files else 1)  # unset: trn2's 2 on a Neuron host, 1 elsewhere
+        lnc = runtime_lnc(on_neuron=bool(files))  # a Neuron host: its device files
         lnc_check = Check("NEURON_LOGICAL_NC_CONFIG", "ok", raw or f"unset (= {lnc})")
         if files and not raw:
             lnc_check.fix = "set it explicitly (export NEURON_LOGICAL_NC_CONFIG=2) so compiler, runtime and NKI agree"
@@ -202,8 +202,8 @@ def device_checks(nproc: int | None, files: list[str]) -> list[Check]:
 
 def disk_check(job) -> Check:
     """Free space for the run's checkpoints of the configured flavor at their peak (`run_folder.checkpoint_space`)."""
-    from workbench import flavors
-    from workbench.run_folder import CHECKPOINT_BYTES_PER_PARAM, checkpoint_space
+    from workbench.core import flavors
+    from workbench.run.run_folder import CHECKPOINT_BYTES_PER_PARAM, checkpoint_space
 
     one = flavors.count_params(job.shape)["total"] * CHECKPOINT_BYTES_PER_PARAM
     c = job.checkpoint
@@ -241,8 +241,8 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.config import load_config
-    from workbench.errors import ConfigError, announce
+    from workbench.core.config import load_config
+    from workbench.core.errors import ConfigError, announce
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):

@@ -13,43 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 
-import torch
-
-from workbench.errors import CheckpointError, ConfigError, HFExportError, WorkbenchError, announce, recognised
-from workbench.run_folder import read_config
-from workbench.run_folder import step_dir as _step_dir
-
-
-def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
-    """Fills `model` with the model weights of a workbench DCP checkpoint (stored at top-level keys).
-
-    Every file is hashed against `checksums.json` before any is parsed, and nothing is unpickled outside the
-    allowlist (`workbench.checkpoint.load_dcp`): a checkpoint from elsewhere is as safe to open as safetensors.
-
-    Raises:
-        CheckpointError: a file is missing, truncated or altered (exit 4).
-        UnsafeCheckpointError: a file asks to load a class outside the allowlist (nothing of it ran).
-        ConfigError: the checkpoint is not of this model.
-    """
-    from workbench.checkpoint import load_dcp, read_metadata, verify_checkpoint
-
-    problem = verify_checkpoint(step_dir)
-    if problem:
-        raise CheckpointError(f"{step_dir} is unusable: {problem}.",
-                              "export another step (--step N), or restore this checkpoint from its source.")
-    state = model.state_dict()  # the keys torchtitan saved (e.g. wq/wk/wv, not the fused wqkv)
-    stored = read_metadata(step_dir).state_dict_metadata
-    absent = [k for k in state if k not in stored]
-    if absent:
-        raise ConfigError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
-                          "of this run's model (config.toml and checkpoint disagree).")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        load_dcp(state, step_dir)
-    model.load_state_dict(state)
+from workbench.core.errors import HFExportError, WorkbenchError, announce, recognised
+from workbench.run import checkpoint
+from workbench.run.run_folder import read_config, step_dir
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, dtype: str | None = None,
@@ -63,7 +31,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         dtype: stored dtype; None = the run's checkpoint.export_dtype.
         overwrite: replace an existing `out`.
     """
-    from workbench import hf
+    from workbench.backends import hf
     from workbench.model import build_model
 
     run = Path(run)
@@ -71,9 +39,9 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     if problem:  # before the (possibly long) model build and checkpoint read
         raise HFExportError(problem)
     job = read_config(run)
-    step_dir = _step_dir(run, job.checkpoint.folder, step)
+    ckpt_dir = step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
-    load_dcp_model_state(model, step_dir)
+    checkpoint.load_dcp_model_state(model, ckpt_dir)
     return hf.export_model(model, out, dtype=dtype or job.checkpoint.export_dtype, overwrite=overwrite)
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from workbench import flavors
-from workbench.config import BACKEND_RULES, JobConfig, load_config
-from workbench.errors import ConfigError
+from workbench.core import flavors
+from workbench.core.config import BACKEND_RULES, DEFAULT_BACKEND, JobConfig, load_config
+from workbench.core.errors import ConfigError
 
 
 def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoint) -> JobConfig:
@@ -43,9 +43,9 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
 
 def _prepare_device(job: JobConfig) -> None:
     """torchtitan must be pinned to a device before it is imported (on CPU: the CPU adjustments)."""
-    from workbench import device
+    from workbench.platform import device, titan_device
 
-    device.prepare(device.prepared_kind() or device.detect(job.job.device).kind)
+    titan_device.prepare(titan_device.prepared_kind() or device.detect(job.job.device).kind)
 
 
 def materialize(model_config, seed: int | None, parallelize: Callable | None = None) -> torch.nn.Module:
@@ -79,7 +79,8 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     model in one), so one builder serves all three. The model carries `workbench_info` (backend, shape, config,
     tokenizer) for HF load and export.
     """
-    from workbench import backends, hf
+    from workbench import backends
+    from workbench.backends import hf
 
     _prepare_device(job)
     spec = backends.model_spec(job)
@@ -103,15 +104,15 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
     Raises:
         ConfigError: neither a flavor nor a checkpoint.
         NotImplementedError: an unsupported backend.
-        workbench.errors.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
-        workbench.errors.CheckpointError: a run folder's checkpoint is damaged, or asks to run code
+        workbench.core.errors.HFCheckpointError: a checkpoint that cannot be loaded (the message names the fix).
+        workbench.core.errors.CheckpointError: a run folder's checkpoint is damaged, or asks to run code
             (`UnsafeCheckpointError`: refused unrun).
     """
-    from workbench import hf
+    from workbench.backends import hf
 
     if isinstance(config, (str, os.PathLike)) and Path(config).is_dir():
         return load_run(Path(config), backend, step)[0]
-    job = _job(config, backend or "native", hf_checkpoint)
+    job = _job(config, backend or DEFAULT_BACKEND, hf_checkpoint)
     model = build_model(job)
     if job.model.hf_checkpoint:
         hf.load_into_model(model, job.model.hf_checkpoint)
@@ -133,9 +134,9 @@ def load_run(run: Path, backend: str | None = None, step: int | None = None, ste
     Raises:
         ConfigError: another backend, or no such checkpoint (the message lists the steps there are).
     """
-    from workbench.hf_export import load_dcp_model_state
-    from workbench.run_folder import read_config
-    from workbench.run_folder import step_dir as find_step_dir
+    from workbench.run.checkpoint import load_dcp_model_state
+    from workbench.run.run_folder import read_config
+    from workbench.run.run_folder import step_dir as find_step_dir
 
     job = read_config(run)
     if backend not in (None, job.model.backend):
@@ -163,7 +164,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str 
         overwrite: replace an existing directory (atomically).
         tokenizer_path: tokenizer directory to copy; None = the model's `model.tokenizer_path`.
     """
-    from workbench import hf
+    from workbench.backends import hf
 
     return hf.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
 

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workbench.config import BACKENDS
-from workbench.errors import ConfigError
+from workbench.core.config import BACKENDS
+from workbench.core.errors import BackendUnavailable, ConfigError
 
 REFERENCE = "transformers"
 
@@ -55,10 +55,6 @@ class Settings:
     weight_decay: float = 0.0
     seed: int = 0
     dataset: str = "shakespeare"
-
-
-class BackendUnavailable(RuntimeError):
-    """A backend that cannot run this checkpoint here; the message goes into the report row."""
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], labels [B, S])
@@ -117,7 +113,7 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
         BackendUnavailable: the backend does not apply to this model (e.g. nki_moe on a dense checkpoint).
     """
     from workbench import backends
-    from workbench.config import load_config
+    from workbench.core.config import load_config
     from workbench.model import build_model
 
     try:  # the backend's own rules (nki_moe on a dense checkpoint) decide what applies
@@ -130,7 +126,7 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
     except ConfigError as e:
         raise BackendUnavailable(str(e)) from None
     model = build_model(job)  # seeded by job.seed = settings.seed
-    adapter = backends.get(name).hf_adapter(job.shape)
+    adapter = backends.hf_adapter(name, job.shape)
     _load_strict(model, adapter.from_hf(dict(load_hf_state_dict(checkpoint_dir))), name)
     return model, model
 
@@ -215,9 +211,9 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
     """
     import pandas as pd
 
-    from workbench import device
+    from workbench.platform import titan_device
 
-    device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
+    titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
     ref, ref_forward = reference_model(checkpoint_dir)
     batches = make_batches(settings, ref.config.vocab_size)

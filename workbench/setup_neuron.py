@@ -27,7 +27,7 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
-from workbench.errors import ConfigError, announce
+from workbench.core.errors import ConfigError, announce
 
 ROOT = Path(__file__).resolve().parents[1]
 NEURON_OWNED = ("torch", "torch-neuronx", "nki", "neuronx-cc")

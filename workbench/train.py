@@ -8,7 +8,7 @@ config into the run folder -> build torchtitan's Trainer -> train (resuming from
 the run folder if there is one) -> summary.
 
 Every failure the workbench raises or recognises ends the launch with one line and its exit code
-(`workbench.errors`: 2 config or locked run folder, 3 non-finite loss, 4 checkpoint/disk, 5 stopped by
+(`workbench.core.errors`: 2 config or locked run folder, 3 non-finite loss, 4 checkpoint/disk, 5 stopped by
 SIGTERM/SIGINT after saving).
 
 `workbench.train.train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a
@@ -26,9 +26,9 @@ import sys
 import threading
 from pathlib import Path
 
-from workbench.config import JobConfig, check_device, help_text, load_config
-from workbench.dist_utils import StopRequest, rank
-from workbench.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.config import JobConfig, check_device, help_text, load_config
+from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
+from workbench.platform.dist_utils import StopRequest, rank
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -38,10 +38,10 @@ def run(job: JobConfig, info=None) -> Path:
         job: the validated config.
         info: the device found by `device.detect` (detected here when None).
     """
-    from workbench import device
+    from workbench.platform import device, titan_device
 
     info = info or device.detect(job.job.device)
-    adjusted = device.prepare(info.kind, job.neuron)
+    adjusted = titan_device.prepare(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -50,7 +50,9 @@ def run(job: JobConfig, info=None) -> Path:
 
     import torch
 
-    from workbench.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs, say
+    from workbench.memory import measure
+    from workbench.platform.dist_utils import say
+    from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs
 
     run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
@@ -62,7 +64,7 @@ def run(job: JobConfig, info=None) -> Path:
     cfg = build_titan_config(job, info.kind, world_size)
     if info.kind == "cpu":
         cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
-    trainer = WorkbenchTrainer(cfg, stop)
+    trainer = WorkbenchTrainer(cfg, stop, launch_check=measure.check_on_launch)
     try:
         trainer.train()
     finally:
@@ -112,16 +114,16 @@ def preflight(argv: list[str], world_size: int):
     Raises:
         ConfigError, FileNotFoundError: the one-line refusals (exit code 2).
     """
-    from workbench import device
+    from workbench.platform import device
 
     job = load_config(argv=argv, world_size=world_size)
     check_inputs(job)
     info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
     check_device(job, info.kind)
     if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)
-        from workbench import plan
+        from workbench.memory import gate
 
-        plan.check_fits(job, world_size, info.kind)
+        gate.check_fits(job, world_size, info.kind)
     return job, info
 
 

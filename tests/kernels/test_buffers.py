@@ -56,4 +56,4 @@ def test_listed_allocations_equal_the_emulators(monkeypatch, T, K, E, D, F, dtyp
 
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="workbench/kernels/buffers.py"):
-        buffers.hbm_allocations(autograd.kernel_block_size, 1, ())
+        buffers.hbm_allocations(autograd.slot_granule, 1, ())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.kernels.test_nki_emulator import evict, load, raises, store
-from workbench.device import compiled_for_lnc
+from workbench.core.neuron_env import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
 from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters, timing
 from workbench.kernels.nki_emulator import isa as nisa
@@ -645,7 +645,7 @@ def test_conformance_reports_races_and_lifts_capacity_without_hiding_them():
     with raises("lnc-race"):
         run(racy, x, lnc=2)
     found = []
-    with conformance.races_reported(found):
+    with nki.races_reported(found):
         np.testing.assert_array_equal(run(racy, x, lnc=2), x)
     assert len(found) == 1 and found[0].startswith("[lnc-race]")
 
@@ -658,7 +658,7 @@ def test_conformance_reports_races_and_lifts_capacity_without_hiding_them():
             nisa.memset(dst=bank, value=1.0)
         return store(nl.shared_identity_matrix(1, dtype=nl.float32))
 
-    with counters() as c, conformance.capacity_lifted():
+    with counters() as c, nki.capacity_lifted():
         run(nine_banks, rand(1, 1))
     assert c.psum_peak == 9 * 2048
     with raises("psum-capacity"):  # lifted only inside the block

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from workbench.core.moe_blocks import kernel_block_size
 from workbench.kernels import (
     blockwise_moe,
     blockwise_moe_auto,
@@ -15,7 +16,6 @@ from workbench.kernels import (
     plan_blocks,
     route,
 )
-from workbench.kernels.autograd import kernel_block_size
 from workbench.kernels.nki_api import REAL_NKI
 
 
@@ -152,7 +152,7 @@ def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
     def untiled(D, F, io, widths):
         return F, nki_moe.tiles_needed(widths)
 
-    monkeypatch.setattr(nki_moe, "_fit_backward", untiled)
+    monkeypatch.setattr(nki_moe, "fit_backward", untiled)
     x, ids, w, wg, wu, wd = make_case(2, 1, 1, 4096, 768, dtype=torch.bfloat16)
     out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128)  # LNC 1; the forward fits whole (144 KiB)
     with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\]"):
@@ -348,10 +348,12 @@ def test_kernel_plan_needs_an_expert_per_core():
 
 
 def test_logical_nc_config(monkeypatch):
-    from workbench.device import logical_nc_config
+    from workbench.core.neuron_env import lnc_is_set, logical_nc_config, runtime_lnc, unbracketed_lnc
 
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
     assert logical_nc_config() == 2 and logical_nc_config(default=1) == 1  # unset: trn2's 2 (or the default)
+    assert not lnc_is_set() and unbracketed_lnc() == 1  # unset: kernel(...) runs at LNC 1
+    assert runtime_lnc(on_neuron=True) == 2 and runtime_lnc(on_neuron=False) == 1
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     assert logical_nc_config() == 1
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "3")

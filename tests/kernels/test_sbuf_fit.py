@@ -28,7 +28,7 @@ MARGIN = 1024  # bytes per partition left free at the peak (nki_moe.SMALL_TILES_
 
 def _moe_shapes():
     """{(D, F)} of the shipped configs' MoE flavors (configs/*.toml)."""
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     shapes = set()
     for path in sorted(glob.glob(str(Path(__file__).resolve().parents[2] / "configs" / "*.toml"))):

@@ -34,17 +34,17 @@ def _names(module: str, functions: tuple[str, ...], methods: tuple[tuple[str, st
 
 # target -> (files mutated, mutant-name patterns run (the functions under test), fast tests, pytest -k expression)
 TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
-    "config": (["workbench/config.py"],
-               _names("workbench.config", ("validate",), tuple((c, "check") for c in (
+    "config": (["workbench/core/config.py"],
+               _names("workbench.core.config", ("validate",), tuple((c, "check") for c in (
                    "Model", "Optimizer", "Training", "Parallelism", "Checkpoint", "Profiling", "Metrics"))),
                ["tests/test_config.py"], "not cli_exits"),
-    "checkpoint": (["workbench/checkpoint.py"],
-                   _names("workbench.checkpoint", ("newest_complete", "check_checkpoint", "verify_files",
+    "checkpoint": (["workbench/run/checkpoint.py"],
+                   _names("workbench.run.checkpoint", ("newest_complete", "check_checkpoint", "verify_files",
                                                    "verify_checkpoint", "stale_checkpoints", "shape_mismatches"),
                           (("WorkbenchCheckpointManager", "_find_load_step"),)),
                    ["tests/test_checkpoint_checks.py", "tests/test_checkpoint_recovery.py"], ""),
-    "run_folder": (["workbench/run_folder.py"],
-                   _names("workbench.run_folder", ("read_metrics", "trim_metrics", "is_complete", "step_dirs",
+    "run_folder": (["workbench/run/run_folder.py"],
+                   _names("workbench.run.run_folder", ("read_metrics", "trim_metrics", "is_complete", "step_dirs",
                                                    "step_dir")),
                    ["tests/test_checkpoint_checks.py", "tests/test_run_safety.py", "tests/test_bench.py"], ""),
     "metrics": (["workbench/notebook/dashboard.py", "workbench/bench.py"],
@@ -53,12 +53,13 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
                                                               ("Dashboard", "summary_text"), ("Dashboard", "frame"))),
                 ["tests/test_dashboard.py", "tests/test_bench.py"], ""),
     # The memory plan's categorising part: the tracker's reference types -> categories, and the tracker that files
-    # tensors under them (its nested methods are mutants of `_tracker_class`).
-    "plan": (["workbench/plan.py"], _names("workbench.plan", ("_categories",)),
+    # tensors under them (its nested methods are mutants of `tracker_class`).
+    "plan": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("categories_at_peak",)),
              ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
-    "plan_tracker": (["workbench/plan.py"], _names("workbench.plan", ("_tracker_class",)),
+    "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
                      ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
-    "hf": (["workbench/hf.py"], _names("workbench.hf", ("unit_of", "plan_units", "_ignorable", "check_against")),
+    "hf": (["workbench/backends/hf.py"], _names("workbench.backends.hf",
+                                                     ("unit_of", "plan_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
            ["tests/test_hf_io.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),

@@ -37,9 +37,9 @@ from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from workbench import flavors
-from workbench.config import JobConfig
-from workbench.moe_experts import HF_EXPERTS
+from workbench.backends.moe_experts import HF_EXPERTS
+from workbench.core import flavors
+from workbench.core.config import JobConfig
 
 PREFIX = "hf."
 """Attribute of `HFQwen3` holding the transformers model, as a state-dict key prefix."""
@@ -268,7 +268,7 @@ def _apply_fsdp(model: HFQwen3, parallel_dims, training, parallelism) -> None:
     # Root group: embedding, final norm, lm_head. A tied lm_head shares the embedding's Parameter, which FSDP2
     # accepts only inside one group, so they are not split into groups of their own.
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # Through the module attribute: workbench.cpu_adjustments wraps it on CPU (gloo needs plain SUM reduction).
+    # Through the module attribute: workbench.platform.cpu_adjustments wraps it on CPU (gloo needs plain SUM reduction).
     titan_fsdp.disable_fsdp_gradient_division(model)
 
 
@@ -297,7 +297,7 @@ class HFv5StateDictAdapter(StateDictAdapter):
     `to_hf` writes what `save_pretrained` writes: no `lm_head.weight` when tied, experts per expert.
     `from_hf` accepts per-expert (published) or fused (`save_original_format=False`) expert keys, and never
     adds a tied `lm_head.weight`: the tied lm_head *is* the embedding parameter, filled through it.
-    Both directions work on any subset of keys that holds all of one layer's experts (`workbench.hf` converts
+    Both directions work on any subset of keys that holds all of one layer's experts (`workbench.backends.hf` converts
     one module at a time). Expert tensors must be full tensors (gather FSDP shards first); every other entry
     is only renamed, DTensors included.
     """
@@ -377,7 +377,7 @@ def _merge_experts(prefix: str, projections: dict[str, dict[int, torch.Tensor]],
 
 
 def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
-    """The HF <-> huggingface_v5 key mapping for a shape (used by `workbench.hf` for load/export)."""
+    """The HF <-> huggingface_v5 key mapping for a shape (used by `workbench.backends.hf` for load/export)."""
     return HFv5StateDictAdapter(HFQwen3.Config(shape=shape))
 
 

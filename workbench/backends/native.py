@@ -9,9 +9,9 @@ from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
-from workbench import flavors
-from workbench.config import JobConfig
-from workbench.moe_experts import use_fallback_experts
+from workbench.backends.moe_experts import use_fallback_experts
+from workbench.core import flavors
+from workbench.core.config import JobConfig
 
 
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
@@ -67,5 +67,5 @@ class HFAdapter:
 
 
 def hf_adapter(shape: flavors.Qwen3Shape) -> HFAdapter:
-    """How this backend's state-dict keys map to Hugging Face keys (used by `workbench.hf`)."""
+    """How this backend's state-dict keys map to Hugging Face keys (used by `workbench.backends.hf`)."""
     return HFAdapter(shape)

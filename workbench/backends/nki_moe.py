@@ -23,9 +23,10 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.protocols.model_spec import ModelSpec
 
-from workbench import flavors
 from workbench.backends import native
-from workbench.config import JobConfig
+from workbench.backends.config_swap import swap_configs
+from workbench.core import flavors
+from workbench.core.config import JobConfig
 from workbench.kernels import blockwise_moe_auto
 
 
@@ -61,13 +62,7 @@ class BlockwiseRoutedExperts(RoutedExperts):
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
     """The native Qwen3-MoE config with every RoutedExperts swapped for BlockwiseRoutedExperts."""
     cfg = native.model_config(job, shape)
-    for _, sub, parent, attr in list(cfg.traverse(RoutedExperts.Config)):
-        fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub) if f.init}
-        new = BlockwiseRoutedExperts.Config(**fields, block_size=job.model.moe_block_size)
-        if isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
+    swap_configs(cfg, RoutedExperts.Config, BlockwiseRoutedExperts.Config, block_size=job.model.moe_block_size)
     return cfg
 
 

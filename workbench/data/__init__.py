@@ -20,7 +20,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from workbench.errors import DatasetError
+from workbench.core.errors import DatasetError
 
 DOC_SEPARATOR = "<|endoftext|>"
 TEXT_SUFFIXES = (".txt", ".md")

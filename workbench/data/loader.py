@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
+from workbench.core.errors import DatasetError
 from workbench.data import source_root, tokenizer_hash
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
-from workbench.errors import DatasetError
 
 
 def cache_root() -> Path:

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.core.errors import DatasetError
 from workbench.data import DOC_SEPARATOR, document_sources, source_root, tokenizer_dir, tokenizer_hash
 from workbench.data.sources import plan_units, read_unit
-from workbench.errors import DatasetError
 
 FORMAT = 2  # bumped whenever the folder's layout or manifest changes
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
@@ -525,7 +525,7 @@ class Prepared:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.errors import WorkbenchError
+    from workbench.core.errors import WorkbenchError
 
     parser = argparse.ArgumentParser(prog="python -m workbench.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

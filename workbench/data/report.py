@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from workbench.config import JobConfig
+from workbench.core.config import JobConfig
 from workbench.data import load_tokenizer
 from workbench.data.prepare import Prepared
 

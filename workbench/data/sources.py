@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from workbench.core.errors import DatasetError
 from workbench.data import document_sources
-from workbench.errors import DatasetError
 
 Unit = dict  # {"kind", "path", "start", "stop", "first", "bytes"}: see `plan_units`
 

@@ -5,9 +5,9 @@
 - `nki_emulator`: CPU executor of the NKI subset those kernels use, enforcing the documented rules.
 - `autograd`: torch.autograd glue that runs the kernels (TorchNeuron custom ops on Neuron, emulator elsewhere).
 
-The kernels launch on `workbench.device.logical_nc_config()` cores (LNC: NEURON_LOGICAL_NC_CONFIG, 2 when unset as
-on trn2), the LNC the compiler uses: since NKI 0.7.0 it rejects a kernel whose LNC differs (NCC_EVRF066), and the
-emulator checks the same.
+The kernels launch on `workbench.core.neuron_env.logical_nc_config()` cores (LNC: NEURON_LOGICAL_NC_CONFIG, 2 when
+unset as on trn2), the LNC the compiler uses: since NKI 0.7.0 it rejects a kernel whose LNC differs (NCC_EVRF066),
+and the emulator checks the same.
 """
 
 from workbench.kernels.autograd import BlockwiseMoEFunction, blockwise_moe_auto, blockwise_moe_nki, nki_on_device

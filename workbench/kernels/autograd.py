@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workbench.device import logical_nc_config
+from workbench.core.moe_blocks import kernel_block_size
+from workbench.core.neuron_env import logical_nc_config
 from workbench.kernels import nki_moe
 from workbench.kernels.moe_reference import (
     BlockPlan,
@@ -28,22 +29,6 @@ from workbench.kernels.moe_reference import (
     slot_weights,
 )
 from workbench.kernels.nki_api import REAL_NKI, nki
-
-
-def kernel_block_size(block_size: int) -> int:
-    """Slots per full kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
-
-    A plan block larger than that is several consecutive kernel blocks with the same expert (one segment, so
-    the expert's weights are still loaded once). 256 keeps the backward's resident weights plus one block's
-    activations inside SBUF at D = 2048 (docs/nki_kernels.md).
-    """
-    if 1 <= block_size <= nki_moe.P:
-        return block_size
-    for kb in (256, 128):
-        if block_size % kb == 0:
-            return kb
-    raise ValueError(f"the NKI kernels need block_size <= 128 or a multiple of 128, got {block_size}")
-
 
 TAIL_GRANULE = 32  # slots: each expert is padded to a multiple of this, not of the block
 
@@ -616,7 +601,7 @@ HOST_KERNELS = Kernels(_on_host(nki_moe.moe_blockwise_fwd), _on_host(nki_moe.moe
 
 def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF, *, block_size: int):
     """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator), launched on
-    the configured logical NeuronCore count (`workbench.device.logical_nc_config()`, the compiler's LNC)."""
+    the configured logical NeuronCore count (`core.neuron_env.logical_nc_config()`, the compiler's LNC)."""
     _, _, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
     tiles = tiles_per_sub(kernel_block_size(block_size), D, F_, x_TD.dtype)
     plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config(), tiles)

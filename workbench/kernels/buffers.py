@@ -26,7 +26,7 @@ def _forward(lnc, x_pad, token_index, slot_weight, piece, seg_table, seg_count, 
     D, io = x_pad.shape[1], x_pad.dtype
     F = w_gate_t.shape[2]
     nT, TT = slot_of_assignment.shape[:2]
-    chunked = nki_moe._f_chunk(D, F, torch.empty((), dtype=io).element_size(), 3) < F
+    chunked = nki_moe.f_chunk(D, F, torch.empty((), dtype=io).element_size(), 3) < F
     return [HbmAllocation("y_slots", (ng * G, D), torch.float32 if chunked else io, SHARED, None),
             HbmAllocation("g_saved", (F, ng * G), io, SHARED, 1),
             HbmAllocation("u_saved", (F, ng * G), io, SHARED, 2),
@@ -42,7 +42,7 @@ def _backward(lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, 
     E, F = w_gate.shape[0], w_gate.shape[1]
     nT, TT = slot_of_assignment.shape[:2]
     L = (seg_table.shape[1] - 3) // 2
-    fc = nki_moe._fit_backward(D, F, io, nki_moe.piece_widths(G * 2 ** (L - 1), L))[0]
+    fc = nki_moe.fit_backward(D, F, io, nki_moe.piece_widths(G * 2 ** (L - 1), L))[0]
     return [HbmAllocation("dx_slots", (ng * G, D), torch.float32 if fc < F else io, SHARED, None),
             HbmAllocation("", (ng, G), torch.float32, SHARED, 1),
             HbmAllocation("", (E + lnc, F, D), io, SHARED, 2),

@@ -135,7 +135,7 @@ def run_layer(tokens: int, experts: int, top_k: int, hidden: int, ffn: int, lnc:
               dtype=torch.bfloat16, seed: int = 0) -> LayerRun:
     """Run one rank's layer forward + backward through the NKI kernels on the emulator at LNC `lnc` (the compiler's
     LNC is set to it for the call), counting each direction."""
-    from workbench.device import compiled_for_lnc
+    from workbench.core.neuron_env import compiled_for_lnc
     from workbench.kernels import blockwise_moe_nki
 
     x, ids, w, wg, wu, wd, dout = layer_inputs(tokens, experts, top_k, hidden, ffn, dtype, seed)

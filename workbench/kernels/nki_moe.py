@@ -59,7 +59,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
   disjoint.
-* **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`workbench.device.logical_nc_config()`); shared HBM
+* **LNC.** Launched as `kernel[lnc]`, lnc the compiler's (`core.neuron_env.logical_nc_config()`); shared HBM
   scratch written by one core and read by the other is fenced by `nisa.core_barrier`.
 * **Slot scratch.** Block results go to an io-dtype (bf16 on device) HBM scratch, one row per slot, and the
   combine gathers each token's K rows and sums them in fp32. A scatter-add straight into `out` would avoid the
@@ -73,13 +73,13 @@ operands and the SwiGLU's elementwise math use the io dtype (as the torch refere
 accumulation, the combine's sums and partial sums over F chunks are fp32. The code sticks to the documented NKI
 Python subset (plain for loops over range, no comprehensions).
 
-Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet.
-"""
+Status: runs here through the CPU emulator (`nki_emulator`); nothing here has run on Trainium yet."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from workbench.core.errors import check_argument
 from workbench.kernels.nki_api import nisa, nki, nl
 
 P = nl.tile_size.pmax  # 128 partitions
@@ -200,7 +200,7 @@ def _resident_bytes(D, FC, itemsize, n_mats):
     return n_mats * max(_ntiles(D, P) * FC, _ntiles(FC, P) * D) * itemsize
 
 
-def _f_chunk(D, F, itemsize, n_mats):
+def f_chunk(D, F, itemsize, n_mats):
     """Forward: FC, the width of the F chunk kept resident: F when all n_mats matrices fit RESIDENT_WEIGHT_BYTES,
     else the widest multiple of 128 that fits (at least 128). Chunks are processed one after the other per expert
     segment; the F-contractions (y, dx, d_affinity) accumulate their partial sums across chunks
@@ -285,7 +285,7 @@ def _shape_bytes(shapes):
     return total
 
 
-def _fit_backward(D, F, io_dtype, widths):
+def fit_backward(D, F, io_dtype, widths):
     """(FC, NT) of the backward, (0, 0) when nothing fits (see `backward_layout`)."""
     KB = widths[0]
     need = tiles_needed(widths)
@@ -312,7 +312,7 @@ def backward_layout(D, F, io_dtype, widths):
     Raises:
         ValueError: not even the narrowest chunk fits with one sub-segment's tiles.
     """
-    FC, NT = _fit_backward(D, F, io_dtype, widths)
+    FC, NT = fit_backward(D, F, io_dtype, widths)
     if NT == 0:
         raise ValueError(f"the NKI MoE backward does not fit SBUF at D={D}, F={F}, {widths[0]}-slot blocks in "
                          f"{io_dtype}: use a smaller model.moe_block_size")
@@ -696,7 +696,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     x_pad = hbm["x"]
     D, F = x_pad.shape[1], hbm_w.gate.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    FC = _f_chunk(D, F, x_pad.dtype.itemsize, 3)
+    FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
     ws = _fwd_workspace(widths[0], D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
 
@@ -743,8 +743,8 @@ def _expect(t, name, dims, shape, dtype):
     if ok:
         for i in range(len(shape)):
             ok = ok and (shape[i] is None or t.shape[i] == shape[i])
-    assert ok, (f"{name} must be {dims} {dtype}, got {tuple(t.shape)} {t.dtype}: pass the tables of "
-                "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
+    check_argument(ok, name, f"{name} must be {dims} {dtype}, got {tuple(t.shape)} {t.dtype}: pass the tables of "
+                   "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
 
 
 def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc):
@@ -754,21 +754,21 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     _expect(piece, "piece", "[M, 3]", (None, 3), I32)
     _expect(seg_table, "seg_table", "[LNC * S, 3 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - 3) // 2
-    assert L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, (
-        f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+    check_argument(L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
+                   f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
     _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
-    assert slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, (
-        f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
-        f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
+    check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
+                   f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
+                   f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
     return L
 
 
 def _expect_per_core(rows, count, names, lnc):
-    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count; `names`:
-    the two arguments' names."""
+    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count, `names`."""
     _expect(rows, names[0], "[LNC * n, 1]", (None, 1), I32)
-    assert rows.shape[0] % lnc == 0, f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}"
+    check_argument(rows.shape[0] % lnc == 0, names[0],
+                   f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}")
     _expect(count, names[1], "[1, 1]", (1, 1), I32)
 
 
@@ -824,7 +824,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     ng, G = token_index.shape
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    chunked = _f_chunk(D, F, io.itemsize, 3) < F
+    chunked = f_chunk(D, F, io.itemsize, 3) < F
     y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="y_slots")
     g_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="g_saved")
     u_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="u_saved")
@@ -1094,7 +1094,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     x_pad = hbm["x"]
     io, D, F = x_pad.dtype, x_pad.shape[1], hbm_w.down.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, 3)
-    FC, NT = _fit_backward(D, F, io, widths)
+    FC, NT = fit_backward(D, F, io, widths)
     ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F)
     res = _resident(tile_slots(widths[0]), NT, D, FC, io)
     tails = []
@@ -1193,7 +1193,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _expect(u_saved, "u_saved", "[F, NS]", (F, ng * G), io)
     S = seg_table.shape[0] // lnc
     nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
-    FC = _fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
+    FC = fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
     dx_slots = nl.ndarray((ng * G, D), dtype=F32 if FC < F else io, buffer=nl.shared_hbm, name="dx_slots")
     d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
     grads = ExpertWeights(gate=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),

@@ -2,7 +2,7 @@
 
 The numbered notebooks in `notebooks/` stay thin: a `parameters` cell of plain literals, a `config` cell
 (`job = job_from_params(...)`), then one call per cell into `workbench` (this package, `workbench.train`,
-`workbench.profiling`, `workbench.bench`, `workbench.compare`).
+`workbench.run.profiling`, `workbench.bench`, `workbench.compare`).
 
 This is the only package that imports ipywidgets, and it does so lazily (only when a live dashboard opens),
 so `python -m workbench.notebook run` and the config checks work without a frontend. The names below are
@@ -27,8 +27,8 @@ _EXPORTS = {
     "parity_facts": "reports", "bench_table": "reports", "trn2_model_table": "reports",
     "metrics_table": "reports", "training_checks": "reports", "run_summary": "reports", "token_agreement": "reports",
     "plot_bench": "reports", "loss_agreement": "reports", "shared_init": "reports", "measured_on_h200": "reports",
-    "plan_with_status": "reports", "plan_table": "reports", "plan_advice": "reports", "trn2_plans": "reports",
-    "trn2_plans_table": "reports", "plan_chart": "reports", "compare_with_status": "reports",
+    "plan_with_status": "dashboard", "plan_table": "reports", "plan_advice": "reports", "trn2_plans": "reports",
+    "trn2_plans_table": "reports", "plan_chart": "reports", "compare_with_status": "dashboard",
     # display
     "Table": "display", "checks": "display", "key_values": "display", "plot_title": "display",
     # dashboard

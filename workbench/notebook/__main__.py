@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from workbench.errors import ConfigError, announce, recognised
+from workbench.core.errors import ConfigError, announce, recognised
 from workbench.notebook import runner
 
 NBVAL_MARK = "# NBVAL_CHECK_OUTPUT"

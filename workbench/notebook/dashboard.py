@@ -47,14 +47,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from workbench.config import JobConfig
+from workbench.core.config import JobConfig
+from workbench.core.errors import TrainingFailed
 
 ENV_MODE = "WORKBENCH_DASHBOARD"
 _HEAD = 256  # bytes of metrics.jsonl compared on every poll to notice that the file was replaced
-
-
-class TrainingFailed(RuntimeError):
-    """torchrun exited non-zero; the message ends with the last lines of its output (the real error)."""
 
 
 def _kernel():
@@ -411,6 +408,22 @@ def status_line(what: str, done: str = ""):
         label.close()
 
 
+def plan_with_status(job: JobConfig, device: str, nproc: int, **kwargs) -> dict:
+    """`workbench.memory.report.plan` with a status line while it traces and re-plans (nothing on stderr)."""
+    from workbench.memory import report
+
+    with status_line(f"planning {job.model.flavor} {job.model.backend} on {nproc} rank(s) of {device}") as say:
+        return report.plan(job, device, nproc, progress=say, **kwargs)
+
+
+def compare_with_status(a, b, what: str = "comparing", **kwargs):
+    """`workbench.compare.compare(a, b, **kwargs)` with a status line while it loads, evaluates and generates."""
+    from workbench.compare import compare
+
+    with status_line(f"{what}: loading both checkpoints, held-out logits, greedy generations"):
+        return compare(a, b, **kwargs)
+
+
 def _child_can_import_workbench() -> None:
     """Makes sure the torchrun child imports *this* workbench, whatever the kernel's working directory.
 
@@ -482,5 +495,5 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
 
 
 __all__ = ["Dashboard", "TrainingFailed", "live_frontend", "train_with_dashboard", "fresh_run_dir", "failure_excerpt",
-           "status_line",
+           "status_line", "plan_with_status", "compare_with_status",
            "transient_progress", "ENV_MODE"]

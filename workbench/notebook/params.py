@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workbench.config import JobConfig, load_config
-from workbench.errors import ConfigError
+from workbench.core.config import JobConfig, load_config
+from workbench.core.errors import ConfigError
 
 
 def repo_root() -> Path:

@@ -18,10 +18,10 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.config import JobConfig
+from workbench.core.config import JobConfig
 from workbench.notebook.display import MISSING, Table, checks, key_values, memory_unit, number, percent
 from workbench.notebook.params import repo_root
-from workbench.run_folder import read_metrics
+from workbench.run.run_folder import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Environment (00_setup)
@@ -40,7 +40,7 @@ def neuron_cores() -> str:
     Written from the TorchNeuron docs (`torch.neuron.device_count()`; `NEURON_RT_VISIBLE_CORES` restricts
     it); unverified here (no Trainium).
     """
-    from workbench import device
+    from workbench.platform import device
 
     if not device.neuron_available():
         return "not present (torch_neuronx not installed)"
@@ -59,7 +59,8 @@ def environment_report(requested_device: str = "auto") -> Table:
     """
     import torch
 
-    from workbench import data, device
+    from workbench import data
+    from workbench.platform import device
 
     rows: list[tuple[str, str, Any]] = [
         ("software", "python", platform.python_version()),
@@ -105,7 +106,7 @@ def asset_facts() -> Table:
     tok = data.load_tokenizer()
     plays = data.document_sources("shakespeare")
     sample = "To be, or not to be, that is the question:"
-    from workbench import flavors
+    from workbench.core import flavors
 
     rows = [
         ("tokenizer vocabulary (with added tokens)", tok.get_vocab_size(with_added_tokens=True)),
@@ -150,7 +151,7 @@ def config_table(job: JobConfig, *, changed_only: bool = True, skip: Iterable[st
 def param_counts(shape) -> dict[str, int]:
     """Parameter counts of a Qwen3 shape, by formula (no model is built, torchtitan is not imported).
 
-    Same keys and numbers as `workbench.flavors.count_params` (which builds the torchtitan model on the meta
+    Same keys and numbers as `workbench.core.flavors.count_params` (which builds the torchtitan model on the meta
     device; tests/test_notebooks.py checks they agree): total, embedding, active (MoE: top_k of the experts).
     """
     d, hd = shape.dim, shape.head_dim
@@ -169,7 +170,7 @@ def param_counts(shape) -> dict[str, int]:
 
 def flavor_table(job: JobConfig) -> Table:
     """Architecture numbers and parameter counts of the job's model."""
-    from workbench import flavors
+    from workbench.core import flavors
 
     counts = param_counts(job.shape)
     rows = [("flavor", job.flavor_name), *flavors.describe(job.shape).items(),
@@ -282,7 +283,7 @@ def run_folder_table(run_dir: str | os.PathLike, max_depth: int = 2) -> Table:
 
 
 # ------------------------------------------------------------------------------------------------
-# Profiling runs (04_profiling): the files workbench.profiling.StepProfiler writes
+# Profiling runs (04_profiling): the files workbench.run.profiling.StepProfiler writes
 # ------------------------------------------------------------------------------------------------
 
 
@@ -292,8 +293,8 @@ class ProfileReport:
 
     Attributes:
         breakdown: per profiled step, wall time and phases in ms (data, forward, backward, optimizer, other,
-            communication; see `workbench.profiling.step_breakdown`).
-        top_ops: operators by self time (`workbench.profiling.top_ops`).
+            communication; see `workbench.run.profiling.step_breakdown`).
+        top_ops: operators by self time (`workbench.run.profiling.top_ops`).
         info: profile_rank{R}.json (steps, peak memory, files).
         trace: the Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
     """
@@ -334,11 +335,11 @@ def profile_report(run_dir: str | os.PathLike, rank: int = 0, folder: str | None
 def performance_table(run_dir: str | os.PathLike, skip_first: int = 1) -> Table:
     """How MFU is computed for a run, number by number (medians over the steps after `skip_first`).
 
-    Rows: model FLOPs per token (from the shape: `workbench.profiling.flops_per_token`), tokens/s per device,
+    Rows: model FLOPs per token (from the shape: `workbench.run.profiling.flops_per_token`), tokens/s per device,
     achieved TFLOP/s, the device's peak TFLOP/s (implied by the logged MFU), MFU, step time, peak memory.
     """
-    from workbench import profiling
-    from workbench.run_folder import read_config
+    from workbench.run import profiling
+    from workbench.run.run_folder import read_config
 
     job = read_config(run_dir)
     m = metrics_frame(run_dir)
@@ -567,7 +568,7 @@ def shared_init(job: JobConfig, out: str | os.PathLike) -> Path:
     loads it), so that the paths start from the very same weights."""
     import copy
 
-    from workbench import hf
+    from workbench.backends import hf
     from workbench.model import build_model
 
     native = copy.deepcopy(job)
@@ -628,34 +629,16 @@ OTHER_NOTE = ("other temporaries = backward temporaries (what the backward pass 
               "gradients of a layer before they are reduce-scattered) + reduce-scatter buffers + the inputs.")
 
 
-def plan_with_status(job: JobConfig, device: str, nproc: int, **kwargs) -> dict:
-    """`workbench.plan.plan` with a status line while it traces and re-plans (nothing on stderr)."""
-    from workbench import plan
-    from workbench.notebook.dashboard import status_line
-
-    with status_line(f"planning {job.model.flavor} {job.model.backend} on {nproc} rank(s) of {device}") as say:
-        return plan.plan(job, device, nproc, progress=say, **kwargs)
-
-
-def compare_with_status(a, b, what: str = "comparing", **kwargs):
-    """`workbench.compare.compare(a, b, **kwargs)` with a status line while it loads, evaluates and generates."""
-    from workbench.compare import compare
-    from workbench.notebook.dashboard import status_line
-
-    with status_line(f"{what}: loading both checkpoints, held-out logits, greedy generations"):
-        return compare(a, b, **kwargs)
-
-
 def plan_table(p: dict) -> Table:
     """A memory plan's categories per rank, "other temporaries" split into its parts, in GiB or MiB (one unit),
     with each one's share of the peak, then the peak against the rank's memory and the verdict."""
-    from workbench import plan
+    from workbench.memory import report
 
     unit = "GiB" if p["peak_bytes"] >= 2**30 else "MiB"
-    rows = [(f"   └ {name}" if part else name, plan.amount(b, unit), f"{100 * b / p['peak_bytes']:.0f} %")
-            for name, b, part in plan.breakdown(p)]
-    rows.append(("peak", plan.amount(p["peak_bytes"], unit), "100 %"))
-    rows.append((f"memory per rank ({p['device']})", plan.amount(p["capacity_bytes"], unit),
+    rows = [(f"   └ {name}" if part else name, report.amount(b, unit), f"{100 * b / p['peak_bytes']:.0f} %")
+            for name, b, part in report.breakdown(p)]
+    rows.append(("peak", report.amount(p["peak_bytes"], unit), "100 %"))
+    rows.append((f"memory per rank ({p['device']})", report.amount(p["capacity_bytes"], unit),
                  f"{'fits' if p['fits'] else 'DOES NOT FIT'}: headroom {100 * p['headroom']:.0f} %"))
     title = (f"memory plan: {p['flavor']} {p['backend']} on {p['world_size']} rank(s) of {p['device']} "
              f"({Path(p['config']).name if p['config'] else 'defaults'})")
@@ -665,16 +648,16 @@ def plan_table(p: dict) -> Table:
 def plan_advice(p: dict) -> Table:
     """What to change: each category (or part of other temporaries) over 10 % of the peak, the tensors that make
     it at the peak, the setting that shrinks it and, where re-planned, the new peak and the saving."""
-    from workbench import plan
+    from workbench.memory import report
 
     unit = "GiB" if p["peak_bytes"] >= 2**30 else "MiB"
     rows = []
     for a in p.get("advice", []):
-        top = "\n".join(f"{plan.tensor_group(t)}: {plan.amount(t['bytes'], unit)}" for t in a["top"])
+        top = "\n".join(f"{report.tensor_group(t)}: {report.amount(t['bytes'], unit)}" for t in a["top"])
         after = a["peak_bytes_after"]
-        rows.append((a["category"], plan.amount(a["bytes"], unit), top, a["change"] or "—",
-                     plan.amount(after, unit) if after is not None else "—",
-                     plan.amount(p["peak_bytes"] - after, unit) if after is not None else "—"))
+        rows.append((a["category"], report.amount(a["bytes"], unit), top, a["change"] or "—",
+                     report.amount(after, unit) if after is not None else "—",
+                     report.amount(p["peak_bytes"] - after, unit) if after is not None else "—"))
     return Table.of(rows, ["category", f"size ({unit})", f"top tensors at the peak ({unit})", "setting that shrinks it",
                            f"peak after ({unit})", f"saving ({unit})"], title="what to change",
                     footnotes=["peak after / saving: the changed config re-planned (the largest category's lever); "
@@ -685,7 +668,7 @@ def plan_advice(p: dict) -> Table:
 def trn2_plans(configs: Iterable[str], live: bool = False) -> dict[str, dict]:
     """{"config · backend": plan} of shipped trn2 configs: the plans quoted in their header comments, or (`live`)
     re-planned on 64 ranks (minutes each)."""
-    from workbench import plan
+    from workbench.memory import report, tables
     from workbench.notebook.params import job_from_params, resolve_path
 
     plans = {}
@@ -693,25 +676,25 @@ def trn2_plans(configs: Iterable[str], live: bool = False) -> dict[str, dict]:
         name = resolve_path(path).stem
         if live:
             trn2_job = job_from_params(path, nproc=64)
-            plans[f"{name} · {trn2_job.model.backend}"] = plan.plan(trn2_job, "trn2", 64, suggest=False)
+            plans[f"{name} · {trn2_job.model.backend}"] = report.plan(trn2_job, "trn2", 64, suggest=False)
             continue
-        for backend, quoted in plan.quoted_plans(resolve_path(path)).items():
-            plans[f"{name} · {backend}"] = {**quoted, "capacity_bytes": plan.capacity("trn2", 64), "device": "trn2"}
+        for backend, quoted in report.quoted_plans(resolve_path(path)).items():
+            plans[f"{name} · {backend}"] = {**quoted, "capacity_bytes": tables.capacity("trn2", 64), "device": "trn2"}
     return plans
 
 
 def trn2_plans_table(plans: dict[str, dict]) -> Table:
     """The plans side by side in GiB per rank: one row per config · backend, one column per category, the peak,
     the rank's memory and the headroom."""
-    from workbench import plan
+    from workbench.memory import report, tables
 
     rows = []
     for label, p in plans.items():
         cats = p["categories"]
-        rows.append((label, *(f"{cats.get(c, 0) / 2**30:.2f}" for c in plan.CATEGORIES),
+        rows.append((label, *(f"{cats.get(c, 0) / 2**30:.2f}" for c in tables.CATEGORIES),
                      f"{p['peak_bytes'] / 2**30:.2f}", f"{p['capacity_bytes'] / 2**30:.2f}",
                      f"{100 * (1 - p['peak_bytes'] / p['capacity_bytes']):.0f} %"))
-    headers = ["config · backend", *(plan.SHORT[c] for c in plan.CATEGORIES), "peak", "memory", "headroom"]
+    headers = ["config · backend", *(report.SHORT[c] for c in tables.CATEGORIES), "peak", "memory", "headroom"]
     return Table.of(rows, headers, title="per-rank memory plans of the shipped trn2 configs (GiB, 64 ranks)",
                     footnotes=["params, grads, optimizer: the sharded training state; all-gathered: FSDP's unsharded "
                                "copies; attention: SDPA's S x S scores (no fused kernel on neuron); other: "
@@ -724,14 +707,14 @@ def plan_chart(plans: dict[str, dict], title: str = "per-rank memory plans"):
     marked on it (red tick) and its peak written at its end; one distinct colour per category."""
     import matplotlib.pyplot as plt
 
-    from workbench import plan
+    from workbench.memory import tables
 
     labels = list(plans)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(labels) + 2.2), layout="constrained")
     plt.close(fig)
     colours = plt.get_cmap("tab10").colors
     left = [0.0] * len(labels)
-    for i, cat in enumerate(plan.CATEGORIES):
+    for i, cat in enumerate(tables.CATEGORIES):
         vals = [plans[k]["categories"].get(cat, 0) / 2**30 for k in labels]
         ax.barh(labels, vals, left=left, label=cat, color=colours[i % 10])
         left = [a + v for a, v in zip(left, vals, strict=True)]

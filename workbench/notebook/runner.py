@@ -36,15 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import ConfigError
+from workbench.core.errors import NotebookParameterError
 from workbench.notebook.params import repo_root
 
 CONFIG_TAG = "config"  # cells the runner executes up front to validate the parameters
 PARAMETERS_TAG = "parameters"
-
-
-class NotebookParameterError(ConfigError):
-    """A parameter the notebook does not declare, or a value of the wrong type / rejected by the workbench."""
 
 
 def notebooks_dir() -> Path:

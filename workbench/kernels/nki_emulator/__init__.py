@@ -6,10 +6,12 @@ the documented tile, buffer and dtype rules (raising `NkiRuleError` that names t
 to make a kernel pass. Coverage, rules and known differences from `nki.simulate`: docs/nki_emulator.md.
 """
 
+from workbench.core.errors import NkiRuleError
+
 from . import isa, language, version
-from ._core import NkiRuleError, jit, simulate
-from ._runtime import Counters, HbmAllocation, counters
+from ._core import Kernel, capacity_lifted, jit, simulate
+from ._runtime import Counters, HbmAllocation, counters, races_reported
 from .dtypes import dtype
 
-__all__ = ["Counters", "HbmAllocation", "NkiRuleError", "counters", "dtype", "isa", "jit", "language", "simulate",
-           "version"]
+__all__ = ["Counters", "HbmAllocation", "Kernel", "NkiRuleError", "capacity_lifted", "counters", "dtype", "isa", "jit",
+           "language", "races_reported", "simulate", "version"]

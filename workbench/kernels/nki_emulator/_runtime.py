@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import version
+from ._rules import violation
 
 DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en"
 URL_PROGRAM_ID = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.program_id.html"
@@ -43,10 +44,7 @@ DYNAMIC_RANGE_REMOVED = ("nl.dynamic_range was removed in NKI 0.7.0 (Neuron SDK 
 WHILE_LOOP_LIMIT = 2**24  # emulator limit: a while_loop past this many iterations is taken to never end
 
 
-def _violation(rule, detail, url):
-    from ._core import violation
-
-    return violation(rule, detail, url)
+_violation = violation
 
 
 # -- counters ------------------------------------------------------------------------------------------------------
@@ -240,12 +238,10 @@ class _Abort(BaseException):
 class Launch:
     """State of one kernel launch over `lnc` cores."""
 
-    def __init__(self, lnc: int):
-        from ._core import _Budget
-
+    def __init__(self, lnc: int, budget):
         self.lnc = lnc
         self.core = 0
-        self.budgets = [_Budget() for _ in range(lnc)]
+        self.budgets = [budget() for _ in range(lnc)]  # budget: _core.Budget, one core's on-chip memory
         self.shared: list = []  # the n-th nl.shared_hbm allocation, shared by all cores
         self.hbm: list = []  # every HBM storage the kernel allocated (Counters.hbm_allocations)
         self.shared_next = [0] * lnc
@@ -413,11 +409,32 @@ class Launch:
 
         w, other = first(a, "w"), first(b, "w") or first(b, "r")
         verb = "writes" if other[1] == "w" else "reads"
-        raise _violation(
+        exc = _violation(
             "lnc-race",
             f"between two core barriers ({where}) {w[7]} writes element {elem} of shared HBM tensor "
             f"{storage.name or '?'} that {other[7]} {verb}; the cores run concurrently, so split the work so each "
             "core touches disjoint elements, or order them with nisa.core_barrier", URL_BARRIER)
+        if _race_findings is None:
+            raise exc
+        if not any(f"element {elem} of" in f for f in _race_findings):  # each clash is found from both cores
+            _race_findings.append(str(exc).split(" (see ")[0])
+
+
+_race_findings: list | None = None  # races_reported's list while it is active
+
+
+@contextlib.contextmanager
+def races_reported(found: list):
+    """Record `lnc-race` findings in `found` instead of stopping the kernel, so its outputs can still be compared.
+
+    The emulator runs core 0 up to each barrier before core 1, so an unordered write pair resolves in program
+    order; the race is reported in the table as a finding against the kernel, with the pair of instructions."""
+    global _race_findings
+    saved, _race_findings = _race_findings, found
+    try:
+        yield
+    finally:
+        _race_findings = saved
 
 
 def _detach_closure(run) -> None:
@@ -482,10 +499,11 @@ def emit(engine: str, op: str, run, work=None) -> None:
 
 
 # -- running the cores -------------------------------------------------------------------------------------------------
-def run_launch(lnc: int, body):
-    """Run `body()` once per core (program_id 0..lnc-1) with barrier hand-offs; return each core's result."""
+def run_launch(lnc: int, body, budget):
+    """Run `body()` once per core (program_id 0..lnc-1) with barrier hand-offs; return each core's result.
+    `budget()` makes one core's on-chip memory budget (`_core.Budget`)."""
     global _launch
-    launch, saved = Launch(lnc), _launch
+    launch, saved = Launch(lnc, budget), _launch
     _launch = launch
     try:
         if lnc == 1:
@@ -596,30 +614,6 @@ def _run_cores(launch: Launch, body):
 def _raise_if(flag: bool):
     if flag:
         raise _Abort()
-
-
-def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
-    """`nisa.core_barrier(data, cores)`: wait until both cores of the LNC reach this point."""
-    from ._core import SHARED_HBM, View
-
-    launch = require("nisa.core_barrier", URL_BARRIER)
-    if tuple(cores) != (0, 1):
-        raise _violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
-    if launch.lnc == 1 and not version.at_least("0.7.0"):
-        raise _violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: before NKI 0.7.0 the barrier "
-                         "is only allowed when LNC is enabled (the paired physical core does not run this kernel); "
-                         "launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
-    if launch.lnc == 1:
-        # The 2.33 (NKI 0.7.0) page: cores=(0, 1) "applies at LNC degree 1 and 2": at LNC 1 the barrier waits for the
-        # paired physical core, which runs its own launch. One emulated launch has no such partner.
-        raise NotImplementedError("nisa.core_barrier at LNC 1 waits for the paired physical core's own kernel "
-                                  "launch (allowed from NKI 0.7.0); the emulator runs one launch, so it cannot "
-                                  f"emulate that partner ({URL_BARRIER})")
-    if not isinstance(data, View) or data.buffer is not SHARED_HBM:
-        raise _violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
-                         f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
-    # an instruction like any other: inside a compiled loop body it runs (and waits) once per iteration
-    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), call_site())
 
 
 # -- program ids -----------------------------------------------------------------------------------------------------

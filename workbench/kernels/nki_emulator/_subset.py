@@ -31,6 +31,7 @@ import textwrap
 import types
 
 from . import version
+from ._rules import violation
 from ._runtime import DYNAMIC_RANGE_REMOVED, URL_MIGRATION
 
 URL_GUIDE = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html")
@@ -69,8 +70,6 @@ def check_kernel(func) -> None:
 
 
 def _violation(detail: str, url: str = URL_GUIDE, rule: str = "nki-python-subset"):
-    from ._core import violation
-
     return violation(rule, detail, url)
 
 

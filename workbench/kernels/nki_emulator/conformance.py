@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from workbench.kernels import nki_emulator
-from workbench.kernels.nki_emulator import _runtime, collectives, constants, version
+from workbench.kernels.nki_emulator import collectives, constants, version
 
 LIBRARY_NKI_VERSION = "0.3.0"  # nki-library tag 2.29 = Neuron SDK 2.29 = NKI 0.3.0
 SRC = "src/nkilib_src/nkilib"
@@ -143,7 +143,7 @@ def launch(kernel, lnc: int, kwargs: dict):
     import inspect
 
     bound = inspect.signature(kernel.func).bind(**kwargs)
-    from workbench.device import compiled_for_lnc
+    from workbench.core.neuron_env import compiled_for_lnc
 
     with compiled_for_lnc(lnc):  # compiled for the LNC it launches on, as AWS's tests compile it (NKI 0.7.0 checks)
         return kernel[lnc](*bound.args, **bound.kwargs)
@@ -286,7 +286,7 @@ def run_pair(kernel, reference, inputs: dict, lnc: int, bf16_keys=(), preserve_l
         return bf16(v) if key in bf16_keys else torch.from_numpy(np.ascontiguousarray(v))
 
     args = {k.split(".")[0]: tensor(k.split(".")[0], v) for k, v in inputs.items()}
-    if not isinstance(kernel, nki_emulator._core.Kernel):  # a subkernel the test launches as a kernel
+    if not isinstance(kernel, nki_emulator.Kernel):  # a subkernel the test launches as a kernel
         kernel = nki_emulator.jit(kernel)
     own = inspect.signature(kernel.func).parameters
     out = launch(kernel, lnc, {k: v for k, v in args.items() if k in own})
@@ -462,23 +462,9 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
             "activation_function": ActFnType.SiLU, "compute_dtype": nki_emulator.language.bfloat16,
             "is_tensor_update_accumulating": k > 1,
         }
-        with counters() as c, capacity_lifted():
+        with counters() as c, nki_emulator.capacity_lifted():
             launch(bwmm_shard_on_block, lnc, inputs)
     return c, {"blocks": n, "blocks_needed": sum(math.ceil(len(tok) / block) for tok in per_expert)}
-
-
-@contextlib.contextmanager
-def capacity_lifted():
-    """Count SBUF/PSUM peaks without stopping at the capacity rules, so that a kernel over them still yields its
-    counters; the caller compares `Counters.sbuf_peak` / `psum_peak` with the capacities itself."""
-    from workbench.kernels.nki_emulator import _core
-
-    saved = _core.SBUF_PARTITION_BYTES, _core.PSUM_PARTITION_BYTES
-    _core.SBUF_PARTITION_BYTES = _core.PSUM_PARTITION_BYTES = 1 << 40
-    try:
-        yield
-    finally:
-        _core.SBUF_PARTITION_BYTES, _core.PSUM_PARTITION_BYTES = saved
 
 
 # -- the rest: a static scan for the first unemulated name ---------------------------------------------------------
@@ -535,7 +521,7 @@ def static_gap(module_name: str, function: str) -> str:
                 target = fn.__globals__.get(node.func.id)
                 if isinstance(target, types.FunctionType) and (target.__module__ or "").startswith("nkilib_src"):
                     todo.append(target)
-                elif isinstance(target, nki_emulator._core.Kernel):
+                elif isinstance(target, nki_emulator.Kernel):
                     todo.append(target.func)
     return ""
 
@@ -549,31 +535,10 @@ def first_gap(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg[:160]} [{where}]"
 
 
-@contextlib.contextmanager
-def races_reported(found: list):
-    """Record `lnc-race` findings in `found` instead of stopping the kernel, so its outputs can still be compared.
-
-    The emulator runs core 0 up to each barrier before core 1, so an unordered write pair resolves in program
-    order; the race is reported in the table as a finding against the kernel, with the pair of instructions."""
-    def report(self, storage, recs, a, b, elem, where):
-        try:
-            original(self, storage, recs, a, b, elem, where)
-        except nki_emulator.NkiRuleError as exc:
-            if not any(f"element {elem} of" in f for f in found):  # each clash is found from both cores
-                found.append(str(exc).split(" (see ")[0])
-
-    original = _runtime.Launch._report
-    _runtime.Launch._report = report
-    try:
-        yield
-    finally:
-        _runtime.Launch._report = original
-
-
 def run_case(c: Case, library: Path, nki_version: str, show_traceback: bool = False) -> Result:
     result = Result(c.name)
     races: list[str] = []
-    with redirected(library), version.rules_of(nki_version), races_reported(races):
+    with redirected(library), version.rules_of(nki_version), nki_emulator.races_reported(races):
         try:
             outputs, reference, rtol, atol = c.run(library)
             result.ran = True

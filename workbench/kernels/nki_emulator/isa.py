@@ -16,6 +16,7 @@ from . import (
     _runtime,
     constants,  # noqa: F401 - nki.isa.constants
     dtypes,
+    version,
 )
 from . import language as nl
 from ._core import (
@@ -26,6 +27,7 @@ from ._core import (
     PMAX,
     PSUM,
     SBUF,
+    SHARED_HBM,
     URL_NKI_TENSOR,
     AccessPattern,
     Tensor,
@@ -33,7 +35,7 @@ from ._core import (
     note_uses,
     violation,
 )
-from ._runtime import VirtualRegister, core_barrier, current  # noqa: F401 - core_barrier is nisa.*
+from ._runtime import VirtualRegister, current
 from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
 from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
 from .timing import dma_work, elementwise_work, matmul_work, transpose_work
@@ -936,3 +938,25 @@ for _missing in ("quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_sca
                  "bn_aggr", "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
                  "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))
+
+
+def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
+    """`nisa.core_barrier(data, cores)`: wait until both cores of the LNC reach this point."""
+    launch = _runtime.require("nisa.core_barrier", _runtime.URL_BARRIER)
+    if tuple(cores) != (0, 1):
+        raise violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", _runtime.URL_BARRIER)
+    if launch.lnc == 1 and not version.at_least("0.7.0"):
+        raise violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: before NKI 0.7.0 the barrier "
+                         "is only allowed when LNC is enabled (the paired physical core does not run this kernel); "
+                         "launch kernel[2] or drop the barrier at LNC 1", _runtime.URL_BARRIER)
+    if launch.lnc == 1:
+        # The 2.33 (NKI 0.7.0) page: cores=(0, 1) "applies at LNC degree 1 and 2": at LNC 1 the barrier waits for the
+        # paired physical core, which runs its own launch. One emulated launch has no such partner.
+        raise NotImplementedError("nisa.core_barrier at LNC 1 waits for the paired physical core's own kernel "
+                                  "launch (allowed from NKI 0.7.0); the emulator runs one launch, so it cannot "
+                                  f"emulate that partner ({_runtime.URL_BARRIER})")
+    if not isinstance(data, View) or data.buffer is not SHARED_HBM:
+        raise violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
+                         f"argument or nl.shared_hbm), got {data!r}", _runtime.URL_BARRIER)
+    # an instruction like any other: inside a compiled loop body it runs (and waits) once per iteration
+    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), _runtime.call_site())

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import RunFolderError, RunLockedError
+from workbench.core.errors import RunFolderError, RunLockedError
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = ".lock"
@@ -50,7 +50,7 @@ def read_config(run_dir: str | os.PathLike):
     Raises:
         FileNotFoundError: no config.toml (not a run folder).
     """
-    from workbench.config import load_config
+    from workbench.core.config import load_config
 
     path = Path(run_dir) / "config.toml"
     if not path.is_file():

@@ -2,7 +2,7 @@
 
 torchtitan 0.3.0 configures jobs with Python registries instead of TOML, so this module is our own layer:
 it reads the TOML the article shows (its field names accepted as written), lets every field be overridden on
-the command line, validates everything *before* any process group starts, and `workbench.trainer`
+the command line, validates everything *before* any process group starts, and `workbench.run.trainer`
 translates the result into torchtitan's `Trainer.Config`.
 
 Layout::
@@ -27,13 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from workbench.errors import ConfigError, FlavorError
+from workbench.core.errors import ConfigError, FlavorError
+from workbench.core.moe_blocks import kernel_block_size
 
 if TYPE_CHECKING:
-    from workbench.flavors import Qwen3Shape
+    from workbench.core.flavors import Qwen3Shape
 
-Backend = Literal["huggingface_v5", "native", "nki_moe"]
-BACKENDS: tuple[str, ...] = typing.get_args(Backend)  # the one list of training paths
+BackendName = Literal["huggingface_v5", "native", "nki_moe"]
+BACKENDS: tuple[str, ...] = typing.get_args(BackendName)  # the one list of training paths (modules: workbench.backends)
+DEFAULT_BACKEND = "native"
+"""torchtitan's own Qwen3: the default path, and the baseline the others are measured against."""
+FSDP_ONLY_BACKENDS = frozenset({"huggingface_v5"})
+"""Paths without tensor parallelism (transformers' modeling: FSDP only, `check_huggingface_v5`)."""
+NKI_KERNEL_BACKENDS = frozenset({"nki_moe"})
+"""Paths whose experts run the NKI kernels on the neuron device (the torch reference elsewhere)."""
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
@@ -99,7 +106,7 @@ class Model:
     n_layers: int = 0
     """Decoder layers; 0 = the flavor's. Fewer makes a shallower copy of the flavor with its real layer shapes
     (benchmarks, memory checks, debugging); not with hf_checkpoint (the checkpoint fixes its depth)."""
-    backend: Backend = "native"
+    backend: BackendName = DEFAULT_BACKEND
     """Training path: huggingface_v5 (transformers' modeling), native (torchtitan), nki_moe (NKI experts)."""
     norm_type: str = "RMSNorm"
     """Normalisation layer; Qwen3 uses RMSNorm (accepted for the article's config; nothing else is valid)."""
@@ -124,7 +131,7 @@ class Model:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         """The model's own values, its shape (resolved here, once: `job.shape`), then its backend's rules."""
-        from workbench import flavors
+        from workbench.core import flavors
 
         if self.name.lower() != "qwen3":
             raise ConfigError(f"model.name={self.name!r}: the workbench trains Qwen3 only (model.name = \"qwen3\").")
@@ -180,7 +187,7 @@ def check_native(job: JobConfig) -> None:
 
 def check_nki_moe(job: JobConfig) -> None:
     """A MoE model, a block size the NKI kernels take, blockwise experts, no expert parallelism."""
-    from workbench import flavors
+    from workbench.core import flavors
 
     m = job.model
     if not job.shape.is_moe:
@@ -190,10 +197,12 @@ def check_nki_moe(job: JobConfig) -> None:
             f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
         )
     # Checked on every device (a config that trains here must launch on trn2): the blocks
-    # `kernels.autograd.kernel_block_size` splits into kernel blocks (a test checks the two agree).
-    if not (m.moe_block_size <= 128 or m.moe_block_size % 128 == 0):
+    # `kernel_block_size` splits into kernel blocks, the kernels' own rule.
+    try:
+        kernel_block_size(m.moe_block_size)
+    except ValueError:
         raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
-                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.")
+                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.") from None
     if m.moe_experts_impl != "grouped_mm":
         raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
                           "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
@@ -432,7 +441,8 @@ class Profiling:
 
 @dataclass
 class Neuron:
-    """Adjustments for the TorchNeuron `neuron` device (`workbench/neuron_adjustments.py`); each can be switched off."""
+    """Adjustments for the TorchNeuron `neuron` device (`workbench/platform/neuron_adjustments.py`); each can be
+    switched off."""
 
     apply: Literal["auto", "always", "never"] = "auto"
     """auto: on the neuron device only; always: also on cpu/cuda (offline check of this code path); never."""
@@ -487,7 +497,7 @@ class JobConfig:
         return self._resolved()[0]
 
     def _resolved(self) -> tuple[str, Qwen3Shape]:
-        from workbench import flavors
+        from workbench.core import flavors
 
         key = (self.model.flavor, self.model.hf_checkpoint, self.model.n_layers)
         cached = self.__dict__.get("_shape_cache")  # not a dataclass field: never in to_dict / config.toml

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from workbench.errors import WorkbenchError, announce
+from workbench.core.errors import WorkbenchError, announce
 
 
 def rank() -> int:
@@ -23,6 +23,12 @@ def rank() -> int:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
+
+
+def say(msg: str) -> None:
+    """Prints on global rank 0 only (the workbench's user-facing output)."""
+    if rank() == 0:
+        print(msg, flush=True)
 
 
 def _group_size() -> int:

@@ -1,9 +1,9 @@
 """Every adjustment torchtitan 0.3.0 needs on the TorchNeuron `neuron` device, in one place, each one switchable.
 
-The counterpart of `workbench/cpu_adjustments.py`. `workbench.device.prepare` applies it when `[neuron] apply`
-says so: `auto` (default) on the neuron device only; `always` also on cpu/cuda, which is how the test suite runs
-this exact code path offline (a 2-rank gloo job whose process group is registered under the name the config asks
-for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each item says what it rests on.
+The counterpart of `workbench/platform/cpu_adjustments.py`. `workbench.platform.titan_device.prepare` applies it when
+`[neuron] apply` says so: `auto` (default) on the neuron device only; `always` also on cpu/cuda, which is how the
+test suite runs this exact code path offline (a 2-rank gloo job whose process group is registered under the name the
+config asks for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each item says what it rests on.
 
 1. Process group (`neuron.process_group`, default "neuron"). torchtitan picks its backend from
    `torch.distributed.Backend.default_device_backend_map[device_type]`; we map the device to the configured
@@ -20,11 +20,11 @@ for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each it
    rest, so CPU/CUDA dispatch is unchanged.
 4. Timeouts (`neuron.init_timeout_s`, `neuron.step_timeout_s`). neuronx-cc compiles the graphs during start-up and
    the first step, on every rank; torchtitan's 300 s collective timeouts can expire meanwhile. `comm_timeouts`
-   gives `workbench.trainer` the values (torchtitan switches to the step timeout after step 1 by itself).
+   gives `workbench.run.trainer` the values (torchtitan switches to the step timeout after step 1 by itself).
 5. Memory statistics after a device synchronize (`neuron.sync_memory_stats`). Execution is asynchronous; the
    Neuron memory-profiling guide synchronizes (`torch.neuron.synchronize()`) before reading statistics, which
    torchtitan's `DeviceMemoryMonitor.get_peak_stats` does not.
-6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG`, read by its one reader `workbench.device.logical_nc_config`
+6. Logical NeuronCore degree. `NEURON_LOGICAL_NC_CONFIG`, read by `workbench.core.neuron_env.runtime_lnc`
    (unset: 2 on the neuron device, trn2's default, per
    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-features/logical-neuroncore-config.html;
    1 elsewhere), is shown in the start-up line; the NKI kernels launch on the same value: their launch grid must
@@ -33,8 +33,8 @@ for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each it
 
 from __future__ import annotations
 
-from workbench.config import Neuron
-from workbench.device import TRN2_LNC, logical_nc_config
+from workbench.core.config import Neuron
+from workbench.core.neuron_env import runtime_lnc
 
 DEFAULT_TIMEOUT_S = 300  # torchtitan's own default, kept off Neuron
 
@@ -100,7 +100,7 @@ def apply(cfg: Neuron, device_kind: str) -> list[str]:
         The names of the adjustments applied, for the start-up line.
     """
     global lnc
-    from workbench import cpu_adjustments
+    from workbench.platform import cpu_adjustments
 
     done = []
     _use_process_group(cfg.process_group, device_kind)
@@ -114,7 +114,7 @@ def apply(cfg: Neuron, device_kind: str) -> list[str]:
     if cfg.sync_memory_stats:
         _synchronize_before_memory_stats()
         done.append("synchronized memory stats")
-    lnc = logical_nc_config(default=TRN2_LNC if device_kind == "neuron" else 1)  # unset: trn2's 2, 1 elsewhere
+    lnc = runtime_lnc(on_neuron=device_kind == "neuron")
     done.append(f"LNC {lnc}")
     done.append(f"timeouts {cfg.init_timeout_s}/{cfg.step_timeout_s} s")
     return done

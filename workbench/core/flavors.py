@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import FlavorError
+from workbench.core.errors import FlavorError
 
 QWEN3_VOCAB = 151936
 

@@ -18,7 +18,7 @@ overridden, nothing copied) with:
     unpickled with only the classes DCP metadata is made of, BYTE_IO entries with `weights_only=True`; a checkpoint
     that asks for anything else is refused unrun (`UnsafeCheckpointError`, exit 4), never fallen back from.
 
-The failures are `workbench.errors` classes: `workbench.train.main` prints them as one line and exits with their
+The failures are `workbench.core.errors` classes: `workbench.train.main` prints them as one line and exits with their
 code instead of a traceback per rank.
 """
 
@@ -31,6 +31,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,16 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 
-from workbench.dist_utils import all_gather, barrier, broadcast, rank
-from workbench.errors import CheckpointError, CheckpointMismatchError, RunError, UnsafeCheckpointError, WorkbenchError
-from workbench.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
+from workbench.core.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    ConfigError,
+    RunError,
+    UnsafeCheckpointError,
+    WorkbenchError,
+)
+from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank, say
+from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20
@@ -324,11 +332,6 @@ def shape_mismatches(state_dict: dict[str, Any], metadata, limit: int = 3) -> li
     return out
 
 
-def _say(msg: str) -> None:
-    if rank() == 0:
-        print(msg, flush=True)
-
-
 def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -365,14 +368,14 @@ class WorkbenchCheckpointManager(CheckpointManager):
             problem = self._verify(step)
             if problem is None:
                 if bad:
-                    _say(f"workbench: resuming from step {step} (the newest verified checkpoint).")
+                    say(f"workbench: resuming from step {step} (the newest verified checkpoint).")
                 return step
             bad.append(f"step {step}: {problem}")
             if self.wb_config.on_corrupt == "error" and "did not finish" not in problem:
                 raise CheckpointError(f"checkpoint step {step} is unusable: {problem}.",
                                       f"move {self._create_checkpoint_id(step)} away to resume from an older "
                                       "checkpoint, or set --checkpoint.on_corrupt fallback.")
-            _say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
+            say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
         if bad:
             raise CheckpointError(
                 f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
@@ -478,7 +481,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
         sums: dict[str, dict[str, Any]] = {}
         # Tests only: hold every save between its shard files and its .metadata, so a kill -9 lands inside a save.
         delay = float(os.environ.get("WORKBENCH_TEST_SAVE_DELAY_S", "0") or 0)
-        metadata = dcp.save(state_dict, storage_writer=_checksumming_writer(checkpoint_id, sums, delay))
+        metadata = dcp.save(state_dict, storage_writer=checksumming_writer(checkpoint_id, sums, delay))
         commit_checksums(Path(checkpoint_id), sums, metadata)
         return None
 
@@ -503,7 +506,7 @@ class WorkbenchCheckpointManager(CheckpointManager):
         if self.wb_config.refuse_low_disk:
             raise CheckpointError(message, f"free space in {self.folder}, lower checkpoint.keep_latest_k, or set "
                                            "--checkpoint.refuse_low_disk false to only warn.")
-        _say(f"workbench: warning: {message}")
+        say(f"workbench: warning: {message}")
 
     def _disk_space_message(self, estimate: int) -> str | None:
         # Creates nothing: torchtitan's `_load` asks each rank on its own whether the folder exists, so a folder rank 0
@@ -579,7 +582,7 @@ class _HashingStream:
         self.raw.close()
 
 
-def _checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float = 0.0):
+def checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float = 0.0):
     """DCP's FileSystemWriter whose streams record `{file: {bytes, xxh3_64}}` into `sums` as they are written.
 
     `delay` (tests): wait that many seconds before `.metadata` is written.
@@ -612,3 +615,30 @@ def _checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: floa
 
 __all__ = ["WorkbenchCheckpointManager", "check_checkpoint", "verify_checkpoint", "verify_files", "file_checksum",
            "read_checksums", "commit_checksums", "newest_complete", "stale_checkpoints", "HASH"]
+
+
+def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:
+    """Fills `model` with the model weights of a workbench DCP checkpoint (stored at top-level keys).
+
+    Every file is hashed against `checksums.json` before any is parsed, and nothing is unpickled outside the
+    allowlist (`workbench.run.checkpoint.load_dcp`): a checkpoint from elsewhere is as safe to open as safetensors.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or altered (exit 4).
+        UnsafeCheckpointError: a file asks to load a class outside the allowlist (nothing of it ran).
+        ConfigError: the checkpoint is not of this model.
+    """
+    problem = verify_checkpoint(step_dir)
+    if problem:
+        raise CheckpointError(f"{step_dir} is unusable: {problem}.",
+                              "export another step (--step N), or restore this checkpoint from its source.")
+    state = model.state_dict()  # the keys torchtitan saved (e.g. wq/wk/wv, not the fused wqkv)
+    stored = read_metadata(step_dir).state_dict_metadata
+    absent = [k for k in state if k not in stored]
+    if absent:
+        raise ConfigError(f"{step_dir} holds no weights for {absent[:5]} ({len(absent)} keys): it is not a checkpoint "
+                          "of this run's model (config.toml and checkpoint disagree).")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        load_dcp(state, step_dir)
+    model.load_state_dict(state)

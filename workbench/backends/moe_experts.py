@@ -22,12 +22,13 @@ device the batched capacity is a dynamic shape. Caveat documented in README "Dev
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torchtitan.models.common.moe import GroupedExperts
+
+from workbench.backends.config_swap import swap_configs
 
 Impl = Literal["grouped_mm", "batched_mm", "loop"]
 
@@ -91,13 +92,4 @@ def use_fallback_experts(model_cfg, impl: Impl) -> int:
     """
     if impl == "grouped_mm":
         return 0
-    swapped = 0
-    for _, sub, parent, attr in list(model_cfg.traverse(GroupedExperts.Config)):
-        fields = {f.name: getattr(sub, f.name) for f in dataclasses.fields(sub) if f.init}
-        new = FallbackGroupedExperts.Config(**fields, impl=impl)
-        if isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
-        swapped += 1
-    return swapped
+    return swap_configs(model_cfg, GroupedExperts.Config, FallbackGroupedExperts.Config, impl=impl)

@@ -8,9 +8,9 @@ backend's `ModelSpec`); `WorkbenchTrainer` adds, without touching torchtitan's l
   * a clean stop on SIGTERM / SIGINT (`dist_utils.StopRequest`): every rank finishes the step, they save it
     together and exit 5 with one line;
   * a readable progress line per logged step on rank 0 and a summary at the end; other ranks stay quiet;
-  * an MFU against a peak that means something on the device (`workbench.profiling.peak_flops`) and model FLOPs
-    from the shape (`workbench.profiling.flops_per_token`), the same for every backend;
-  * torch.profiler traces of the `[profiling]` steps with phase labels (`workbench.profiling.StepProfiler`).
+  * an MFU against a peak that means something on the device (`workbench.run.profiling.peak_flops`) and model FLOPs
+    from the shape (`workbench.run.profiling.flops_per_token`), the same for every backend;
+  * torch.profiler traces of the `[profiling]` steps with phase labels (`workbench.run.profiling.StepProfiler`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,14 +37,16 @@ from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data, neuron_adjustments, plan, profiling
-from workbench.checkpoint import WorkbenchCheckpointManager, newest_complete
-from workbench.config import JobConfig, resolved_dtype
+from workbench import data
+from workbench.core.config import JobConfig, resolved_dtype
+from workbench.core.errors import NonFiniteError, RunError, RunFolderError, StoppedError
 from workbench.data.loader import PackedTextDataLoader
-from workbench.dist_utils import StopRequest, broadcast
-from workbench.dist_utils import rank as _rank
-from workbench.errors import NonFiniteError, RunError, RunFolderError, StoppedError
-from workbench.run_folder import RunLock, describe_holder, trim_metrics
+from workbench.platform import neuron_adjustments
+from workbench.platform.dist_utils import StopRequest, broadcast, say
+from workbench.platform.dist_utils import rank as _rank
+from workbench.run import profiling
+from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete
+from workbench.run.run_folder import RunLock, describe_holder, trim_metrics
 
 
 class LazyTokenizer(BaseTokenizer):
@@ -79,12 +82,6 @@ class LazyTokenizer(BaseTokenizer):
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._hf(), name)
-
-
-def say(msg: str) -> None:
-    """Prints on global rank 0 only (the workbench's user-facing output)."""
-    if _rank() == 0:
-        print(msg, flush=True)
 
 
 def _grad_norm(model_parts) -> float:
@@ -174,9 +171,13 @@ class WorkbenchTrainer(Trainer):
         job: JobConfig = field(default_factory=JobConfig)
         """The validated workbench config (its shape resolved: `job.shape`)."""
 
-    def __init__(self, config: Config, stop: StopRequest | None = None):
+    def __init__(self, config: Config, stop: StopRequest | None = None,
+                 launch_check: Callable[[WorkbenchTrainer], None] | None = None):
+        """`launch_check(trainer)`: runs once before the first step of this launch (the launcher hands in the memory
+        plan's `workbench.memory.measure.check_on_launch`); None: nothing."""
         self.job = config.job
         self.stop = stop
+        self.launch_check = launch_check
         self.run_lock: RunLock | None = None
         self._t0 = time.perf_counter()
         try:
@@ -203,7 +204,7 @@ class WorkbenchTrainer(Trainer):
 
     def _take_run_folder(self) -> None:
         """Rank 0 locks the run folder and writes config.toml / shape.json; every rank gets the same outcome."""
-        from workbench import flavors
+        from workbench.core import flavors
 
         run_dir = Path(self.config.dump_folder)
         outcome: Any = None
@@ -258,7 +259,7 @@ class WorkbenchTrainer(Trainer):
 
     # ---- Performance accounting: MFU from the model shape, profiler step window, phase labels -------------------
     # torchtitan's own seams: `train_step` (wrapped, not copied) and `_forward_backward_body` (torchtitan 0.3.0's body
-    # verbatim plus record_function labels). Everything else lives in workbench/profiling.py.
+    # verbatim plus record_function labels). Everything else lives in workbench/run/profiling.py.
 
     def _setup_performance_accounting(self) -> None:
         # The same formula for every backend (torchtitan's count depends on the module tree a backend builds).
@@ -300,7 +301,8 @@ class WorkbenchTrainer(Trainer):
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
-        plan.check_on_launch(self)  # measured peak per rank vs the memory plan after steps 1 and 2 (memory_measure)
+        if self.launch_check is not None:  # measured peak per rank vs the memory plan after steps 1 and 2
+            self.launch_check(self)
         self._start_step = self.step - 1  # the loop increments step before calling train_step; 0 = fresh run
         # torchtitan starts the first step's clock when it builds the metrics processor; restart it so step 1
         # measures the step (with warm-up/compile), not init and checkpoint loading.
@@ -338,12 +340,12 @@ class WorkbenchTrainer(Trainer):
         if self.job.model.hf_checkpoint:
             # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
             # super().train()) then overwrites them with the newer state, optimizer included.
-            from workbench import hf
+            from workbench.backends import hf
 
             hf.load_into_trainer(self, self.job.model.hf_checkpoint)
         super().train()
         if self.job.checkpoint.export_hf:
-            from workbench import hf
+            from workbench.backends import hf
 
             out = hf.export_trainer(self, run_dir / "hf")
             say(f"exported Hugging Face weights to {out}")
@@ -476,4 +478,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "say", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "quiet_titan_logs"]

@@ -64,7 +64,7 @@ import torch
 from torch.profiler import ProfilerActivity, record_function
 
 if TYPE_CHECKING:
-    from workbench.config import Profiling
+    from workbench.core.config import Profiling
 
 # ------------------------------------------------------------------------------------------------
 # Peak FLOP/s
@@ -87,9 +87,9 @@ NEURON_CORE_PEAK = {"bfloat16": 79e12, "float16": 79e12, "float32": 181e12 / 8}
 
 def neuron_cores_per_rank() -> int:
     """Physical NeuronCores behind one rank: the logical-core setting; unset = trn2's default, 2."""
-    from workbench.device import TRN2_LNC, logical_nc_config
+    from workbench.core.neuron_env import runtime_lnc
 
-    return logical_nc_config(default=TRN2_LNC)
+    return runtime_lnc(on_neuron=True)
 
 
 def _cpu_name() -> str:
@@ -171,7 +171,7 @@ def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float:
             if fragment in name:
                 return peaks["bfloat16" if dtype == "float16" else dtype]
         warnings.warn(f"No published peak for GPU {name!r}: MFU uses a measured {dtype} matmul peak instead "
-                      "(add the datasheet value to workbench.profiling.GPU_PEAKS).", stacklevel=2)
+                      "(add the datasheet value to workbench.run.profiling.GPU_PEAKS).", stacklevel=2)
         return measure_matmul_peak(dtype, "cuda", sizes=(8192,))
     return _cached_cpu_core_peak(dtype) * torch.get_num_threads()  # this rank's cores
 
@@ -185,7 +185,7 @@ def matmul_params(shape) -> dict[str, int]:
     """Weights of the matmuls one token goes through, by part (MoE: only its top_k experts + the router).
 
     Args:
-        shape: a `workbench.flavors.Qwen3Shape`.
+        shape: a `workbench.core.flavors.Qwen3Shape`.
     """
     q_width, kv_width = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     attention = shape.dim * q_width * 2 + shape.dim * kv_width * 2  # q, o + k, v
@@ -207,7 +207,7 @@ def flops_per_token(shape, seq_len: int, causal: bool = True) -> float:
     """Training FLOPs (forward + backward) per token: 6 x active matmul weights + attention.
 
     Args:
-        shape: a `workbench.flavors.Qwen3Shape`.
+        shape: a `workbench.core.flavors.Qwen3Shape`.
         seq_len: tokens per sequence (the attention term grows with it).
         causal: count only the unmasked half of the attention scores (default); False = the full square.
     """

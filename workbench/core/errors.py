@@ -146,6 +146,42 @@ class StoppedError(RunError):
     fix_label = "Resume"
 
 
+class NotebookParameterError(ConfigError):
+    """A parameter the notebook does not declare, or a value of the wrong type / rejected by the workbench."""
+
+
+class TrainingFailed(RuntimeError):
+    """torchrun exited non-zero; the message ends with the last lines of its output (the real error)."""
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot run this checkpoint here; the message goes into the report row."""
+
+
+class NkiRuleError(RuntimeError):
+    """A kernel broke a documented NKI/NeuronCore rule; the message names the rule, the fix and the doc page (raised
+    by the NKI emulator, `workbench.kernels.nki_emulator`)."""
+
+    def __init__(self, rule: str, detail: str, url: str):
+        self.rule = rule
+        super().__init__(f"[{rule}] {detail} (see {url})")
+
+
+class KernelArgumentError(ValueError):
+    """A kernel's entry check failed: `argument` is the argument's name, the message its expected shape/dtype or the
+    limit it broke. Raised (not asserted: `python -O` keeps it) by `workbench.kernels.nki_moe`."""
+
+    def __init__(self, argument: str, message: str):
+        self.argument = argument
+        super().__init__(message)
+
+
+def check_argument(ok: bool, argument: str, message: str) -> None:
+    """A kernel's entry check: raises `KernelArgumentError(argument, message)` unless `ok`."""
+    if not ok:
+        raise KernelArgumentError(argument, message)
+
+
 def recognised(e: BaseException) -> WorkbenchError | None:
     """The workbench error a failure means, or None for one the workbench does not know (its traceback shows).
 

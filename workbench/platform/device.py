@@ -1,9 +1,7 @@
 """Which accelerator this process trains on: cpu, cuda or neuron.
 
-`detect()` is cheap and import-safe. `prepare(kind)` must run before torchtitan is imported anywhere in
-the process: torchtitan reads the device type once, at import of `torchtitan.tools.utils`, and falls back
-to "cuda" when no accelerator is present. `prepare` fixes that choice (and, on CPU only, applies the
-adjustments in `workbench.cpu_adjustments`).
+`detect()` is cheap and import-safe. Pinning torchtitan to the detected kind is `workbench.platform.titan_device`;
+the Neuron compiler's environment (the logical NeuronCore degree) is `workbench.core.neuron_env`.
 
 Neuron (TorchNeuron, `torch-neuronx` 2.14): the PrivateUse1 device is called ``neuron`` and its process
 group backend ``neuron``; both are written from AWS's public docs and are unverified here (no Trainium).
@@ -11,13 +9,12 @@ group backend ``neuron``; both are written from AWS's public docs and are unveri
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.errors import DeviceError
+from workbench.core.errors import DeviceError
 
 KINDS = ("cpu", "cuda", "neuron")
 
@@ -100,83 +97,3 @@ def detect(requested: str = "auto") -> DeviceInfo:
         raise DeviceError(f"job.device=cuda but torch.cuda.is_available() is False (torch {torch.__version__}: {why}): "
                           "run on a GPU host with a CUDA build of torch, or set --job.device auto/cpu.")
     return DeviceInfo("cpu", 1, "cpu", "gloo")
-
-
-_prepared: str | None = None
-
-
-def prepare(kind: str, neuron_cfg=None) -> list[str]:
-    """Pins torchtitan to `kind` (call before torchtitan is imported; idempotent).
-
-    On CPU this also applies `workbench.cpu_adjustments` — the only place where torchtitan or transformers are
-    adjusted to run on CPU — and, where `[neuron] apply` says so (on the neuron device by default),
-    `workbench.neuron_adjustments`.
-
-    Args:
-        kind: "cpu", "cuda" or "neuron".
-        neuron_cfg: the job's `[neuron]` section (`workbench.config.Neuron`); None = its defaults.
-
-    Returns:
-        The Neuron adjustments applied (empty when none).
-    """
-    global _prepared
-    from workbench import neuron_adjustments
-    from workbench.config import Neuron
-
-    if _prepared == kind:
-        return []
-    if _prepared is not None:
-        raise RuntimeError(f"device already prepared as {_prepared!r}; cannot switch to {kind!r} in one process")
-    neuron_cfg = neuron_cfg or Neuron()
-    on_neuron_path = neuron_adjustments.applies(neuron_cfg, kind)
-    if kind == "cpu":
-        from workbench import cpu_adjustments
-
-        cpu_adjustments.apply(force_sum=not on_neuron_path)
-    else:
-        import torchtitan.tools.utils  # noqa: F401  (auto-detects cuda, or the neuron PrivateUse1 device)
-    _prepared = kind
-    return neuron_adjustments.apply(neuron_cfg, kind) if on_neuron_path else []
-
-
-def prepared_kind() -> str | None:
-    return _prepared
-
-
-LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
-TRN2_LNC = 2  # trn2's runtime and neuronx-cc default when NEURON_LOGICAL_NC_CONFIG is unset (NCC_EVRF066)
-
-
-def logical_nc_config(default: int = TRN2_LNC) -> int:
-    """The logical NeuronCore degree: `NEURON_LOGICAL_NC_CONFIG` (1 or 2), else `default` (trn2: 2).
-
-    The one reader of that variable (it lives here because this module imports no torch). The NKI kernels launch
-    on this many cores and the NKI emulator checks their launch grid against it, as neuronx-cc does since NKI
-    0.7.0 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF066.html).
-
-    Raises:
-        ValueError: a value the Neuron SDK does not support (it supports LNC 1 and 2).
-    """
-    raw = os.environ.get(LNC_ENV, "").strip()
-    if not raw:
-        return default
-    if raw not in ("1", "2"):
-        raise ValueError(f"{LNC_ENV}={raw!r}: the Neuron SDK supports 1 or 2; export {LNC_ENV}=2 (trn2's default) "
-                         "or 1, or unset it")
-    return int(raw)
-
-
-@contextlib.contextmanager
-def compiled_for_lnc(lnc: int):
-    """Inside the block `NEURON_LOGICAL_NC_CONFIG` is `lnc`, the compiler's LNC a kernel launch must match (NKI
-    0.7.0); the previous value (or its absence) comes back afterwards. For tools that run the kernels at an LNC
-    of their own: the memory plan, the cost report, the nki-library conformance command."""
-    saved = os.environ.get(LNC_ENV)
-    os.environ[LNC_ENV] = str(lnc)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(LNC_ENV, None)
-        else:
-            os.environ[LNC_ENV] = saved

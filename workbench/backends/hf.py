@@ -7,7 +7,7 @@ listed in `model.safetensors.index.json`. Keys are the published ones; MoE exper
 (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]); the
 loader reads that too, by slicing the fused tensors into the per-expert keys ("virtual" keys below).
 
-Key mapping belongs to the backend: `backends.get(name).hf_adapter(shape)` returns an object with
+Key mapping belongs to the backend: `backends.hf_adapter(name, shape)` returns an object with
 `to_hf(state_dict)` / `from_hf(hf_state_dict)` between the model's `state_dict()` keys and the per-expert HF
 keys. Both directions must accept any subset of keys that covers one *unit* (below).
 
@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from workbench import flavors
-from workbench.dist_utils import rank as _rank
-from workbench.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
+from workbench.core import flavors
+from workbench.core.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
+from workbench.platform.dist_utils import rank as _rank
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -358,7 +358,7 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
 
     t0 = time.perf_counter()
     toc = table_of_contents(checkpoint_dir)
-    adapter = backends.get(backend).hf_adapter(shape)
+    adapter = backends.hf_adapter(backend, shape)
     units = plan_units(meta_state_dict(model_config), adapter)
     check_against(toc, units, shape, str(checkpoint_dir))
     loaded: set[int] = set()
@@ -570,7 +570,7 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
     out = Path(out_dir).absolute()
     dt = export_dtype(dtype)
     _agree(lambda: target_problem(out, overwrite))
-    adapter = backends.get(backend).hf_adapter(shape)
+    adapter = backends.hf_adapter(backend, shape)
     units = plan_units(meta_state_dict(model_config), adapter)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{threading.get_ident()}"
     writer, failure = None, None

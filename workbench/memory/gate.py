@@ -1,0 +1,96 @@
+"""The launch gate: a launch plans its config first and is refused when the plan does not fit (`check_fits`, called
+by `workbench.train` on rank 0; on CPU only when a cheap lower bound comes near the RAM).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from workbench.core.config import JobConfig
+from workbench.core.errors import ConfigError
+from workbench.memory import report, tables, tracer
+from workbench.memory.tables import GiB
+
+DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
+
+
+def launch_device(device_kind: str) -> str:
+    """The --device a launch on `device_kind` is planned for: the GPU by its name (an H200 has 141 GB, not an
+    H100's 80), else `DEVICE_OF_KIND`."""
+    if device_kind == "cuda":
+        import torch
+
+        if "H200" in torch.cuda.get_device_name(0):
+            return "h200"
+    return DEVICE_OF_KIND.get(device_kind, "cpu")
+
+
+def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict:
+    """The plan of a launch of `job` on `world_size` ranks of `device_kind` (with suggestions), from a subprocess,
+    cached by a hash of the resolved config, world size and device. On cuda the capacity is the GPU's
+    (`launch_device`: an H200's or else an H100's), on neuron a trn2 rank's.
+
+    Raises:
+        RuntimeError: the planner failed.
+    """
+    device = launch_device(device_kind)
+    key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
+    cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    p = tracer.plan_in_subprocess(job, device, world_size, suggest=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(p))
+    return p
+
+
+def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
+    """Plans `job` before launch (`launch_plan`) and refuses a plan over the rank's memory.
+
+    On CPU a launch is planned only when its lower bound (`cpu_floor_bytes`) is over 1/8 of the host RAM per rank
+    (the tiny CPU runs are not slowed by a plan), and refused at once, unplanned, when that bound alone exceeds it.
+
+    Raises:
+        ConfigError: the plan does not fit, with the numbers and the suggested changes (exit code 2).
+    """
+    if not job.job.memory_check:
+        return None
+    if device_kind == "cpu":
+        floor, ram = cpu_floor_bytes(job), tables.capacity("cpu", world_size)
+        if floor > ram:  # certain without a trace (which would take minutes at such sizes)
+            raise ConfigError(
+                f"this launch needs at least {floor / GiB:.1f} GiB per rank (fp32 weights + the logits of "
+                f"{job.training.local_batch_size} x {job.training.seq_len} tokens), and each of the {world_size} "
+                f"rank(s) has {ram / GiB:.1f} GiB of this host's RAM: lower --training.local_batch_size (raise "
+                "--training.gradient_accumulation_steps to keep the batch) or set --training.loss_chunks 8 "
+                "(skip the check with --job.memory_check false).")
+        if floor < ram / 8:
+            return None
+    try:
+        p = launch_plan(job, world_size, device_kind, cache_dir)
+    except RuntimeError as e:
+        print(f"workbench: {e}\nworkbench: launching anyway", file=sys.stderr)
+        return None
+    if not p["fits"]:
+        raise ConfigError("the memory plan does not fit (skip with --job.memory_check false):\n" + report.render(p))
+    return p
+
+
+def cpu_floor_bytes(job: JobConfig) -> int:
+    """A lower bound of a CPU rank's peak: fp32 weights plus one fp32 logits tensor of a micro-batch (per loss
+    chunk). Cheap (no trace)."""
+    t = job.training
+    logits = t.local_batch_size * t.seq_len * job.shape.vocab_size * 4 // max(t.loss_chunks, 1)
+    return 4 * total_params(job.shape) + logits
+
+
+@functools.lru_cache(maxsize=16)
+def total_params(shape) -> int:
+    """`flavors.count_params(shape)["total"]`, once per shape (it builds the model on meta)."""
+    from workbench.core import flavors
+
+    return flavors.count_params(shape)["total"]

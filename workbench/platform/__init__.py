@@ -1,0 +1,1 @@
+"""The machine: device detection, pinning torchtitan to it, the per-device adjustments, ranks and collectives."""

@@ -1,0 +1,1 @@
+"""One training run: the torchtitan trainer subclass, checkpoints, the run folder, profiling (MFU)."""
