@@ -40,6 +40,17 @@ def outputs_and_grads(fn, case, **kwargs):
     return (out, *torch.autograd.grad(out, (x, w, wg, wu, wd), grad_out))
 
 
+def reference_via_fp32(case, **kwargs):
+    """`outputs_and_grads(blockwise_moe, case)` computed in fp32 from the same inputs and output gradient (both
+    exact in fp32), rounded to the case's dtype: the exact answer, where a bf16 CPU backward of the reference takes
+    ~30 s at D = 4096."""
+    x, ids, w, wg, wu, wd = case
+    up = [t.detach().float().requires_grad_() for t in (x, w, wg, wu, wd)]
+    out = blockwise_moe(up[0], ids, *up[1:], **kwargs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype).float()
+    return tuple(t.to(x.dtype) for t in (out, *torch.autograd.grad(out, up, grad_out)))
+
+
 NAMES = ("out", "dx", "d_topk_weights", "dw_gate", "dw_up", "dw_down")
 
 
@@ -137,8 +148,7 @@ def test_nki_kernels_d4096_tile_f_to_fit_sbuf(F, dtype, lnc, bs, monkeypatch):
     case = make_case(6, 2, 3, 4096, F, dtype=dtype, seed=F)
     with counters() as c:
         got = outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs)
-    assert_match(got, outputs_and_grads(blockwise_moe, case, block_size=bs),
-                 rtol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert_match(got, reference_via_fp32(case, block_size=bs), rtol=1e-5 if dtype == torch.float32 else 2e-2)
     assert 0 < c.sbuf_peak <= SBUF_PARTITION, c.sbuf_peak
 
 
