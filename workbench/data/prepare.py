@@ -143,7 +143,7 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
     say = say or (lambda m: print(f"workbench data: {m}", file=sys.stderr, flush=True))
     out = Path(out)
     src_root = source_root(src)
-    identity = {"format": FORMAT, "source": str(src_root.resolve()) if src != "shakespeare" else "shakespeare",
+    identity = {"format": FORMAT, "source": os.path.abspath(src_root) if src != "shakespeare" else "shakespeare",
                 "fingerprint": fingerprint(src), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
                 "text_field": text_field}
     done = _complete(out, identity)
