@@ -309,6 +309,27 @@ def test_sources_text_jsonl_parquet_and_save_to_disk(cache, tmp_path):
         prep.prepare(str(tmp_path / "d.parquet"), tmp_path / "x", workers=1, progress=False)
 
 
+def test_a_local_hub_cache_folder_reads_the_snapshot_refs_main_names(cache, tmp_path):
+    """A dataset in a Hugging Face hub cache (blobs/, refs/main, snapshots/REV/ of links into blobs/): the folder
+    reads as the snapshot refs/main names, older snapshots left out; without refs/main, two snapshots are refused."""
+    repo = tmp_path / "hub" / "datasets--me--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    for rev, words in (("aaa111", "old text"), ("bbb222", "new text")):
+        write_jsonl(repo / "blobs" / rev, [f"{words} {i} " * 20 for i in range(4)])
+        (repo / "snapshots" / rev / "data").mkdir(parents=True)
+        (repo / "snapshots" / rev / "data" / "train.jsonl").symlink_to(repo / "blobs" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("bbb222")
+    newest = repo / "snapshots" / "bbb222" / "data" / "train.jsonl"
+    assert data.document_sources(str(repo)) == [("rows", newest)]
+    got, want = labels(PackedDataset(str(repo), "", 16), 3), labels(PackedDataset(str(newest), "", 16), 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    (repo / "refs" / "main").unlink()
+    with pytest.raises(DatasetError, match=r"hub cache folder whose refs/main does not name one of its snapshots "
+                                           r"\['aaa111', 'bbb222'\]"):
+        data.document_sources(str(repo))
+
+
 def test_missing_empty_and_looping_paths_name_the_fix(cache, tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         data.document_sources(str(tmp_path / "nothing"))

@@ -107,8 +107,30 @@ def source_root(dataset: str) -> Path:
         raise DatasetError(
             f"training.dataset={dataset!r} does not exist. Use 'shakespeare' (bundled), a prepared folder "
             "(python -m workbench.data prepare SRC OUT) or a path to .txt/.md files or folders, .jsonl, .parquet "
-            "or a Hugging Face save_to_disk folder.", "point --training.dataset at existing data.") from None
-    return root
+            "or a Hugging Face save_to_disk or hub cache folder.",
+            "point --training.dataset at existing data.") from None
+    return hub_snapshot(root)
+
+
+def hub_snapshot(root: Path) -> Path:
+    """A dataset's folder in a local Hugging Face hub cache (`datasets--OWNER--NAME`, holding blobs/, refs/ and
+    snapshots/REVISION/ of links into blobs/) -> the snapshot its refs/main names, or its only one; any other path
+    as it is. Read offline: nothing is downloaded.
+
+    Raises:
+        DatasetError: several snapshots and no refs/main naming one of them.
+    """
+    snaps = root / "snapshots"
+    if not (root.is_dir() and snaps.is_dir() and (root / "blobs").is_dir()):
+        return root
+    revisions = sorted(p.name for p in snaps.iterdir() if p.is_dir())
+    ref = root / "refs" / "main"
+    rev = ref.read_text().strip() if ref.is_file() else (revisions[0] if len(revisions) == 1 else "")
+    if rev not in revisions:
+        raise DatasetError(f"training.dataset={str(root)!r} is a Hugging Face hub cache folder whose refs/main does "
+                           f"not name one of its snapshots {revisions}.",
+                           f"point --training.dataset at one snapshot: {snaps}/REVISION.")
+    return snaps / rev
 
 
 def document_sources(dataset: str) -> list[tuple[str, Path]]:

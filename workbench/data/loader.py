@@ -130,7 +130,7 @@ class Stream:
             doc, length = int(perm[k]), int(self.lengths[perm[k]])
             a = off - (int(cum[k]) - length)
             take = min(length - a, n - filled)
-            out[filled:filled + take] = self.prepared.document(doc, a, a + take)
+            self.prepared.copy_into(out[filled:filled + take], doc, a, a + take)
             filled += take
         return out
 

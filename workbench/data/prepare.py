@@ -29,6 +29,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -47,6 +48,7 @@ from workbench.data.sources import plan_units, read_unit
 FORMAT = 2  # bumped whenever the folder's layout or manifest changes
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
 BLOCK_TOKENS = 16384  # 64 KiB of uint32: the unit of the read-time crc check
+UNMAP_ALIGN = 1 << 20  # what a read unmaps is widened to these boundaries (> Linux's 64 KiB fault-around window)
 CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about this many characters
 MAX_DOCUMENT_BYTES = 512 << 20  # a longer document is refused (its text alone would have to sit in memory)
 BATCH_CHARS = 1 << 20  # characters per encode_batch call
@@ -141,7 +143,7 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
     say = say or (lambda m: print(f"workbench data: {m}", file=sys.stderr, flush=True))
     out = Path(out)
     src_root = source_root(src)
-    identity = {"format": FORMAT, "source": str(src_root.resolve()) if src != "shakespeare" else "shakespeare",
+    identity = {"format": FORMAT, "source": os.path.abspath(src_root) if src != "shakespeare" else "shakespeare",
                 "fingerprint": fingerprint(src), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
                 "text_field": text_field}
     done = _complete(out, identity)
@@ -414,6 +416,15 @@ def _scan(sdir: Path, name: str) -> tuple[np.ndarray, str]:
     return np.asarray(crcs, dtype=np.uint32), h.hexdigest()
 
 
+def _map_tokens(path: Path) -> mmap.mmap:
+    """A shard's tokens mapped read-only, advised random access: rows are read in a shuffled order, so the kernel
+    reads ahead nothing into this process."""
+    with path.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm.madvise(mmap.MADV_RANDOM)
+    return mm
+
+
 def _verified_record(sdir: Path, i: int) -> dict | None:
     """The record of a finished shard whose files still match its sha256; None (redo it) otherwise."""
     name = f"{i:05d}"
@@ -465,7 +476,7 @@ class Prepared:
                     f"{src} changed since it was prepared into {self.folder} (source fingerprint "
                     f"{self.manifest['fingerprint'][:16]} then, {now[:16]} now).",
                     f"prepare it again into a new folder (or delete {self.folder} first).")
-        self.tokens, ends, self._crc, self._checked = [], [], [], []
+        self.tokens, ends, self._crc, self._checked, self._maps = [], [], [], [], []
         sdir = self.folder / "shards"
         for s in self.manifest["shards"]:
             t, d = sdir / f"{s['name']}.tokens", sdir / f"{s['name']}.docs"
@@ -474,7 +485,8 @@ class Prepared:
                     raise DatasetError(f"shard {f} is truncated or missing ({f.stat().st_size if f.is_file() else 0:,} "
                                        f"bytes, the manifest says {want:,}).",
                                        f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
-            self.tokens.append(np.memmap(t, dtype=np.uint32, mode="r") if s["tokens"] else
+            self._maps.append(_map_tokens(t) if s["tokens"] else None)
+            self.tokens.append(np.frombuffer(self._maps[-1], dtype=np.uint32) if s["tokens"] else
                                np.zeros(0, dtype=np.uint32))
             ends.append(np.fromfile(d, dtype=np.int64))
             self._crc.append(np.fromfile(sdir / f"{s['name']}.crc", dtype=np.uint32))
@@ -486,20 +498,39 @@ class Prepared:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(shard, offset in its tokens) of document i."""
+        s = int(np.searchsorted(self.shard_docs, i, side="right")) - 1
+        return s, int(self._starts[s][i - self.shard_docs[s]])
+
     def document(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Tokens [start, stop) of document i (its <|endoftext|> included at the end), as a read-only view."""
-        s = int(np.searchsorted(self.shard_docs, i, side="right")) - 1
-        base = int(self._starts[s][i - self.shard_docs[s]])
+        s, base = self._locate(i)
         stop = int(self.lengths[i]) if stop is None else stop
         self._verify(s, base + start, base + stop)
         return self.tokens[s][base + start:base + stop]
 
+    def copy_into(self, out: np.ndarray, i: int, start: int, stop: int) -> None:
+        """Copies tokens [start, stop) of document i into `out` through the memory map, then unmaps the pages it
+        touched from this process (MADV_DONTNEED; the kernel's page cache keeps them): what a rank has read never
+        counts in its RSS, however long the run and however large the dataset. The unmapped span is widened to
+        `UNMAP_ALIGN` boundaries: a read fault also maps the cached pages around it (the kernel's fault-around)."""
+        s, base = self._locate(i)
+        self._verify(s, base + start, base + stop)
+        out[:] = self.tokens[s][base + start:base + stop]
+        first = (base + start) * 4 // UNMAP_ALIGN * UNMAP_ALIGN
+        end = min(-(-(base + stop) * 4 // UNMAP_ALIGN) * UNMAP_ALIGN, len(self._maps[s]))
+        self._maps[s].madvise(mmap.MADV_DONTNEED, first, end - first)
+
     def _verify(self, s: int, a: int, b: int) -> None:
+        """The crc of every 64 KiB block of shard s that tokens [a, b) touch, once per block: read with pread, not
+        through the map, so a check maps nothing into this process."""
         for blk in range(a // BLOCK_TOKENS, (b - 1) // BLOCK_TOKENS + 1 if b > a else 0):
             if not self._checked[s][blk]:
-                data = self.tokens[s][blk * BLOCK_TOKENS:(blk + 1) * BLOCK_TOKENS]
-                if zlib.crc32(memoryview(np.ascontiguousarray(data))) != int(self._crc[s][blk]):
-                    name = self.manifest["shards"][s]["name"]
+                name = self.manifest["shards"][s]["name"]
+                with (self.folder / "shards" / f"{name}.tokens").open("rb") as f:
+                    data = os.pread(f.fileno(), BLOCK_TOKENS * 4, blk * BLOCK_TOKENS * 4)
+                if zlib.crc32(data) != int(self._crc[s][blk]):
                     raise DatasetError(
                         f"shard {self.folder / 'shards' / name}.tokens is corrupt: checksum mismatch in block {blk} "
                         f"(tokens {blk * BLOCK_TOKENS:,}+).",
