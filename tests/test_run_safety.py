@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -23,6 +24,8 @@ from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metric
 from workbench.core import errors
 from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
 from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs, trim_metrics
+
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
@@ -181,20 +184,21 @@ def test_sigterm_saves_the_step_and_a_second_launch_is_refused(tmp_path, referen
     reader.start()
     lock = run_dir / LOCK_FILE
     deadline = time.time() + 300
-    while time.time() < deadline and not (lock.is_file() and lock.read_text()):
-        time.sleep(0.1)
-
-    def sigterm_at_step_5():
-        while time.time() < deadline and first.poll() is None:
-            if any(m["step"] >= 5 for m in read_metrics(run_dir, missing_ok=True)):
-                first.send_signal(signal.SIGTERM)  # to torchrun, as `kill PID`, Slurm or a scheduler would
-                return
-            time.sleep(0.05)
-
-    stopper = threading.Thread(target=sigterm_at_step_5)
-    stopper.start()
-    second = run_train(DENSE, *args, "--optimizer.lr", "1e-3", nproc=2, check=False)
-    stopper.join()
+    while time.time() < deadline and first.poll() is None and not any(
+            m["step"] >= 5 for m in read_metrics(run_dir, missing_ok=True)):
+        time.sleep(0.05)
+    # Freeze the first launch's ranks (SIGSTOP) while the second launch tries the folder: the first still holds the
+    # lock, whatever the machine's speed (it used to finish its steps before the second got that far on a fast one).
+    ranks = [psutil.Process(c.pid) for c in psutil.Process(first.pid).children(recursive=True)]
+    assert ranks and first.poll() is None, "the first launch ended before step 5"
+    for r in ranks:
+        r.suspend()
+    try:
+        second = run_train(DENSE, *args, "--optimizer.lr", "1e-3", nproc=2, check=False)
+    finally:
+        for r in ranks:
+            r.resume()
+    first.send_signal(signal.SIGTERM)  # to torchrun, as `kill PID`, Slurm or a scheduler would
     reader.join()
     # The second launch: refused in one line naming the holder, the root cause of torchrun's summary, exit code 2.
     holder = json.loads(lock.read_text() or "{}")
