@@ -5,7 +5,8 @@ here before any kernel starts:
   * PYTHONPATH gets the repository root, so the kernel and the torchrun children it launches import this
     checkout's `workbench` even when the project is not pip-installed (in CI it is: `pip install -e .`);
   * WORKBENCH_DASHBOARD=static (the dashboard would detect nbval anyway; this makes it explicit).
-And every cell whose result is a raw dict fails (`pytest_runtest_makereport`).
+Each kernel starts on this machine's fast CPU path (`pytest_runtest_setup`), and every cell whose result is a raw
+dict fails (`pytest_runtest_makereport`).
 """
 
 import os
@@ -20,6 +21,21 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *_parts])
 os.environ.setdefault("WORKBENCH_DASHBOARD", "static")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """A notebook's kernel starts in its first cell's setup: it, and every torchrun it launches, run on this machine's
+    fast CPU path (`MACHINE_CPU_PATH` in tests/run_helpers.py), not the test session's pinned one. No number a
+    notebook shows is held to a stored value: its checked outputs are sanitized (nbval_sanitize.cfg)."""
+    if item.path.suffix != ".ipynb":
+        yield
+        return
+    from run_helpers import use_machine_cpu_path  # tests/ is on sys.path (the repository's conftest.py)
+
+    with pytest.MonkeyPatch.context() as mp:
+        use_machine_cpu_path(mp)
+        yield
+
 
 RAW_DICT = re.compile(r"^\{['\"].*\}$", re.S)
 

@@ -6,7 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import FIRST_12_OF_30, cached_run
+from run_helpers import FIRST_12_OF_30, cached_run, use_machine_cpu_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launch_cpu_path(request):
+    """In a module marked `machine_cpu_path`, everything the tests launch runs on this machine's own CPU path
+    (`MACHINE_CPU_PATH` in run_helpers.py: why and when); module scope, so its shared launches do too."""
+    if request.node.get_closest_marker("machine_cpu_path") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        use_machine_cpu_path(mp)
+        yield
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from run_helpers import ROOT, read_metrics
 from workbench.core import flavors
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.machine_cpu_path]  # no launch here is held to a stored number
 
 
 @pytest.fixture(scope="module")

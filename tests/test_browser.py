@@ -42,7 +42,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 INSTALL = ("install it with `apt-get install -y chromium chromium-driver` (Debian) and "
            "`pip install -e '.[dev]'` (jupyterlab, selenium); .ci/run does both")
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.machine_cpu_path]  # no stored number here
 
 STALE = ("VBox(children", "0%|", "waiting for the first step", "application/vnd.jupyter.widget-view+json",
          "no steps logged")

@@ -19,6 +19,8 @@ import xxhash
 from run_helpers import cached_run, kill_run_when, losses_by_step, run_train
 from workbench.run.checkpoint import check_checkpoint, newest_complete, stale_checkpoints, verify_checkpoint
 
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
+
 DENSE = "configs/cpu_dense.toml"
 # The lr schedule is fixed to 12 steps, so that runs of any length (and any checkpoint interval) follow one curve.
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
@@ -190,7 +192,7 @@ def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
     run_dir = tmp_path / "cpu_dense"
     ckpt = run_dir / "checkpoint"
     args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(tmp_path))
-    env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "5"}  # every save pauses 5 s before its .metadata
+    env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "3"}  # every save pauses 3 s before its .metadata
     step4 = ckpt / "step-4"
     # inside the step-4 save: both shard files written, the commit (.metadata) not yet
     kill_run_when(DENSE, *args, nproc=2, env=env, timeout=400,

@@ -14,6 +14,8 @@ from workbench.core.config import load_config
 from workbench.core.errors import ConfigError
 from workbench.model import load_model
 
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
+
 SMALL = dict(seq_len=32, rows=2, max_new_tokens=4, prompts=("ROMEO:", "To be, or not to be"))
 
 

@@ -27,6 +27,8 @@ titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines wit
 
 from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
 
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
+
 DENSE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, ffn_dim=48, vocab_size=512, tied=True, max_seq_len=256)
 MOE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, vocab_size=512, tied=False, max_seq_len=256, num_experts=4,
                          top_k=2, moe_ffn_dim=16)

@@ -8,6 +8,7 @@ exported `hf/` directory loads in `transformers.AutoModelForCausalLM`.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,10 +118,14 @@ def test_titan_moe_swap_is_refused_with_the_fix():
 # ------------------------------------------------------------------------------------------------
 
 
+CHECKPOINT_EVERY_5 = ("--checkpoint.enable", "true", "--checkpoint.interval", "5")
+
+
 @pytest.fixture(scope="module")
 def dense_run(tmp_path_factory) -> Path:
-    """12 of 30 steps of configs/cpu_dense.toml: the learning check and the resume reference (and a golden curve)."""
-    return cached_run(tmp_path_factory, DENSE, *BACKEND, *FIRST_12_OF_30, nproc=2)[0]
+    """12 of 30 steps of configs/cpu_dense.toml, checkpoints at 5 and 10: the learning check, the resume test's
+    checkpoint and reference (and a golden curve: saving checkpoints changes no number)."""
+    return cached_run(tmp_path_factory, DENSE, *BACKEND, *FIRST_12_OF_30, *CHECKPOINT_EVERY_5, nproc=2)[0]
 
 
 @pytest.fixture(scope="module")
@@ -144,18 +149,17 @@ def test_moe_trains_12_steps(moe_run):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(dense_run, outdir):
-    """5 steps + a relaunch to 10 (checkpoints every 5) give the same losses for steps 6-10 as uninterrupted.
-
-    Both launches follow the 30-step lr schedule (`lr_scheduler.total_steps 30`), so the uninterrupted reference
-    is `dense_run` (the first 12 steps of that schedule): one launch saved.
-    """
-    args = (*BACKEND, "--job.dump_folder", str(outdir), "--checkpoint.enable", "true", "--checkpoint.interval", "5",
-            "--lr_scheduler.total_steps", "30")
-    run_train(DENSE, *args, "--training.steps", "5", nproc=2)
-    assert (outdir / "cpu_dense" / "checkpoint" / "step-5" / ".metadata").is_file()
-    proc = run_train(DENSE, *args, "--training.steps", "10", nproc=2)  # the same command, relaunched
+    """`dense_run`'s step-5 checkpoint, relaunched to step 10 in a new run folder (as a run stopped after its step-5
+    save would be), gives the same losses for steps 6-10 as the uninterrupted run: one launch, its reference shared.
+    Both follow the 30-step lr schedule (`lr_scheduler.total_steps 30`)."""
+    step5 = dense_run / "checkpoint" / "step-5"
+    assert (step5 / ".metadata").is_file()
+    shutil.copytree(step5, outdir / "cpu_dense" / "checkpoint" / "step-5")
+    proc = run_train(DENSE, *BACKEND, *CHECKPOINT_EVERY_5, "--lr_scheduler.total_steps", "30", "--training.steps", "10",
+                     "--job.dump_folder", str(outdir), nproc=2)
     assert "steps 6-10" in proc.stdout
     resumed, reference = losses_by_step(outdir / "cpu_dense"), losses_by_step(dense_run)
+    assert sorted(resumed) == list(range(6, 11))
     for step in range(6, 11):
         assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
 

@@ -70,13 +70,14 @@ def _standin_run(out, *args: str, log=None) -> subprocess.CompletedProcess:
 def test_neuron_adjustments_on_gloo_equal_plain_cpu(tmp_path, tmp_path_factory):
     plain_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
     log = tmp_path / "standin"
-    proc = _standin_run(tmp_path, "--training.steps", "6", "--lr_scheduler.total_steps", "30", log=log)
+    proc = _standin_run(tmp_path, "--training.steps", "4", "--lr_scheduler.total_steps", "30", log=log)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "neuron adjustments: process group neuron, FSDP SUM reduction, SDPA OVERRIDEABLE" in proc.stdout
     for rank in (0, 1):  # both ranks really built their process group through the "neuron" registration
         assert (tmp_path / f"standin.{rank}").read_text().startswith("neuron stand-in (gloo) created")
     plain, adjusted = losses_by_step(plain_dir), losses_by_step(tmp_path / "cpu_dense")
-    for step in range(1, 7):
+    assert sorted(adjusted) == [1, 2, 3, 4]
+    for step in range(1, 5):
         assert abs(adjusted[step] - plain[step]) <= 1e-6, (step, adjusted[step], plain[step])
 
 

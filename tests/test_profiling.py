@@ -15,6 +15,8 @@ from workbench.core import flavors
 from workbench.core.config import Profiling
 from workbench.run import profiling
 
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
+
 # ------------------------------------------------------------------------------------------------
 # FLOPs per token
 # ------------------------------------------------------------------------------------------------

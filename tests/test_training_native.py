@@ -1,11 +1,11 @@
-"""Integration: the native path trains for real (torchtitan Trainer, FSDP2 over gloo, 1 and 2 ranks, 2 agents),
-writes the run folder, checkpoints, and resumes exactly, including after SIGKILL."""
+"""Integration: the native path trains for real (torchtitan Trainer, FSDP2 over gloo, 1 and 2 ranks), writes the run
+folder, checkpoints, and resumes exactly, including after SIGKILL. Two agents (`--nnodes=2`, c10d rendezvous on
+127.0.0.1) against one: tests/test_trn2_sbatch.py, through the Slurm script that launches them."""
 
 from __future__ import annotations
 
 import math
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,14 +14,11 @@ import pytest
 
 from run_helpers import (
     FIRST_12_OF_30,
-    ROOT,
     cached_run,
-    free_port,
     kill_run_when,
     losses_by_step,
     read_metrics,
     run_train,
-    train_cmd,
 )
 from workbench.run.run_folder import step_dirs
 
@@ -104,18 +101,3 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(uninterrupted, killed, tmp_pa
     one = losses_by_step(tmp_path / "cpu_dense")
     for step in range(resume_from + 1, last + 1):
         assert abs(one[step] - uninterrupted[step]) <= 1e-4, (step, one[step], uninterrupted[step])
-
-
-def test_two_agents_on_localhost_equal_one_agent(uninterrupted, outdir):
-    """`--nnodes=2` with c10d rendezvous on 127.0.0.1: the multi-node launch, two agents on this machine."""
-    port = free_port()
-    rdzv = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=wb-test")
-    args = (*COMMON, "--checkpoint.enable", "false", "--job.dump_folder", str(outdir), "--training.steps", "4")
-    agents = [subprocess.Popen(train_cmd(DENSE, *args, nproc=1, extra_torchrun=rdzv), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [a.communicate(timeout=600)[0] for a in agents]
-    assert all(a.returncode == 0 for a in agents), "\n".join(o[-4000:] for o in outputs)
-    assert sum("device cpu x 2 rank(s)" in o for o in outputs) == 1
-    two_agents = losses_by_step(outdir / "cpu_dense")
-    for step in range(1, 5):
-        assert abs(two_agents[step] - uninterrupted[step]) <= 1e-6, (step, two_agents[step], uninterrupted[step])

@@ -100,13 +100,14 @@ def test_sbatch_script_as_two_local_agents(tmp_path, tmp_path_factory):
            "SLURM_SUBMIT_DIR": str(ROOT), "HEAD_NODE": "127.0.0.1", "RDZV_PORT": str(free_port()),
            "NPROC_PER_NODE": "1", "SHARED_DIR": str(shared), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "trn2.sbatch"), "configs/cpu_dense.toml", "native",
-                           "--training.steps", "6", "--lr_scheduler.total_steps", "30"],
+                           "--training.steps", "4", "--lr_scheduler.total_steps", "30"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "2 node(s) x 1 ranks, rendezvous 127.0.0.1" in proc.stdout
     assert proc.stdout.count("device cpu x 2 rank(s)") == 1  # one world of 2 ranks over both agents
     two_agents, single = losses_by_step(shared / "cpu_dense"), losses_by_step(one_agent)
-    for step in range(1, 7):
+    assert sorted(two_agents) == [1, 2, 3, 4]  # the equality holds from step 1: 4 steps show it
+    for step in range(1, 5):
         assert abs(two_agents[step] - single[step]) <= 1e-6, (step, two_agents[step], single[step])
 
 

@@ -27,6 +27,8 @@ from workbench.core import errors
 from workbench.model import load_model
 from workbench.run.checkpoint import check_checkpoint, load_dcp, read_metadata
 
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
+
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
 
