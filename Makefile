@@ -1,8 +1,7 @@
 # Two commands do everything on a fresh machine (Python 3.12, pip; no GPU/Trainium needed):
 #   make demo   creates .venv, installs, trains the tiny Qwen3 on the bundled corpus (2 CPU ranks), prints a summary
 #   make test   creates .venv if needed, installs, lints (ruff, configured in pyproject.toml), runs the whole test suite
-#               on PYTEST_WORKERS pytest-xdist workers (default 3 on 2 cores: launches and kernels are single-threaded,
-#               and a worker that waits (a kill test's pause, a browser page, a shared launch) leaves its core to the others)
+#               on PYTEST_WORKERS pytest-xdist workers (default 2: launches and kernels are single-threaded)
 #   make test-quick   lint + the tests that start no torchrun, no notebook kernel, no long emulator run (inner loop)
 #   make lint   ruff only
 #   make mutation   mutmut over the modules where a wrong answer is silent, each against its own fast tests, one after
@@ -18,7 +17,7 @@ TORCH  ?= torch==2.14.0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 # --dist loadfile: one file's tests on one worker (nbval runs a notebook's cells in order in one kernel).
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 

@@ -192,7 +192,7 @@ def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
     run_dir = tmp_path / "cpu_dense"
     ckpt = run_dir / "checkpoint"
     args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(tmp_path))
-    env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "5"}  # every save pauses 5 s before its .metadata
+    env = {**os.environ, "WORKBENCH_TEST_SAVE_DELAY_S": "3"}  # every save pauses 3 s before its .metadata
     step4 = ckpt / "step-4"
     # inside the step-4 save: both shard files written, the commit (.metadata) not yet
     kill_run_when(DENSE, *args, nproc=2, env=env, timeout=400,
