@@ -1,6 +1,7 @@
 """Pins one CPU code path for the whole test session, before anything imports torch (why and what:
 `PINNED_CPU_PATH` in tests/run_helpers.py), and sets glibc's malloc to keep freed memory (`SESSION_MALLOC`, same
-file). Every xdist worker, torchrun rank and notebook kernel a test starts inherits both."""
+file). Every xdist worker and torchrun rank a test starts inherits both, but for the launches of modules marked
+`machine_cpu_path` and the notebooks' kernels, which get this machine's own CPU path (`MACHINE_CPU_PATH`, same file)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ os.environ.setdefault("WORKBENCH_DASHBOARD", "static")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """A notebook's kernel starts in its first cell's setup: it, and every torchrun it launches, run on this machine's

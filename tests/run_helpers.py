@@ -42,15 +42,6 @@ PINNED_ACTIVE = {"aten": "DEFAULT", "mkl_cbwr": "COMPATIBLE", "threads": 1}  # w
 # checked outputs are sanitized to hold on any machine). The test processes themselves stay pinned.
 MACHINE_CPU_PATH = {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": "AUTO", "ONEDNN_MAX_CPU_ISA": None, "OMP_NUM_THREADS": "1"}
 
-
-def use_machine_cpu_path(mp) -> None:
-    """Sets `MACHINE_CPU_PATH` in this process's environment through `mp` (a pytest.MonkeyPatch), for what it starts
-    until `mp` undoes it."""
-    for name, value in MACHINE_CPU_PATH.items():
-        if value is None:
-            mp.delenv(name, raising=False)
-        else:
-            mp.setenv(name, value)
 # glibc's malloc for the session's processes (applied with the pin; performance only, no number changes): keep freed
 # memory for reuse instead of handing it back to the kernel. Every step of the tiny configs allocates and frees
 # logits of the real 151,936-token vocabulary (~155 MB fp32 per rank); by default glibc maps such a block afresh
@@ -60,6 +51,16 @@ def use_machine_cpu_path(mp) -> None:
 SESSION_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36),
                   "MALLOC_TOP_PAD_": str(2**30)}
 _MKL_CBWR_BRANCHES = {1: "OFF", 2: "AUTO", 3: "COMPATIBLE"}  # mkl_service.h (a refused branch reads as AUTO)
+
+
+def use_machine_cpu_path(mp) -> None:
+    """Sets `MACHINE_CPU_PATH` in this process's environment through `mp` (a pytest.MonkeyPatch), for what it starts
+    until `mp` undoes it."""
+    for name, value in MACHINE_CPU_PATH.items():
+        if value is None:
+            mp.delenv(name, raising=False)
+        else:
+            mp.setenv(name, value)
 
 
 def active_cpu_path() -> dict:

@@ -6,7 +6,8 @@ losses must match `tests/assets/losses/<case>.json` to `ATOL`.
 
 The numbers hold on every x86-64 CPU because the test session pins one CPU code path (`PINNED_CPU_PATH` in
 run_helpers.py, applied by the repository's conftest.py: ATen default kernels, MKL_CBWR=COMPATIBLE, oneDNN
-SSE4.1, one thread) and every launch inherits it.
+SSE4.1, one thread) and every launch of this module inherits it (other modules may launch on the
+machine's own path: `MACHINE_CPU_PATH`; `cached_run` never shares a launch across the two).
 Without the pin, the code paths one AVX-512 machine can be forced to move the curves by up to ~1e-3 (2-rank MoE,
 step 8); `python tests/test_golden_losses.py spread` measures that again. Under the pin a run repeats to the
 last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a_small_change` shows that a
