@@ -13,7 +13,7 @@ Printed: a table per direction, then as the LAST line a JSON object with
   static_instructions      traced program, forward + backward (target <= 5,000)
   executed_instructions    all cores, all iterations, forward + backward
   padding_fraction         padding slots computed / slots computed (target <= 0.10), counted by the emulator:
-                           rows of x_pad the forward's row gathers read that are x_pad's zero row (the padding
+                           rows of x_pad the backward's row gathers read that are x_pad's zero row (the padding
                            slots' row), over all rows they read; cross-checked against the host plan
   dma_small_fraction       expert-weight bytes moved in DMAs < 2 KiB per partition / all expert-weight bytes (<= 0.10)
   pe_flops_ratio           PE FLOPs / FLOPs of the unpadded expert matmuls (fwd 3 + bwd 6 per assignment; <= 1.25)
@@ -81,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
                    help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
+    p.add_argument("--aws-blocks", default="tests", choices=("tests", "needed"),
+                   help="nki-library's static block count: its tests' worst-case formula, or what the routing needs")
+    p.add_argument("--aws-skip-weights", action="store_true",
+                   help="nki-library's SkipMode(True, True) (mode 3: consecutive blocks of one expert reuse weights)")
     return p.parse_args(argv)
 
 
@@ -121,7 +125,9 @@ def measure(args):
     old_padding = 1 - T * K / int(plan_blocks(ids, E, bs).num_blocks * bs)  # whole blocks per expert
 
     fwd, bwd = summarize(cf, "fwd"), summarize(cb, "bwd")
-    padding = fwd["padding"] / fwd["gathered"]  # the emulator's count (forward's gathers of x_pad = arg0)
+    # the emulator's count: the backward's gathers of x_pad (arg0), one per computed slot (the forward's also read
+    # the rows its software pipeline prefetches for pieces a class loop does not run)
+    padding = bwd["padding"] / bwd["gathered"]
     padding_plan = 1 - T * K / slots_run  # what the host plan says the kernels compute
     if abs(padding - padding_plan) > 1e-9:
         raise SystemExit(f"emulator padding count {padding} != host plan {padding_plan}")
@@ -150,7 +156,7 @@ def measure(args):
         "weight_dma_count": fwd["weight_dma_count"] + bwd["weight_dma_count"],
         "weight_gib": round(weight_bytes / 2**30, 3),
         "dma_gib": round((fwd["dma_bytes"] + bwd["dma_bytes"]) / 2**30, 3),
-        "padding_slots_computed": fwd["padding"], "slots_computed": fwd["gathered"],
+        "padding_slots_computed": bwd["padding"], "slots_computed": bwd["gathered"],
         "sbuf_peak_bytes": max(fwd["sbuf_peak"], bwd["sbuf_peak"]),
         "sbuf_usable_bytes": nl.tile_size.total_available_sbuf_size,
         **run.summary(),
@@ -205,13 +211,15 @@ def main(argv=None):
     if args.compare_nki_library:
         x, ids, w, w_gate, w_up, w_down, _ = layer_inputs(T, E, K, D, F, getattr(torch, args.dtype), args.seed)
         compare_nki_library(args.compare_nki_library, x, ids, w, w_gate, w_up, w_down, bs, args.lnc, fwd,
-                            d["forward_counters"])
+                            d["forward_counters"], args.aws_blocks, args.aws_skip_weights)
     print(json.dumps(result))
 
 
-def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours, ours_counters):
+def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, lnc, ours, ours_counters,
+                        blocks="tests", skip_weights=False):
     """Our forward's counters and trn2 time model next to nki-library's bwmm_shard_on_block on the same routing
-    (docs/nki_kernels.md)."""
+    (docs/nki_kernels.md); `blocks`, `skip_weights`: its static block count and skip mode
+    (`conformance.aws_blockwise_forward_counters`)."""
     from workbench.kernels.nki_emulator import counters
     from workbench.kernels.nki_emulator.conformance import aws_blockwise_forward_counters
     from workbench.kernels.nki_emulator.timing import model, schedule
@@ -219,10 +227,11 @@ def compare_nki_library(library, x, ids, weights, w_gate, w_up, w_down, block, l
     t0 = time.perf_counter()
     with counters(trace=True) as traced:  # nested: collects the same launch with its trace, for the dependency model
         c, plan = aws_blockwise_forward_counters(library, x.detach(), ids, weights.detach(), w_gate, w_up, w_down,
-                                                 block, lnc)
+                                                 block, lnc, blocks=blocks, skip_weights=skip_weights)
     aws = summarize(c, "fwd")
+    mode = "SkipMode(True, True) (mode 3)" if skip_weights else "SkipMode(True, False)"
     print(f"nki-library bwmm_shard_on_block, same routing: {plan['blocks']} static blocks ({plan['blocks_needed']} "
-          f"needed), emulated in {time.perf_counter() - t0:.0f}s")
+          f"needed), {mode}, emulated in {time.perf_counter() - t0:.0f}s")
     rows = [("static", "static_total"), ("executed", "executed_total"), ("DMAs", "dma_count"),
             ("DMA bytes", "dma_bytes"), ("PE FLOPs", "pe_flops"), ("SBUF peak B/part.", "sbuf_peak")]
     print(f"{'forward':<20}{'ours':>16}{'nki-library':>16}")

@@ -225,8 +225,9 @@ def test_saved_for_backward_lists_what_the_forward_kernel_saves(dtype, lnc, monk
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
     """Expert 0 gets 3 tokens, expert 1 gets 2, blocks of 4: the kernels compute 2 blocks = 8 slots of which
-    1 + 2 = 3 are padding (they read x_pad's zero row). The emulator counts that itself from the row gathers
-    (forward: x_pad = arg0; backward: x_pad and dout_pad each once per block)."""
+    1 + 2 = 3 are padding (they read x_pad's zero row). The emulator counts that itself from the backward's row
+    gathers (x_pad and dout_pad each once per block); the forward's gathers also read the rows its software pipeline
+    prefetches for pieces a class loop then does not run (each class's first row, the row after its last)."""
     from workbench.kernels.nki_emulator import counters
 
     x, ids, w, wg, wu, wd = make_case(5, 1, 2, 8, 12, ids=[0, 0, 0, 1, 1])
@@ -234,7 +235,7 @@ def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
         out = nki_at(lnc, monkeypatch)(x, ids, w, wg, wu, wd, block_size=4)
     with counters() as cb:
         out.sum().backward()
-    assert (cf.gathered_rows["arg0"], cf.padding_rows["arg0"]) == (8, 3)
+    assert cf.gathered_rows["arg0"] > 8 and cf.padding_rows["arg0"] >= 3
     assert (cb.gathered_rows["arg0"], cb.padding_rows["arg0"]) == (8, 3)
     assert (cb.gathered_rows["arg1"], cb.padding_rows["arg1"]) == (8, 3)
 
@@ -261,7 +262,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
     G, ng = plan.block_size, plan.max_blocks
     r = kp.kb // G
     ts = nki_moe.tile_slots(kp.kb)
-    L = (kp.seg_table.shape[1] - 3) // 2
+    L = (kp.seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
     widths = nki_moe.piece_widths(kp.kb, L)
     assert G == min(32, bs) and kp.kb == kernel_block_size(bs)
     assert kp.token_index.shape == (ng + lnc * r, G) and (kp.token_index[ng:] == T).all()
@@ -277,17 +278,22 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
         for c in range(lnc):
             row = seg[c]
             e = int(row[0])
+            # the weights the backward prefetches: the core's next position's expert (its own at the last)
+            assert int(row[3]) == int(kp.seg_table[c * S + min(s + 1, S - 1), 0])
             for j in range(int(row[1]), int(row[2])):
                 sub = kp.sub_table[j]
                 others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
-                assert len({(int(o[2]), int(o[3])) + tuple(int(o[5 + 2 * k] - o[4 + 2 * k]) for k in range(L))
-                            for o in others}) == 1  # cont, tiles and pieces per class: the same on every core
-                write, add, cont, n_tiles = (int(v) for v in sub[:4])
+                H = nki_moe.SUB_HEAD
+                assert len({(int(o[2]), int(o[3]), int(o[4])) + tuple(int(o[H + 1 + 2 * k] - o[H + 2 * k])
+                                                                      for k in range(L))
+                            for o in others}) == 1  # cont, tiles, load and pieces per class: the same on every core
+                write, add, cont, n_tiles, load = (int(v) for v in sub[:H])
                 assert cont == (j > int(row[1])) and (tiles is None or n_tiles <= tiles)
+                assert load == (j == int(row[2]) - 1)  # the position's last sub-segment loads the next weights
                 real = False
                 tile_next = 0
                 for k in range(L):
-                    for q in range(int(sub[4 + 2 * k]), int(sub[5 + 2 * k])):
+                    for q in range(int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])):
                         g, r0, tile = (int(v) for v in kp.piece[q])
                         width = widths[k]
                         assert r0 == g * G

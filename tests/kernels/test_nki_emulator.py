@@ -249,6 +249,55 @@ def test_tiles_past_their_last_use_free_capacity():
     assert kernel(rand(1, 1)).shape == (1, 1)
 
 
+
+def test_a_loop_carried_tile_ends_with_its_loop_not_in_the_next_one():
+    """A tile used inside one compiled loop (allocated before it) is live to that loop's last instruction, and free
+    for a tile used by the next loop at the same depth (the emulator carried it into the next loop until a
+    shallower instruction came, and refused kernels whose sibling loops fit one after the other). The capacity
+    error names the tiles in use."""
+
+    def kernel_of(first_kib, second_kib):
+        @nki.jit
+        def kernel(_):
+            out = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+            big = nl.ndarray((128, first_kib * 256), dtype=nl.float32, buffer=nl.sbuf, name="big")
+
+            def first(i):
+                nisa.memset(dst=big, value=1.0)
+
+            nl.fori_loop(0, 2, first)
+            other = nl.ndarray((128, second_kib * 256), dtype=nl.float32, buffer=nl.sbuf, name="other")
+
+            def second(i):
+                nisa.memset(dst=other, value=2.0)
+                nisa.dma_copy(dst=out, src=other[0:128, 0:1])
+
+            nl.fori_loop(0, 2, second)
+            return out
+
+        return kernel
+
+    # 120 + 100 KiB do not fit 207 KiB together, each fits alone
+    assert kernel_of(120, 100)(rand(1, 1)).shape == (128, 1)
+
+    @nki.jit
+    def both_live(_):
+        out = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        big = nl.ndarray((128, 120 * 256), dtype=nl.float32, buffer=nl.sbuf, name="big")
+        other = nl.ndarray((128, 100 * 256), dtype=nl.float32, buffer=nl.sbuf, name="other")
+
+        def body(i):
+            nisa.memset(dst=big, value=1.0)
+            nisa.memset(dst=other, value=2.0)
+            nisa.dma_copy(dst=out, src=other[0:128, 0:1])
+
+        nl.fori_loop(0, 2, body)
+        return out
+
+    with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\].*in use by tiles used later \(big at "
+                       r"\S+ 122880 B\)"):
+        both_live(rand(1, 1))
+
 def matmul_case(s_shape, m_shape, d_shape, s_buf=nl.sbuf, d_buf=nl.psum, d_dtype=nl.float32, accumulate=False):
     def body(_):
         s = nl.ndarray(s_shape, dtype=nl.float32, buffer=s_buf)

@@ -94,10 +94,13 @@ class KernelPlan:
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M, 3]: first slot group, first slot row, first resident tile; per class, core, position
-    seg_table: torch.Tensor  # [lnc * S, 3 + 2L]: expert, [begin, end) sub_table rows, [begin, end) piece rows/class
+    piece: torch.Tensor  # [M + 1, 3]: first slot group, first slot row, first resident tile; per class, core,
+    #                      position; then a padding row
+    seg_table: torch.Tensor  # [lnc * S, 4 + 2L]: expert, [begin, end) sub_table rows, next expert, [begin, end)
+    #                          piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
-    sub_table: torch.Tensor  # [lnc * S * J, 4 + 2L]: write row, add row, cont, tiles, [begin, end) piece rows/class
+    sub_table: torch.Tensor  # [lnc * S * J, 5 + 2L]: write row, add row, cont, tiles, load, [begin, end) piece
+    #                          rows/class
     zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
     zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
     fill_rows: torch.Tensor  # [lnc * U, 1]: slot rows of the groups each core zero-fills in the saved gT, uT
@@ -202,14 +205,14 @@ class KernelPlan:
     def pieces(self) -> list[tuple[int, int, int]]:
         """(core, slots, first slot row) of every piece the kernels run, no-op pieces included (their rows lie in
         the last lnc * KB slot rows); host-side, for tests and the cost report."""
-        L = (self.seg_table.shape[1] - 3) // 2
+        L = (self.seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
         S = self.seg_table.shape[0] // self.lnc
         out = []
         for c in range(self.lnc):
             for s in range(int(self.seg_count[0, 0])):
                 row = self.seg_table[c * S + s]
                 for k in range(L):
-                    for j in range(int(row[3 + 2 * k]), int(row[4 + 2 * k])):
+                    for j in range(int(row[nki_moe.SEG_HEAD + 2 * k]), int(row[nki_moe.SEG_HEAD + 1 + 2 * k])):
                         out.append((c, self.kb >> k, int(self.piece[j, 1])))
         return out
 
@@ -349,8 +352,9 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
         NG: the plan's slot groups; per_block: KB / G; G: the slot granule.
 
     Returns:
-        piece [M, 3] int32 (first slot group, first slot row, first resident tile) and, per class, two [lnc, S * J]
-        columns: each sub-segment's [begin, end) rows of `piece`.
+        piece [M + 1, 3] int32 (first slot group, first slot row, first resident tile; the last row a padding row
+        in core 0's no-op area: the forward gathers the rows of `piece` row j + 1 while it computes row j) and, per
+        class, two [lnc, S * J] columns: each sub-segment's [begin, end) rows of `piece`.
     """
     lnc, S, J = cores.live.shape[0], cores.S, subs.J
     dev = noop_group.device
@@ -374,7 +378,8 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
         cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
         sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]
         base += lnc * rows_k[k]
-    group = torch.cat(groups)
+    group = torch.cat(groups + [noop_group[:1]])  # + the padding row the last row's prefetch reads
+    tile_col.append(torch.zeros(1, dtype=tile_col[0].dtype, device=dev))
     return torch.stack([group, group * G, torch.cat(tile_col)], 1).to(torch.int32), sub_cols
 
 
@@ -389,9 +394,11 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
         L: piece classes.
 
     Returns:
-        seg_table [lnc * S, 3 + 2L] (expert, [begin, end) sub_table rows, per class the position's [begin, end)
-        piece rows: from its first sub-segment's begin to its last one's end) and sub_table [lnc * S * J, 4 + 2L]
-        (write row, add row, cont, resident tiles, per class [begin, end) piece rows), int32.
+        seg_table [lnc * S, 4 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights the backward
+        prefetches during the position: the core's next position's, its own at the last; per class the position's
+        [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
+        [lnc * S * J, 5 + 2L] (write row, add row, cont, resident tiles, load: 1 on the position's last sub-segment,
+        which loads the next expert's weights after its pieces; per class [begin, end) piece rows), int32.
     """
     live, own, S, J = cores.live, cores.own, cores.S, subs.J
     lnc, dev = live.shape[0], live.device
@@ -400,16 +407,19 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
     first_sub = live[..., None] & (j_J == 0)
     cont_sub = live[..., None] & (j_J >= 1) & (j_J < subs.nsub_cs[..., None])
     own3 = own[..., None].expand(lnc, S, J)
+    load = (j_J == (subs.nsub_s - 1)[:, None]).long()  # [S, J]: the position's last sub-segment (every core's)
     sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
-                (j_J >= 1).long().expand(lnc, S, J), subs.ntiles_sj[None].expand(lnc, S, J)]
+                (j_J >= 1).long().expand(lnc, S, J), subs.ntiles_sj[None].expand(lnc, S, J),
+                load[None].expand(lnc, S, J)]
     sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
     sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
     last_sub = (subs.nsub_s - 1)[None, :, None].expand(lnc, S, 1)
-    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :]]
+    nxt = torch.cat([cores.expert[:, 1:], cores.expert[:, -1:]], 1)  # the core's next position's expert
+    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :], nxt]
     seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(2, last_sub)[..., 0]
                  for i, col in enumerate(sub_cols)]
-    return (torch.stack(seg_cols, 2).reshape(lnc * S, 3 + 2 * L).to(torch.int32),
-            sub_table.reshape(lnc * S * J, 4 + 2 * L).to(torch.int32))
+    return (torch.stack(seg_cols, 2).reshape(lnc * S, nki_moe.SEG_HEAD + 2 * L).to(torch.int32),
+            sub_table.reshape(lnc * S * J, nki_moe.SUB_HEAD + 2 * L).to(torch.int32))
 
 
 def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Tensor]:

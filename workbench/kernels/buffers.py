@@ -41,7 +41,7 @@ def _backward(lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, 
     D, io = x_pad.shape[1], x_pad.dtype
     E, F = w_gate.shape[0], w_gate.shape[1]
     nT, TT = slot_of_assignment.shape[:2]
-    L = (seg_table.shape[1] - 3) // 2
+    L = (seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
     fc = nki_moe.fit_backward(D, F, io, nki_moe.piece_widths(G * 2 ** (L - 1), L))[0]
     return [HbmAllocation("dx_slots", (ng * G, D), torch.float32 if fc < F else io, SHARED, None),
             HbmAllocation("", (ng, G), torch.float32, SHARED, 1),

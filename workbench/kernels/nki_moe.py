@@ -48,13 +48,20 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   pattern: docs/nki_kernels.md). The zero fill and the combine run the same trip count on both cores.
 * **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (NT tiles of
   TS slots for full blocks and the TS-slot tail, one buffer per smaller tail class) at the tile index the host
-  wrote into `piece`. After the segment's pieces, each group of `DW_BANKS` output bands [<=128, <=512] of dW_gate,
-  dW_up, dW_down accumulates over all of the expert's tiles in PSUM (tile 0 opens the group, a compiled loop adds
-  tiles 1..n-1, 0/1-trip loops the tail buffers), is evicted once and written once to dW[e] in the io dtype: no
+  wrote into `piece`. After the segment's pieces, each group of `DW_GROUP_BANKS` output bands [<=128, <=512] of
+  dW_gate, dW_up, dW_down accumulates over all of the expert's tiles in PSUM (tile 0 opens the group, a compiled
+  loop adds tiles 1..n-1, 0/1-trip loops the tail buffers; `DW_SETS` groups in rotation), is evicted once (Scalar
+  and Vector Engines, a bank each) and written once to dW[e] in the io dtype: no
   fp32 read-modify-write of dW and no zero fill of it (only of empty experts). An expert with more tiles than fit
   SBUF is split by the host into *sub-segments* run one after the other by the same core; sub-segments after the
   first add into dW[e] with `nisa.dma_compute` (`cont` in `sub_table`). Each core has a dummy dW row (E + core)
-  that absorbs the writes of its no-op and spare sub-segments; the host drops those rows.
+  that absorbs the writes of its no-op and spare sub-segments; the host drops those rows. When F is one chunk the
+  position's last sub-segment loads the core's next expert's weights between its pieces and its dW phase
+  (`next expert` in `seg_table`, `load` in `sub_table`), so that load overlaps the dW phase.
+* **Forward software pipeline.** Each forward piece gathers the next piece's x rows (`piece` row j + 1) right after
+  its transposes, so the gather overlaps its matmuls; each class loop's first piece is gathered when the position
+  starts (its own x tiles per class where SBUF allows, `x_per_class`). The class loops gather one piece each that
+  they do not run (harmless: every row of `piece` is a valid piece, and `piece` ends with a padding row).
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
@@ -93,18 +100,28 @@ SBUF_BYTES = nl.tile_size.total_available_sbuf_size
 # kept free in the backward's budget for the small tiles a block allocates on top of its workspace (int32 [1, 1]
 # table entries and slot-index / affinity columns: < 100 bytes per partition)
 SMALL_TILES_BYTES = 1024
-# PSUM banks the backward's weight-gradient phase accumulates in: 8 banks, 3 held by the pieces' pool (transpose
-# staging, the accumulator, the affinity-gradient row)
-DW_BANKS = 5
 # PSUM banks each piece pool rotates through (`_psum`): with two, the Tensor Engine fills one bank while another
 # engine evicts the other, instead of waiting for the eviction (8 banks: "up to eight outstanding matmul
-# accumulation groups", Trainium2 architecture guide). Forward: 2 + 2 + 1 = 5 banks. Backward: 1 + 1 + 1 and
-# DW_BANKS = 5 for the weight gradients: under the dependency model, two transpose banks with DW_BANKS = 4 were
-# slower (the weight-gradient groups, one more per expert, serialise on their evictions: 2.49 -> 3.00 ms at
-# T 512, E 16, D 2048, F 768, LNC 2)
+# accumulation groups", Trainium2 architecture guide). Forward: 2 + 2 + 1 = 5 banks. Backward: 1 + 2 + 1, and the
+# other 4 for the weight gradients.
 PSUM_BANKS_FWD = {"t": 2, "acc": 2}
-PSUM_BANKS_BWD = {"t": 1, "acc": 1}
-DW_ROW_BANKS = 4  # a weight-gradient output row is written in segments of at most this many banks (2048 columns)
+PSUM_BANKS_BWD = {"t": 1, "acc": 2}
+# The backward's weight-gradient phase: groups of DW_GROUP_BANKS output bands [<=128, <=512] accumulate together;
+# DW_SETS groups rotate through DW_SETS * DW_GROUP_BANKS banks, so the Tensor Engine fills one group's banks while
+# the Scalar and Vector Engines evict the previous group's (one bank each). With one set of 5 banks evicted by the
+# Scalar Engine alone the Tensor Engine waited for every eviction: the phase took the sum of both (T 512, E 16,
+# D 2048, F 768, LNC 2: backward 2.38 -> 2.03 ms under the dependency model).
+DW_GROUP_BANKS = 2
+DW_SETS = 2
+DW_BANKS = DW_GROUP_BANKS * DW_SETS
+# Stage buffers (SBUF) the evicted dW bands wait in for their DMA to HBM, in rotation: DW_SETS, and more in the SBUF
+# the resident tiles leave over, up to DW_STAGE_BYTES per partition (`stage_sets`), so an eviction does not wait for
+# a store that the HBM link has queued behind other transfers (T 512, E 16, bf16: backward 1.95 -> 1.88 ms with 6
+# instead of 2). They never take SBUF from the resident tiles (`fit_backward` sizes those with DW_SETS).
+DW_STAGE_BYTES = 12 * 1024
+SEG_HEAD = 4  # seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert
+SUB_HEAD = 5  # sub_table columns before the piece bounds: write row, add row, cont, tiles, load
+DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segments of this many banks (1024 columns)
 
 
 def _ntiles(n, size):
@@ -125,6 +142,17 @@ def _load_entry(table, row0, col, reg):
     return tile
 
 
+def _row(table, row0, reg, rows=1):
+    """int32 SBUF [1, rows * C] <- rows row0 + reg .. row0 + reg + rows - 1 of an [R, C] int32 HBM table (reg: a loop
+    register), in one DMA: entry (r, c) at column r * C + c (a [1, 1] slice is a scalar offset or a register's
+    source)."""
+    C = table.shape[1]
+    tile = nl.ndarray((1, rows * C), dtype=I32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=table.ap(pattern=[[C, 1], [1, rows * C]], offset=row0 * C, scalar_offset=reg,
+                                         indirect_dim=0))
+    return tile
+
+
 def _register(tile):
     reg = nisa.register_alloc()
     nisa.register_load(reg, tile)
@@ -139,9 +167,9 @@ def _block_column(table, grp, s0, sl, dtype):
     return tile
 
 
-def _load_expert_matrix(w, e, r0, R, c0, C):
+def _load_expert_matrix(w, e, r0, R, c0, C, tile=None):
     """SBUF [min(P, R), ceil(R / P), C] <- w[e, r0:r0+R, c0:c0+C] of an [E, Rt, Ct] HBM tensor: row r of the
-    window at [r % P, r // P, :].
+    window at [r % P, r // P, :] (into `tile` when given, else a new tile).
 
     One DMA moves all full 128-row tiles (C * itemsize * R // 128 bytes per partition: 24 KiB for a whole
     30B-A3B expert matrix, or for a 384-wide F chunk at D = 4096), a second one the remainder rows. `e` is an
@@ -151,7 +179,8 @@ def _load_expert_matrix(w, e, r0, R, c0, C):
     rp = min(P, R)
     nfull = R // rp
     rem = R - nfull * rp
-    tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf, name="w_resident")
+    if tile is None:
+        tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf, name="w_resident")
     nisa.dma_copy(dst=tile[0:rp, 0:nfull, 0:C], src=w.ap(pattern=[[Ct, rp], [rp * Ct, nfull], [1, C]],
                                                          offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0))
     if rem > 0:
@@ -178,16 +207,16 @@ class ExpertWeights(NamedTuple):
     down: object
 
 
-def _f_columns(w, e, f0, FC):
+def _f_columns(w, e, f0, FC, tile=None):
     """Layout "F on columns" of an [E, D, F] HBM matrix: columns [f0, f0 + FC) of expert e, resident as
     [min(P, D), D/128, FC] (D on partitions: the operand of a contraction over D)."""
-    return _load_expert_matrix(w, e, 0, w.shape[1], f0, FC)
+    return _load_expert_matrix(w, e, 0, w.shape[1], f0, FC, tile)
 
 
-def _f_rows(w, e, f0, FC):
+def _f_rows(w, e, f0, FC, tile=None):
     """Layout "F on rows" of an [E, F, D] HBM matrix: rows [f0, f0 + FC) of expert e, resident as
     [min(P, FC), FC/128, D] (F on partitions: the operand of a contraction over F)."""
-    return _load_expert_matrix(w, e, f0, FC, 0, w.shape[2])
+    return _load_expert_matrix(w, e, f0, FC, 0, w.shape[2], tile)
 
 
 # -- F chunks and SBUF budgets: how much of an expert's weights (and, backward, tiles) is resident at once ---------
@@ -251,7 +280,7 @@ def _res_tile_bytes(D, FC, itemsize):
     return (2 * D + 3 * FC) * itemsize
 
 
-def _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked):
+def _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked, stage_sets=DW_SETS):
     """name -> (shape, dtype) of the backward's per-block SBUF workspace (one source for the allocation and the
     SBUF budget of `backward_layout`). Each name says what the tile holds; two are updated in place: "dh" holds
     dhT, then affinity * dhT; "out_rows" the dx rows of the piece on their way to the slot scratch."""
@@ -267,7 +296,7 @@ def _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked):
         "d_aff_prev": ((1, KB), F32),  # F chunked: d_affinity summed over the earlier chunks
         "aff_row": ((1, KB), io_dtype),  # the piece's slot weights, one row
         "out_rows": ((P, D), slot_dtype), "ones": ((P, P), io_dtype),
-        "stage": ((P, DW_BANKS * MOVING_FMAX), io_dtype),  # weight-gradient bands on their way to HBM
+        "stage": ((P, stage_sets * DW_GROUP_BANKS * MOVING_FMAX), io_dtype),  # dW bands on their way to HBM
     }
     if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
         shapes["partial"] = ((P, D), F32)
@@ -301,6 +330,17 @@ def fit_backward(D, F, io_dtype, widths):
         if NT >= need:
             return FC, NT
     return 0, 0
+
+
+def stage_sets(D, F, FC, NT, io_dtype, widths):
+    """The weight-gradient phase's stage buffer sets: DW_SETS plus what the SBUF left by the resident tiles holds
+    ((FC, NT) from `fit_backward`), at most DW_STAGE_BYTES per partition in all."""
+    KB, it = widths[0], io_dtype.itemsize
+    ws = _bwd_workspace_shapes(KB, D, FC, io_dtype, F32 if FC < F else io_dtype, FC < F)
+    tiles = (NT + len(_tail_widths(widths))) * _res_tile_bytes(D, FC, it)
+    left = SBUF_BYTES - SMALL_TILES_BYTES - _resident_bytes(D, FC, it, 3) - _shape_bytes(ws) - tiles
+    per_set = DW_GROUP_BANKS * MOVING_FMAX * it
+    return max(DW_SETS, min(DW_STAGE_BYTES // per_set, DW_SETS + left // per_set))
 
 
 def backward_layout(D, F, io_dtype, widths):
@@ -351,12 +391,31 @@ def _block_tiles(KB, width, dtype, name):
     return tiles
 
 
-def _fwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked):
-    """The forward's per-block SBUF workspace. chunked: F is split (partial sums accumulate in the slot scratch,
-    then fp32); "out_rows" holds the piece's y rows on their way to the slot scratch."""
+def x_per_class(widths, D, F, FC, itemsize):
+    """Whether the forward gives each piece class its own x tiles: F is one chunk and the resident weights, one
+    block's workspace (every class's x tiles, xT, gT, uT, silu, hT, the y rows) and the small tiles fit SBUF_BYTES."""
+    if FC < F:
+        return False
+    KB, x_tiles = widths[0], 0
+    for B in widths:
+        x_tiles += _ntiles(B, P)
+    workspace = (x_tiles * D + _ntiles(D, P) * KB + 4 * _ntiles(F, P) * KB + D) * itemsize
+    return _resident_bytes(D, F, itemsize, 3) + workspace + SMALL_TILES_BYTES <= SBUF_BYTES
+
+
+def _fwd_workspace(widths, D, FC, io_dtype, slot_dtype, chunked, per_class):
+    """The forward's per-block SBUF workspace (`widths`: the piece classes, KB first). chunked: F is split (partial
+    sums accumulate in the slot scratch, then fp32); "out_rows" holds the piece's y rows on their way to the slot
+    scratch; "x" the token-major x tiles of each piece class (`_ws_view` picks the class's): one set per class
+    (`per_class`, see `x_per_class`), so the classes' first gathers can all be issued when a position starts, else
+    one set all classes share."""
+    KB = widths[0]
     dp, fp, nD, nF = min(P, D), min(P, FC), _ntiles(D, P), _ntiles(FC, P)
+    x, shared = {}, None if per_class else _block_tiles(KB, D, io_dtype, "x_tok")
+    for B in widths:
+        x[B] = _block_tiles(B, D, io_dtype, "x_tok") if per_class else shared
     ws = {
-        "x": _block_tiles(KB, D, io_dtype, "x_tok"),
+        "x": x,
         "xT": nl.ndarray((dp, nD, KB), dtype=io_dtype, buffer=nl.sbuf, name="xT"),
         "g": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="gT"),
         "u": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="uT"),
@@ -369,8 +428,8 @@ def _fwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked):
     return ws
 
 
-def _bwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked):
-    shapes = _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked)
+def _bwd_workspace(KB, D, FC, io_dtype, slot_dtype, chunked, stage_sets):
+    shapes = _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked, stage_sets)
     ws = {}
     for name in shapes:
         shape, dtype = shapes[name]
@@ -401,6 +460,8 @@ def _ws_view(ws, B):
     v = {}
     for key in ws:
         t = ws[key]
+        if isinstance(t, dict):  # one set of token-major sub-tiles per piece class
+            t = t[B]
         if isinstance(t, list):  # token-major sub-tiles
             tiles = []
             for s in range(_ntiles(B, P)):
@@ -573,13 +634,6 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
     nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
 
 
-def _bounds(table, row0, col, reg):
-    """(begin, end) registers from columns col, col + 1 of row row0 + reg of an int32 HBM table."""
-    begin = _register(_load_entry(table, row0, col, reg))
-    end = _register(_load_entry(table, row0, col + 1, reg))
-    return begin, end
-
-
 def _count(count):
     """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
@@ -641,17 +695,20 @@ def _forward_weights(hbm_w, e, f0, FC):
                          down=_f_rows(hbm_w.down, e, f0, FC))
 
 
-def _forward_block(grp, row0, hbm, w, ws, ps, B, f0, first):
+def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
     """One B-slot piece starting at slot row0 (= grp * G; grp indexes the [NG, G] slot tables) against one F chunk
-    [f0, f0 + FC) (w: that chunk of the expert's weights, resident as `_forward_weights` lays them out).
+    [f0, f0 + FC) (w: that chunk of the expert's weights, resident as `_forward_weights` lays them out). Its x rows
+    are in ws["x"] already (gathered by the previous piece, or by the loop's prologue); once its transposes have
+    read them, it gathers the next piece's (slot group `nxt`) into ws["x"], so that gather overlaps this piece's
+    matmuls instead of opening the next piece.
 
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, D), D/128, FC]).
     """
     D, FC = hbm["x"].shape[1], w.gate.shape[2]
-    _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], grp, B)
     affinity = _affinities(hbm["weight"], grp, B)
     _feature_major(ws["xT"], ws["x"], None, B, D, ps)
+    _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], nxt, B)  # the next piece's rows (software pipeline)
     _project(ws["g"], w.gate, ws["xT"], B, D, FC, ps)
     _project(ws["u"], w.up, ws["xT"], B, D, FC, ps)
     _save_feature_major(hbm["g_saved"], ws["g"], f0, FC, row0, B)  # for the backward: no recompute there
@@ -677,12 +734,12 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
     of `piece`; else a tail class's one-tile buffer)."""
 
     def body(j):
-        grp = _load_entry(piece, 0, 0, j)
-        row0 = _load_entry(piece, 0, 1, j)
+        rows = _row(piece, 0, j, 2)  # this piece's row and the next one's (the forward gathers its x rows)
+        grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
-            _forward_block(grp, row0, hbm, w, ws, ps, B, f0, first)
+            _forward_block(grp, row0, rows[0:1, 3:4], hbm, w, ws, ps, B, f0, first)
         else:
-            tile = _load_entry(piece, 0, 2, j) if indexed else None
+            tile = rows[0:1, 2:3] if indexed else None
             _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first)
 
     nl.fori_loop(begin, end, body)
@@ -695,22 +752,39 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     the position's no-op pieces), each class a compiled loop over its rows of `piece`."""
     x_pad = hbm["x"]
     D, F = x_pad.shape[1], hbm_w.gate.shape[2]
-    widths = _piece_classes(hbm["index"], seg_table, 3)
+    widths = _piece_classes(hbm["index"], seg_table, SEG_HEAD)
     FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
-    ws = _fwd_workspace(widths[0], D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F)
+    per_class = x_per_class(widths, D, F, FC, x_pad.dtype.itemsize)
+    ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F, per_class)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
 
     def segment(s):
-        e = _load_entry(seg_table, pid * S, 0, s)
+        row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
+        bounds = []
+        for k in range(len(widths)):
+            col = SEG_HEAD + 2 * k
+            bounds.append((_register(row[0:1, col:col + 1]), _register(row[0:1, col + 1:col + 2])))
         for c in range(_ntiles(F, FC)):  # one chunk (all of F) unless the matrices do not fit SBUF
             f0 = c * FC
-            w = _forward_weights(hbm_w, e, f0, _width(F, FC, c))
+            if per_class:  # each class's first piece's rows into the class's own x tiles, before the weights
+                for k in range(len(widths)):
+                    _first_rows(piece, bounds[k][0], hbm, ws, widths[k])
+            w = _forward_weights(hbm_w, row[0:1, 0:1], f0, _width(F, FC, c))
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
-                begin, end = _bounds(seg_table, pid * S, 3 + 2 * k, s)
-                _pieces(piece, begin, end, hbm, w, _ws_view(ws, widths[k]), None, False, ps, widths[k], f0, c == 0)
+                if not per_class:  # one set of x tiles for all classes: each class's first rows before its loop
+                    _first_rows(piece, bounds[k][0], hbm, ws, widths[k])
+                _pieces(piece, bounds[k][0], bounds[k][1], hbm, w, _ws_view(ws, widths[k]), None, False, ps,
+                        widths[k], f0, c == 0)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
     nl.fori_loop(0, _count(seg_count), segment)
+
+
+def _first_rows(piece, begin, hbm, ws, B):
+    """The forward's software-pipeline prologue of one class loop: the rows of its first piece (`piece` row
+    `begin`) into the class's x tiles; each piece then gathers the next one's. A class that runs no piece reads a
+    valid row all the same (row `begin` exists: another class's, position's or core's, or the padding row)."""
+    _load_block([ws["x"][B]], None, [hbm["x"]], hbm["index"], _load_entry(piece, 0, 0, begin), B)
 
 
 def _zero_saved(saved, G, fill_rows, fill_count, pid):
@@ -752,10 +826,10 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
     _expect(piece, "piece", "[M, 3]", (None, 3), I32)
-    _expect(seg_table, "seg_table", "[LNC * S, 3 + 2L]", (None, None), I32)
-    L = (seg_table.shape[1] - 3) // 2
-    check_argument(L >= 1 and seg_table.shape[1] == 3 + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
-                   f"seg_table must be [LNC * S, 3 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+    _expect(seg_table, "seg_table", "[LNC * S, 4 + 2L]", (None, None), I32)
+    L = (seg_table.shape[1] - SEG_HEAD) // 2
+    check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
+                   f"seg_table must be [LNC * S, 4 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
     _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
     check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
@@ -792,10 +866,12 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M, 3] int32, per piece its first slot group, first slot row (group * G) and, in the backward,
-            first resident tile; rows grouped by class.
-        seg_table: [LNC * S, 3 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
-            [begin, end) rows of the backward's `sub_table`, then per piece class k (KB >> k slots) the [begin, end)
+        piece: [M + 1, 3] int32, per piece its first slot group, first slot row (group * G) and, in the backward,
+            first resident tile; rows grouped by class; the last row a padding row (any valid piece: the forward
+            gathers row j + 1's rows while it computes row j).
+        seg_table: [LNC * S, 4 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
+            [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
+            last: whose weights the backward prefetches), then per piece class k (KB >> k slots) the [begin, end)
             rows of `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
         fill_rows: [LNC * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
@@ -840,13 +916,15 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
 
 
 # -- backward ----------------------------------------------------------------------------------------------------------
-def _backward_weights(hbm_w, e, f0, FC):
+def _backward_weights(hbm_w, e, f0, FC, into=None):
     """The F chunk [f0, f0 + FC) of expert e, resident for the backward, all in torchtitan's layouts: down F on
     columns ([min(P, D), D/128, FC] of W_down: the stationary of dhT = (dy @ W_down)^T), gate and up F on rows
-    ([min(P, FC), FC/128, D]: the moving of dx = dg @ W_gate + du @ W_up). Loaded down first, then gate, up."""
-    down = _f_columns(hbm_w.down, e, f0, FC)
-    gate = _f_rows(hbm_w.gate, e, f0, FC)
-    up = _f_rows(hbm_w.up, e, f0, FC)
+    ([min(P, FC), FC/128, D]: the moving of dx = dg @ W_gate + du @ W_up). Loaded down first, then gate, up, into
+    the tiles of `into` (an ExpertWeights) when given."""
+    into = into or ExpertWeights(None, None, None)
+    down = _f_columns(hbm_w.down, e, f0, FC, into.down)
+    gate = _f_rows(hbm_w.gate, e, f0, FC, into.gate)
+    up = _f_rows(hbm_w.up, e, f0, FC, into.up)
     return ExpertWeights(gate=gate, up=up, down=down)
 
 
@@ -860,13 +938,14 @@ def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
     nisa.tensor_copy(dst=ws["aff_bcast"], src=acc)
 
 
-def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first):
+def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None):
     """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads of the piece's
     slots, d_slot from group grp on.
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
     then dh *= affinity (in place), du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's
-    silu_dx).
+    silu_dx). `dx`: (w, banks) to issue each f-tile's dx matmuls right after its dg, du (`_dx_tile`), so the
+    Tensor Engine works on f-tile i while the Vector Engine computes f-tile i + 1.
 
     Dimensions:
         B: the piece's slots; FC: the F chunk's width (the workspace's feature tiles [min(P, FC), FC/128, B]).
@@ -881,6 +960,8 @@ def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first):
         nisa.tensor_tensor(dst=ws["du"][0:fl, i, 0:B], data1=dh, data2=ws["silu"][0:fl, i, 0:B], op=nl.multiply)
         nisa.tensor_tensor(dst=dg, data1=dh, data2=ws["u"][0:fl, i, 0:B], op=nl.multiply)
         nisa.tensor_tensor(dst=dg, data1=dg, data2=ws["dsilu"][0:fl, i, 0:B], op=nl.multiply)
+        if dx is not None:
+            _dx_tile(ws, dx[0], dx[1], i, fl, B)
     nisa.tensor_copy(dst=ws["d_aff"], src=d_aff)
     if not first:  # later F chunks add their partial sum over f
         nisa.dma_copy(dst=ws["d_aff_prev"], src=d_slot.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp,
@@ -912,6 +993,40 @@ def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
         _write_rows(dx_slots, ws, row0, s * P, sl, first)
 
 
+def dx_in_dw_banks(B, D):
+    """Whether a B-slot piece's dx accumulates in the weight-gradient banks (idle while pieces run): one bank per
+    128 slots x 512 columns of dx, all live at once (`_dx_tile`)."""
+    return _ntiles(B, P) * _ntiles(D, MOVING_FMAX) <= DW_BANKS
+
+
+def _dx_tile(ws, w, banks, i, fl, B):
+    """dx of the piece += dg[f-tile i] @ W_gate[i] + du[f-tile i] @ W_up[i]: every (128-slot, 512-column) block of dx
+    in its own PSUM bank of `banks` (f-tile 0 opens them)."""
+    D = w.gate.shape[2]
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
+        for c in range(_ntiles(D, MOVING_FMAX)):
+            c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+            acc = banks[s * _ntiles(D, MOVING_FMAX) + c][0:sl, 0:cl]
+            nisa.nc_matmul(dst=acc, stationary=ws["dg"][0:fl, i, s * P:s * P + sl],
+                           moving=w.gate[0:fl, i, c0:c0 + cl], accumulate=i > 0)
+            nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
+                           moving=w.up[0:fl, i, c0:c0 + cl], accumulate=True)
+
+
+def _dx_rows(dx_slots, ws, banks, row0, B, D, first):
+    """The piece's dx rows from `banks` (`_dx_tile`) to the slot scratch: evicted by the Scalar and Vector Engines in
+    turn, one DMA per 128 slots."""
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
+        for c in range(_ntiles(D, MOVING_FMAX)):
+            c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+            engine = nisa.engine.scalar if c % 2 == 0 else nisa.engine.vector
+            nisa.tensor_copy(dst=ws["out_rows"][0:sl, c0:c0 + cl],
+                             src=banks[s * _ntiles(D, MOVING_FMAX) + c][0:sl, 0:cl], engine=engine)
+        _write_rows(dx_slots, ws, row0, s * P, sl, first)
+
+
 def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first):
     """One B-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + FC) of the segment's expert
     (w: that chunk, resident as `_backward_weights` lays it out). Leaves x, affinity * dy and the token-major dg,
@@ -929,8 +1044,12 @@ def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first):
     _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
-    _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
-    _dx_block(hbm["slots"], ws, w, row0, B, D, ps, first)
+    if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
+        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
+        _dx_rows(hbm["slots"], ws, ps["dw"], row0, B, D, first)
+    else:
+        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
+        _dx_block(hbm["slots"], ws, w, row0, B, D, ps, first)
     for s in range(_ntiles(B, P)):  # in place: the resident dy becomes affinity * dy, what dW_down contracts
         dy = _tok(res["dy"], tile, s, _width(B, P, s), 0, D)
         nisa.tensor_scalar(dst=dy, data=dy, op0=nl.multiply, operand0=affinity[s])
@@ -976,11 +1095,11 @@ def _dw_rows(D, FC):
 
 
 def _dw_groups(rows):
-    """Consecutive rows packed into groups of at most DW_BANKS PSUM banks (one bank per 512 columns)."""
+    """Consecutive rows packed into groups of at most DW_GROUP_BANKS PSUM banks (one bank per 512 columns)."""
     groups, group, banks = [], [], 0
     for row in rows:
         n = _ntiles(row.width, MOVING_FMAX)
-        if banks + n > DW_BANKS:
+        if banks + n > DW_GROUP_BANKS:
             groups.append(group)
             group, banks = [], 0
         group.append(row)
@@ -1022,21 +1141,28 @@ def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, c
     Dimensions:
         D: hidden size (res["x"] [TS, NT, D]); FC: the chunk's width; grads: ExpertWeights of [E + LNC, ...].
     """
-    for group in _dw_groups(_dw_rows(res["x"].shape[2], FC)):
-        _contract(group, res, None, ps_dw, False)
-        _contract_loop(group, res, True, 1, n_tiles, ps_dw)
+    groups = _dw_groups(_dw_rows(res["x"].shape[2], FC))
+    sets = ws["stage"].shape[1] // (DW_GROUP_BANKS * MOVING_FMAX)  # stage buffer sets (`stage_sets`)
+    for g in range(len(groups)):
+        group, first = groups[g], (g % DW_SETS) * DW_GROUP_BANKS  # this group's banks
+        stage = (g % sets) * DW_GROUP_BANKS - first  # its stage columns: bank + stage (in 512s)
+        banks = ps_dw[first:first + DW_GROUP_BANKS]
+        _contract(group, res, None, banks, False)
+        _contract_loop(group, res, True, 1, n_tiles, banks)
         for k in range(len(tails)):
-            _contract_loop(group, tails[k], False, tail_bounds[k][0], tail_bounds[k][1], ps_dw)
-        bank = 0
+            _contract_loop(group, tails[k], False, tail_bounds[k][0], tail_bounds[k][1], banks)
+        bank = first
         for row in group:
             for b in range(_ntiles(row.width, MOVING_FMAX)):
                 bw = _width(row.width, MOVING_FMAX, b)
-                nisa.tensor_copy(dst=ws["stage"][0:row.rows, (bank + b) * MOVING_FMAX:(bank + b) * MOVING_FMAX + bw],
-                                 src=ps_dw[bank + b][0:row.rows, 0:bw], engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=_dw_window(grads, write_row, row, f0),
-                          src=ws["stage"][0:row.rows, bank * MOVING_FMAX:bank * MOVING_FMAX + row.width])
+                engine = nisa.engine.scalar if (bank + b) % 2 == 0 else nisa.engine.vector  # two evictions at once
+                c0 = (bank + stage + b) * MOVING_FMAX
+                nisa.tensor_copy(dst=ws["stage"][0:row.rows, c0:c0 + bw], src=ps_dw[bank + b][0:row.rows, 0:bw],
+                                 engine=engine)
+            c0 = (bank + stage) * MOVING_FMAX
+            nisa.dma_copy(dst=_dw_window(grads, write_row, row, f0), src=ws["stage"][0:row.rows, c0:c0 + row.width])
             bank += _ntiles(row.width, MOVING_FMAX)
-        _add_into(grads, group, acc_row, cont, ws, f0)
+        _add_into(grads, group, acc_row, cont, ws, f0, first + stage)
 
 
 def _contract_loop(group, res, main, begin, end, ps_dw):
@@ -1048,11 +1174,12 @@ def _contract_loop(group, res, main, begin, end, ps_dw):
     nl.fori_loop(begin, end, body)
 
 
-def _add_into(grads, group, acc_row, cont, ws, f0):
-    """`cont` (0 or 1) times: dW[acc_row] row += the staged row, in the DMA engines (`nisa.dma_compute`)."""
+def _add_into(grads, group, acc_row, cont, ws, f0, first):
+    """`cont` (0 or 1) times: dW[acc_row] row += the staged row (stage columns from bank `first` on), in the DMA
+    engines (`nisa.dma_compute`)."""
 
     def body(j):
-        bank = 0
+        bank = first
         for row in group:
             window = _dw_window(grads, acc_row, row, f0)
             staged = ws["stage"][0:row.rows, bank * MOVING_FMAX:bank * MOVING_FMAX + row.width]
@@ -1062,25 +1189,35 @@ def _add_into(grads, group, acc_row, cont, ws, f0):
     nl.fori_loop(0, cont, body)
 
 
-def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first):
+def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first,
+                  prefetch, nxt):
     """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
-    its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase."""
+    its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase. `prefetch`
+    (the HBM weights, when F is one chunk): between the two, the position's last sub-segment (`load` 1 in
+    sub_table) loads the next position's expert `nxt` into `w`, so that load overlaps the weight-gradient phase,
+    which does not read `w`."""
     TS = tile_slots(widths[0])
 
     def sub(j):
-        write_row = _load_entry(sub_table, 0, 0, j)
-        acc_row = _load_entry(sub_table, 0, 1, j)
-        cont = _register(_load_entry(sub_table, 0, 2, j))
-        n_tiles = _register(_load_entry(sub_table, 0, 3, j))
+        row = _row(sub_table, 0, j)  # the sub-segment's entries in one DMA
+        write_row, acc_row = row[0:1, 0:1], row[0:1, 1:2]
+        cont, n_tiles = _register(row[0:1, 2:3]), _register(row[0:1, 3:4])
         tail_bounds = []
         for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
-            p_begin, p_end = _bounds(sub_table, 0, 4 + 2 * k, j)
+            col = SUB_HEAD + 2 * k
+            p_begin, p_end = _register(row[0:1, col:col + 1]), _register(row[0:1, col + 1:col + 2])
             target, indexed = res, True
             if widths[k] < TS:  # a tail class narrower than a tile: its own one-tile buffer
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
                     first)
+        if prefetch is not None:
+
+            def fetch(i):
+                _backward_weights(prefetch, nxt, 0, prefetch.down.shape[2], w)
+
+            nl.fori_loop(0, _register(row[0:1, 4:5]), fetch)
         _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0,
                       w.down.shape[2])
 
@@ -1093,9 +1230,10 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     SBUF)."""
     x_pad = hbm["x"]
     io, D, F = x_pad.dtype, x_pad.shape[1], hbm_w.down.shape[2]
-    widths = _piece_classes(hbm["index"], seg_table, 3)
+    widths = _piece_classes(hbm["index"], seg_table, SEG_HEAD)
     FC, NT = fit_backward(D, F, io, widths)
-    ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F)
+    sets = stage_sets(D, F, FC, NT, io, widths)
+    ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F, sets)
     res = _resident(tile_slots(widths[0]), NT, D, FC, io)
     tails = []
     for B in _tail_widths(widths):
@@ -1104,18 +1242,30 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     ps_dw = []
     for _ in range(DW_BANKS):
         ps_dw.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_dw"))
+    ps["dw"] = ps_dw  # the pieces' dx accumulates there too (`dx_in_dw_banks`): the banks are idle while pieces run
+
+    resident = None
+    if FC == F:  # one chunk: position 0's weights here, each later position's prefetched by the one before it
+        first_expert = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=first_expert, src=seg_table[pid * S:pid * S + 1, 0:1])
+        resident = _backward_weights(hbm_w, first_expert, 0, F)
 
     def segment(s):
-        e = _load_entry(seg_table, pid * S, 0, s)
-        sub_begin, sub_end = _bounds(seg_table, pid * S, 1, s)
-        for c in range(_ntiles(F, FC)):  # one chunk (all of F) unless the matrices and tiles do not fit SBUF
+        row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
+        e = row[0:1, 0:1]
+        sub_begin, sub_end = _register(row[0:1, 1:2]), _register(row[0:1, 2:3])
+        if FC == F:
+            _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, resident, ws, res, tails, ps, ps_dw, grads,
+                          widths, 0, True, hbm_w, row[0:1, 3:4])
+        for c in range(_ntiles(F, FC) if FC < F else 0):  # F chunked: each chunk's weights, then its sub-segments
             f0 = c * FC
             w = _backward_weights(hbm_w, e, f0, _width(F, FC, c))
             _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0,
-                          c == 0)
+                          c == 0, None, None)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
     nl.fori_loop(0, _count(seg_count), segment)
+    resident = None  # dead after the last position (the loop body's cell holds it): the combine takes its SBUF
 
 
 def _zero_rows(t, zeros, pid, lnc):
@@ -1163,10 +1313,12 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
         token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
-        sub_table: [LNC * S * J, 4 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
+        sub_table: [LNC * S * J, 5 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
             core's dummy E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment,
             else the dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its
-            resident tile count (the same on both cores), then per piece class the [begin, end) rows of `piece`.
+            resident tile count (the same on both cores), load (1 on the position's last sub-segment, which loads
+            the position's next expert after its pieces; the same on both cores; used when F is one chunk), then
+            per piece class the [begin, end) rows of `piece`.
         zero_rows: [LNC * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
         zero_count: [1, 1] int32, rows zero-filled per core (the same on every core).
         g_saved, u_saved: [F, NS] from `moe_blockwise_fwd`; io dtype.
@@ -1182,7 +1334,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
     L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
-    _expect(sub_table, "sub_table", "[LNC * S * J, 4 + 2L] (L of seg_table)", (None, 4 + 2 * L), I32)
+    _expect(sub_table, "sub_table", "[LNC * S * J, 5 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
     _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
     _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
     E, F = w_gate.shape[0], w_gate.shape[1]

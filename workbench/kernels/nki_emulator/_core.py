@@ -107,12 +107,17 @@ class Budget:
                                    depth, storage, address]
 
     def advance(self, depth: int) -> None:
-        """Start the next instruction, traced inside `depth` nested dynamic loops: loops deeper than that have
-        ended, so the tiles they carried live to the last instruction traced before this one."""
+        """Start the next instruction, traced inside `depth` nested dynamic loops."""
+        self.close_loops(depth)
+        self.event += 1
+
+    def close_loops(self, depth: int) -> None:
+        """Loops deeper than `depth` have ended (a loop's traced body is closed, or an instruction is traced
+        outside them): the tiles they carried live to the last instruction traced before now, not into the next
+        loop at the same depth."""
         for d in [d for d in self.carried if d > depth]:
             for tile in self.carried.pop(d):
                 tile[3] = max(tile[3], self.event)
-        self.event += 1
 
     def use(self, storage: _Storage, depth: int) -> None:
         """The instruction traced now (inside `depth` nested dynamic loops) reads or writes `storage`."""
@@ -139,7 +144,7 @@ class Budget:
                 while ends and ends[0][0] < start:
                     live -= heapq.heappop(ends)[1]
                 live += t[1]
-                heapq.heappush(ends, (max(t[3], start), t[1]))
+                heapq.heappush(ends, (max(t[3], start), t[1], f"{t[4] or 'tile'} at {t[5]}"))
                 if t[8] is not None and t[3] > t[2]:  # a placed tile no instruction uses touches no address:
                     # nki-library's allocator opens a scope, reserves tiles it never uses, closes it and places the
                     # next tile on the same bytes, all between two instructions
@@ -152,8 +157,9 @@ class Budget:
                     raise violation(
                         f"{kind}-capacity",
                         f"allocating {t[1]} B/partition of {kind.upper()} ({t[4] or 'tile'} at {t[5]}) with "
-                        f"{live - t[1]} B still in use by tiles used later exceeds the {cap} B/partition "
-                        f"capacity{banks}; finish with tiles before allocating more, reuse tiles or tile smaller", url)
+                        f"{live - t[1]} B still in use by tiles used later ({_largest(ends, t)}) exceeds the {cap} "
+                        f"B/partition capacity{banks}; finish with tiles before allocating more, reuse tiles or tile "
+                        "smaller", url)
                 peak = max(peak, live)
             peaks[kind] = peak
         return peaks
@@ -680,6 +686,21 @@ def _uninitialized(storage: _Storage, detail: str, poison: torch.Tensor, derived
             "uninitialized-read", f"{detail}; under LNC {launch.lnc} the emulator runs core 0 up to its next "
             "core_barrier before core 1: if another core writes these elements, a nisa.core_barrier must separate "
             "the write from this read", URL_TILING)
+
+
+def _largest(ends, new) -> str:
+    """The tiles in use besides `new`, for a capacity error: the 4 largest by bytes, alike tiles (one allocation
+    site) together: "name at site N B" or "name at site N x B"."""
+    groups: dict = {}
+    for _, size, name in ends:
+        count, total = groups.get(name, (0, 0))
+        groups[name] = (count + 1, total + size)
+    key = f"{new[4] or 'tile'} at {new[5]}"
+    count, total = groups[key]
+    groups[key] = (count - 1, total - new[1])
+    top = sorted((g for g in groups.items() if g[1][0] > 0), key=lambda g: -g[1][1])[:4]
+    return ", ".join(f"{name} {total} B" if count == 1 else f"{name} {count} x {total // count} B"
+                     for name, (count, total) in top)
 
 
 def _check_overlap(tile, placed, kind: str) -> None:

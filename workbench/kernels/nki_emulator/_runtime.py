@@ -673,6 +673,7 @@ def _trace_body(launch: Launch, body, value):
         result = body(value)
     finally:
         launch.trace[launch.core].pop()
+        launch.budgets[launch.core].close_loops(len(launch.trace[launch.core]))
     return nodes, result
 
 
@@ -776,4 +777,5 @@ def _dynamic_loop(launch: Launch, start, stop, step, site):
     launch.trace[launch.core].append(nodes)
     yield reg  # the Python body runs once here, recording its instructions into `nodes`
     launch.trace[launch.core].pop()
+    launch.budgets[launch.core].close_loops(len(launch.trace[launch.core]))
     _emit_loop(launch, "dynamic_range", site, reg, nodes, lambda: range(_value(start), _value(stop), step))

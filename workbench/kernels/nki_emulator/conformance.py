@@ -419,7 +419,8 @@ case("layernorm_tkg")(lambda lib: _norm_tkg(lib, "layernorm"))
 
 # -- side by side with our kernels (benchmarks/nki_moe_cost.py --compare-nki-library) -----------------------------
 def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up, w_down, block: int, lnc: int,
-                                   nki_version: str = LIBRARY_NKI_VERSION):
+                                   nki_version: str = LIBRARY_NKI_VERSION, blocks: str = "tests",
+                                   skip_weights: bool = False):
     """Run nki-library's bwmm_shard_on_block on one routing and return the emulator's Counters.
 
     Inputs in AWS's layout from our tensors, in the mode nki-library's SHARD_ON_BLOCK tests use (skip_token: padding
@@ -427,7 +428,10 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
     outside each token's top-k), gate_up [E, D, 2, F], down [E, F, D]; each expert's tokens in order, padded to
     whole blocks; N is the static block count AWS's tests allocate (ceil((T*K - (E-1)) / B) + E - 1, rounded to a
     multiple of the LNC), its padding blocks on the last expert, as nki-library's
-    generate_token_position_to_id_and_experts lays them out. SiLU, POST_SCALE, no bias, bf16. (Without skip_token
+    generate_token_position_to_id_and_experts lays them out (`blocks` "needed": the blocks this routing needs,
+    rounded to a multiple of the LNC, instead). `skip_weights`: SkipMode(True, True), nki-library's "mode 3" (a block
+    whose expert is the previous block's reuses the loaded weights), as its own E = 128 test rows run; else
+    SkipMode(True, False). SiLU, POST_SCALE, no bias, bf16. (Without skip_token
     the kernel leaves output row T unzeroed when T + 1 leaves a 1-row tail tile, bwmm_output_initialization's
     `num_elements != 1`, and accumulates padding slots into it: the emulator stops at that uninitialized read.)"""
     from workbench.kernels.nki_emulator import counters
@@ -435,15 +439,15 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
     t, k = ids.shape
     e, f, d = w_gate.shape
     per_expert = [torch.nonzero((ids == j).any(dim=1)).reshape(-1) for j in range(e)]
-    blocks = [math.ceil(len(tok) / block) for tok in per_expert]
-    n = math.ceil((t * k - (e - 1)) / block) + e - 1
+    blocks_e = [math.ceil(len(tok) / block) for tok in per_expert]
+    n = sum(blocks_e) if blocks == "needed" else math.ceil((t * k - (e - 1)) / block) + e - 1
     n = lnc * math.ceil(n / lnc)
-    blocks[-1] += n - sum(blocks)
+    blocks_e[-1] += n - sum(blocks_e)
     positions = torch.full((n * block,), -1, dtype=torch.int32)
     start = 0
     for j in range(e):
         positions[start:start + len(per_expert[j])] = per_expert[j].to(torch.int32)
-        start += blocks[j] * block
+        start += blocks_e[j] * block
     affinity = torch.zeros(t, e)
     affinity[torch.arange(t)[:, None], ids] = weights.float()
     with redirected(library), version.rules_of(nki_version):
@@ -452,13 +456,13 @@ def aws_blockwise_forward_counters(library: Path, x, ids, weights, w_gate, w_up,
         from nkilib_src.nkilib.core.utils.common_types import ActFnType
 
         inputs = {
-            "hidden_states": x.detach().to(torch.bfloat16), "skip_dma": SkipMode(True, False),
+            "hidden_states": x.detach().to(torch.bfloat16), "skip_dma": SkipMode(True, skip_weights),
             "expert_affinities_masked": affinity.reshape(-1, 1).to(torch.bfloat16),
             "gate_up_proj_weight": torch.stack([w_gate.transpose(1, 2), w_up.transpose(1, 2)], dim=2)
             .detach().to(torch.bfloat16).contiguous(),
             "down_proj_weight": w_down.transpose(1, 2).detach().to(torch.bfloat16).contiguous(),
             "block_size": block, "token_position_to_id": positions,
-            "block_to_expert": torch.repeat_interleave(torch.arange(e, dtype=torch.int32), torch.tensor(blocks)),
+            "block_to_expert": torch.repeat_interleave(torch.arange(e, dtype=torch.int32), torch.tensor(blocks_e)),
             "activation_function": ActFnType.SiLU, "compute_dtype": nki_emulator.language.bfloat16,
             "is_tensor_update_accumulating": k > 1,
         }

@@ -11,11 +11,16 @@ does not), and a core barrier waits for every core's earlier instructions. Queue
 GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines. A DMA first
 generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE), then moves
 its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's share of
-HBM bandwidth (a bandwidth queue); a DMA that waits on another DMA's completion pays the ~1.3 us semaphore
-latency. A compiled loop's branch costs every engine `branch_s`. The result: the launches' makespans (the headline
-`model_ms` of the MoE cost report), each engine's busy and waiting time, and the stalls by waiting source line and
-what it waited for. Not modelled: the compiler's reordering inside a basic block (the replay keeps program order
-per queue), the DMA queue assignment (a DMA takes the DGE instance free first), HBM bank conflicts.
+HBM bandwidth. The DMA engines and the HBM link are booked by time (`_Booked`): a transfer takes the first idle gap
+at or after its descriptors exist, so a load ready early is not held behind a store the program issued before it
+but whose operands came later (descriptors reach the engines' rings in time order; until 2026-12-05 both were
+served in program order, which serialised every DMA of a kernel). A DMA that waits on another DMA's completion
+pays the ~1.3 us semaphore latency. A compiled loop's branch costs every engine `branch_s`. The result: the
+launches' makespans (the headline `model_ms` of the MoE cost report), each engine's busy and waiting time, and the
+stalls by waiting source line and what it waited for. Not modelled: the compiler's reordering inside a basic
+block (the replay keeps program order per queue), the DMA queue assignment (a DMA takes the DGE instance free
+first), HBM bank conflicts, bandwidth shared between concurrent transfers (a transfer booked first holds an engine
+or the HBM link for its whole length: a small transfer behind a big one waits for all of it).
 
 `model(c)`, the throughput model (the bracket): per engine, the sum of its instructions' costs.
 
@@ -42,6 +47,7 @@ Nothing here was measured on Trainium.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -354,15 +360,61 @@ class Schedule:
         return [{"engine": e, "site": site, "waits_for": cause, "ms": round(t * 1e3, 4)} for (e, site, cause), t in top]
 
 
+class _Booked:
+    """A resource booked by time (one DMA engine, or the core's share of the HBM link): its busy intervals, sorted
+    and disjoint. A transfer takes the first idle gap of its length at or after the time it may start, so a
+    transfer described early is not held behind one the program issued before it but that was described later
+    (the replay visits instructions in program order; descriptors reach the engines' rings in time order)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def fit(self, t0: float, d: float) -> float:
+        """The earliest start >= t0 of an idle gap at least d long."""
+        i, t = bisect.bisect_right(self.ends, t0), t0
+        while i < len(self.starts) and self.starts[i] < t + d:
+            t = max(t, self.ends[i])
+            i += 1
+        return t
+
+    def book(self, s: float, e: float) -> None:
+        """Mark [s, e) busy (free by `fit`), merged with touching neighbours."""
+        i = bisect.bisect_left(self.starts, s)
+        if i > 0 and self.ends[i - 1] >= s:
+            i -= 1
+            s = self.starts[i]
+            e = max(e, self.ends[i])
+            del self.starts[i], self.ends[i]
+        while i < len(self.starts) and self.starts[i] <= e:
+            e = max(e, self.ends[i])
+            del self.starts[i], self.ends[i]
+        self.starts.insert(i, s)
+        self.ends.insert(i, e)
+
+    def forget_before(self, t: float) -> None:
+        """Merge the intervals that end at or before t into one (no later transfer can start before t)."""
+        i = bisect.bisect_right(self.ends, t)
+        if i > 1:
+            self.starts[: i] = [self.starts[0]]
+            self.ends[: i] = [self.ends[i - 1]]
+
+    def end(self) -> float:
+        return self.ends[-1] if self.ends else 0.0
+
+
 class _Core:
     """One core's queues during a replay."""
 
     def __init__(self, r: Rates):
         self.free = {q: 0.0 for q in QUEUES}
         self.dge = [0.0] * r.dge_instances
-        self.dma = [0.0] * r.dma_engines
-        self.hbm = 0.0
+        self.dma = [_Booked() for _ in range(r.dma_engines)]
+        self.hbm = _Booked()
         self.end = 0.0  # latest completion so far
+        self.issued = 0  # DMAs replayed (the booked resources are pruned every `_PRUNE` of them)
 
 
 def _overlaps(entries, box, best, cause, label):
@@ -430,7 +482,9 @@ def _replay(cores_trace, r: Rates, out: Schedule) -> float:
                         _stall(out, q, "core_barrier", "the other core", t - c.free[q])
                     c.free[q] = t
             c.dge = [max(x, t) for x in c.dge]
-            c.dma = [max(x, t) for x in c.dma]
+            for b in (*c.dma, c.hbm):  # nothing after the barrier moves before it
+                if b.end() < t:
+                    b.book(b.end(), t)
             c.end = t
     return max(c.end for c in cores)
 
@@ -481,13 +535,23 @@ def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedu
         if start > c.dge[i]:
             _stall(out, "dma", site, cause, (start - c.dge[i]) / len(c.dge))  # a DGE queue idle, waiting
         c.dge[i] = described = start + r.dge_hw_s
+    # the transfer: its share on each of k engines (the k whose idle gaps open first) and its bytes through the
+    # core's HBM share, each booked at the first idle gap at or after `described`
     k = min(r.dma_engines, -(-w.partitions // r.dma_partitions_per_engine))
-    order = sorted(range(r.dma_engines), key=c.dma.__getitem__)[:k]
-    t0 = max(described, c.dma[order[-1]])
     seconds = r.dma_fixed_s + w.nbytes / (k * r.dma_engine_bytes_per_s)
-    c.hbm = max(c.hbm, t0) + w.hbm_bytes / r.hbm_bytes_per_s
-    end = max(t0 + seconds, c.hbm)
-    for e in order:
-        c.dma[e] = end
+    starts = sorted((b.fit(described, seconds), i) for i, b in enumerate(c.dma))[:k]
+    end = starts[-1][0] + seconds
+    for t, i in starts:
+        c.dma[i].book(t, t + seconds)
+    if w.hbm_bytes:
+        h = w.hbm_bytes / r.hbm_bytes_per_s
+        t = c.hbm.fit(described, h)
+        c.hbm.book(t, t + h)
+        end = max(end, t + h)
+    c.issued += 1
+    if c.issued % _PRUNE == 0:  # no later transfer is described before the DGE queues' earliest free time
+        horizon = min(min(c.dge), c.free["gpsimd"])
+        for b in (*c.dma, c.hbm):
+            b.forget_before(horizon)
     out.busy["dma"] += k * seconds / r.dma_engines
     return end
