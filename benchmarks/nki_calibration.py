@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from workbench.core.neuron_env import compiled_for_lnc  # noqa: E402
 from workbench.kernels.nki_api import nisa, nki, nl  # noqa: E402
 from workbench.kernels.nki_emulator import capacity_lifted, counters  # noqa: E402
-from workbench.kernels.nki_emulator.timing import model, schedule  # noqa: E402
+from workbench.kernels.nki_emulator.timing import TRN1, TRN2, model, schedule  # noqa: E402
 
 PUBLISHED_MS = {"v2": 39.89, "v3": 28.20, "v4": 28.41, "v5": 28.30}  # trn2, the tutorial's profiles
 TK, TM, TN = 128, 128, 512  # contraction tile (partitions), stationary free size, moving free size
@@ -172,49 +173,287 @@ def v5_blocked_mnk(lhsT, rhs):
     return result
 
 
-KERNELS = {"v2": v2_tiled, "v3": v3_hoisted, "v4": v4_blocked_mn, "v5": v5_blocked_mnk}
-LIFTED = {"v4", "v5"}  # over the usable SBUF in program order (module docstring)
+# -- trn1: the LayerNorm tutorial (fp32 [4096, 8192], `nki.benchmark` p50; NeuronCore-v2) ------------------------
+EPS = 1e-5
 
 
-def run(name: str, K: int, M: int, N: int) -> dict:
-    """One kernel at lhsT [K, M] x rhs [K, N] fp32: its result checked against torch, its modeled times (ms)."""
+def _partition_broadcast(row, n, offset=0):
+    """An SBUF [128, n] tile whose every partition holds row[offset : offset + n] of a 1-D or 2-D HBM tensor: one DMA
+    whose partition stride is 0 (the tutorials' `broadcast_to` of a [1, n] row)."""
+    t = nl.ndarray((nl.tile_size.pmax, n), dtype=row.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=row.ap(pattern=[[0, nl.tile_size.pmax], [1, n]], offset=offset))
+    return t
+
+
+def _layernorm(x, gamma, beta, stats):
+    """Both tutorial versions: per 128-row tile, one load, the row statistics by `stats`, the normalisation, the
+    gamma multiply and beta add as two tensor_tensor ops, one store; gamma and beta broadcast once."""
+    R, N = x.shape
+    out = nl.ndarray((R, N), dtype=x.dtype, buffer=nl.shared_hbm)
+    g, b = _partition_broadcast(gamma, N), _partition_broadcast(beta, N)
+    for i in nl.affine_range(R // 128):
+        t = nl.ndarray((128, N), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[i * 128:(i + 1) * 128, 0:N])
+        y = stats(t, N)
+        nisa.tensor_tensor(dst=y, data1=y, data2=g, op=nl.multiply)
+        nisa.tensor_tensor(dst=y, data1=y, data2=b, op=nl.add)
+        nisa.dma_copy(dst=out[i * 128:(i + 1) * 128, 0:N], src=y)
+    return out
+
+
+def _rstd(var):
+    """1 / sqrt(var + eps) of a [128, 1] tile (two small instructions)."""
+    nisa.tensor_scalar(dst=var, data=var, op0=nl.add, operand0=EPS)
+    nisa.activation(dst=var, op=nl.rsqrt, data=var)
+    return var
+
+
+def _mean_var_v1(t, N):
+    """v1: the mean (a Vector reduce), the mean of squares (Scalar square, Vector reduce), var = E[x^2] - mean^2,
+    then (x - mean) and * rstd as two N-element instructions."""
+    mean, msq, var = (nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3))
+    nisa.tensor_reduce(dst=mean, op=nl.add, data=t, axis=1)
+    nisa.tensor_scalar(dst=mean, data=mean, op0=nl.multiply, operand0=1.0 / N)
+    sq = nl.ndarray((128, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=t)
+    nisa.tensor_reduce(dst=msq, op=nl.add, data=sq, axis=1)
+    nisa.tensor_scalar(dst=msq, data=msq, op0=nl.multiply, operand0=1.0 / N)
+    nisa.tensor_tensor(dst=var, data1=mean, data2=mean, op=nl.multiply)
+    nisa.tensor_tensor(dst=var, data1=msq, data2=var, op=nl.subtract)
+    rstd = _rstd(var)
+    y = nl.ndarray((128, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=y, data=t, op0=nl.subtract, operand0=mean)
+    nisa.tensor_scalar(dst=y, data=y, op0=nl.multiply, operand0=rstd)
+    return y
+
+
+def _mean_var_v2(t, N):
+    """v2: bn_stats per 512 columns and one bn_aggr, then (x - mean) * rstd as one tensor_scalar."""
+    F = nl.tile_size.bn_stats_fmax
+    stats = nl.ndarray((128, 6 * (N // F)), dtype=nl.float32, buffer=nl.sbuf)
+    for j in nl.affine_range(N // F):
+        nisa.bn_stats(dst=stats[0:128, 6 * j:6 * j + 6], data=t[0:128, j * F:(j + 1) * F])
+    mv = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.bn_aggr(dst=mv, data=stats)
+    var = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=var, src=mv[0:128, 1:2])
+    rstd = _rstd(var)
+    y = nl.ndarray((128, N), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=y, data=t, op0=nl.subtract, operand0=mv[0:128, 0:1], op1=nl.multiply, operand1=rstd)
+    return y
+
+
+@nki.jit
+def layernorm_v1(x, gamma, beta):
+    return _layernorm(x, gamma, beta, _mean_var_v1)
+
+
+@nki.jit
+def layernorm_v2(x, gamma, beta):
+    return _layernorm(x, gamma, beta, _mean_var_v2)
+
+
+def _layernorm_inputs(small):
+    R, N = (512, 2048) if small else (4096, 8192)
     g = torch.Generator().manual_seed(0)
-    lhsT, rhs = torch.rand(K, M, generator=g), torch.rand(K, N, generator=g)
+    return torch.rand(R, N, generator=g), torch.rand(N, generator=g), torch.rand(N, generator=g)
+
+
+def _layernorm_reference(x, gamma, beta):
+    return torch.nn.functional.layer_norm(x, x.shape[1:], gamma, beta, EPS)
+
+
+# -- trn1: the fused Mamba tutorial (fp32, batch 1, channels 4096, state 16; neuron-profile device time) -----------
+def _mamba(delta, u, A, B, C, chunk):
+    """Per 128-channel tile: delta and u loaded once; per state: A's column, then per `chunk` columns of the
+    sequence (v2: the whole sequence, one chunk) exp(delta * A) on the Scalar Engine, B and C rows broadcast over the
+    partitions, delta * u, * B, the scan h[t] = exp(delta A)[t] * h[t - 1] + (delta u B)[t] (v3 carries h between
+    chunks), * C, added into the tile's accumulator; one store per tile.
+
+    Dimensions:
+        Ch: channels (partitions, 128 per tile); L: sequence length; S: state size.
+    """
+    _, Ch, L = delta.shape
+    S = A.shape[1]
+    out = nl.ndarray((1, Ch, L), dtype=delta.dtype, buffer=nl.shared_hbm)
+    f32 = delta.dtype
+    for c in nl.affine_range(Ch // 128):
+        c0 = c * 128
+        d, x = (nl.ndarray((128, L), dtype=f32, buffer=nl.sbuf) for _ in range(2))
+        nisa.dma_copy(dst=d, src=delta[0, c0:c0 + 128, 0:L])
+        nisa.dma_copy(dst=x, src=u[0, c0:c0 + 128, 0:L])
+        acc = nl.ndarray((128, L), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=acc, value=0.0)
+        for s in nl.affine_range(S):
+            a = nl.ndarray((128, 1), dtype=f32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=a, src=A[c0:c0 + 128, s:s + 1])
+            carry = None
+            for k in nl.static_range(L // chunk):
+                k0 = k * chunk
+                dA = nl.ndarray((128, chunk), dtype=f32, buffer=nl.sbuf)
+                nisa.activation(dst=dA, op=nl.exp, data=d[0:128, k0:k0 + chunk], scale=a)
+                b = _partition_broadcast(B, chunk, offset=s * L + k0)
+                du = nl.ndarray((128, chunk), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=du, data1=d[0:128, k0:k0 + chunk], data2=x[0:128, k0:k0 + chunk],
+                                   op=nl.multiply)
+                dbu = nl.ndarray((128, chunk), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=dbu, data1=du, data2=b, op=nl.multiply)
+                h = nl.ndarray((128, chunk), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor_scan(dst=h, data0=dA, data1=dbu, initial=0.0 if carry is None else carry,
+                                        op0=nl.multiply, op1=nl.add)
+                if k + 1 < L // chunk:
+                    carry = nl.ndarray((128, 1), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_copy(dst=carry, src=h[0:128, chunk - 1:chunk])
+                cb = _partition_broadcast(C, chunk, offset=s * L + k0)
+                hc = nl.ndarray((128, chunk), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=hc, data1=h, data2=cb, op=nl.multiply)
+                nisa.tensor_tensor(dst=acc[0:128, k0:k0 + chunk], data1=acc[0:128, k0:k0 + chunk], data2=hc,
+                                   op=nl.add)
+        nisa.dma_copy(dst=out[0, c0:c0 + 128, 0:L], src=acc)
+    return out
+
+
+@nki.jit
+def mamba_v1(delta, u, A, B, C):
+    """The tutorial's first version: states outer, channel tiles inner, every tile's accumulator live across the
+    states; delta and u reloaded for every (state, tile)."""
+    _, Ch, L = delta.shape
+    S, T, f32 = A.shape[1], Ch // 128, delta.dtype
+    out = nl.ndarray((1, Ch, L), dtype=f32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((128, T, L), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+    for s in nl.affine_range(S):
+        for c in nl.affine_range(T):
+            c0 = c * 128
+            d, x, a = (nl.ndarray((128, n), dtype=f32, buffer=nl.sbuf) for n in (L, L, 1))
+            nisa.dma_copy(dst=d, src=delta[0, c0:c0 + 128, 0:L])
+            nisa.dma_copy(dst=a, src=A[c0:c0 + 128, s:s + 1])
+            dA = nl.ndarray((128, L), dtype=f32, buffer=nl.sbuf)
+            nisa.activation(dst=dA, op=nl.exp, data=d, scale=a)
+            nisa.dma_copy(dst=x, src=u[0, c0:c0 + 128, 0:L])
+            b = _partition_broadcast(B, L, offset=s * L)
+            du, dbu, h = (nl.ndarray((128, L), dtype=f32, buffer=nl.sbuf) for _ in range(3))
+            nisa.tensor_tensor(dst=du, data1=d, data2=x, op=nl.multiply)
+            nisa.tensor_tensor(dst=dbu, data1=du, data2=b, op=nl.multiply)
+            nisa.tensor_tensor_scan(dst=h, data0=dA, data1=dbu, initial=0.0, op0=nl.multiply, op1=nl.add)
+            cb = _partition_broadcast(C, L, offset=s * L)
+            hc = nl.ndarray((128, L), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=hc, data1=h, data2=cb, op=nl.multiply)
+            nisa.tensor_tensor(dst=acc[0:128, c, 0:L], data1=acc[0:128, c, 0:L], data2=hc, op=nl.add)
+    for c in nl.affine_range(T):
+        nisa.dma_copy(dst=out[0, c * 128:(c + 1) * 128, 0:L], src=acc[0:128, c, 0:L])
+    return out
+
+
+@nki.jit
+def mamba_v2(delta, u, A, B, C):
+    """The whole sequence per instruction."""
+    return _mamba(delta, u, A, B, C, delta.shape[2])
+
+
+@nki.jit
+def mamba_v3(delta, u, A, B, C):
+    """The sequence in 512-column chunks, the scan's state carried between them."""
+    return _mamba(delta, u, A, B, C, 512)
+
+
+def _mamba_inputs(L, small, Ch=4096):
+    Ch, S = (256, 16) if small else (Ch, 16)
+    g = torch.Generator().manual_seed(0)
+    delta, u = torch.rand(1, Ch, L, generator=g) * 0.1, torch.rand(1, Ch, L, generator=g)
+    A = -torch.rand(Ch, S, generator=g)
+    return delta, u, A, torch.rand(1, S, L, generator=g), torch.rand(1, S, L, generator=g)
+
+
+def _mamba_reference(delta, u, A, B, C):
+    d, x = delta[0].double(), u[0].double()  # [Ch, L]
+    out = torch.zeros_like(d)
+    for s in range(A.shape[1]):
+        dA = torch.exp(d * A[:, s:s + 1].double())
+        dbu = d * x * B[0, s].double()
+        h = torch.zeros(d.shape[0], dtype=torch.float64)
+        hs = torch.empty_like(d)
+        for t in range(d.shape[1]):
+            h = dA[:, t] * h + dbu[:, t]
+            hs[:, t] = h
+        out += hs * C[0, s].double()
+    return out.float()[None]
+
+
+# -- the cases -------------------------------------------------------------------------------------------------------
+class Case(NamedTuple):
+    """One published timing: the kernel written here, its inputs (full or --small), the torch reference, the rates
+    of the chip it was published on, the figure (ms; None: none at this shape), SBUF capacity lifted or not."""
+
+    kernel: object
+    inputs: object
+    reference: object
+    rates: object
+    chip: str
+    published_ms: float | None
+    lifted: bool = False
+
+
+def _matmul_inputs(small):
+    K, M, N = (1024, 2048, 1024) if small else (8192, 4096, 8192)
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(K, M, generator=g), torch.rand(K, N, generator=g)
+
+
+CASES = {f"matmul_{v}": Case(k, _matmul_inputs, lambda a, b: a.T @ b, TRN2, "trn2", PUBLISHED_MS[v], v in ("v4", "v5"))
+         for v, k in (("v2", v2_tiled), ("v3", v3_hoisted), ("v4", v4_blocked_mn), ("v5", v5_blocked_mnk))}
+CASES["layernorm_v1"] = Case(layernorm_v1, _layernorm_inputs, _layernorm_reference, TRN1, "trn1", 2.311)
+CASES["layernorm_v2"] = Case(layernorm_v2, _layernorm_inputs, _layernorm_reference, TRN1, "trn1", 1.969)
+# the Mamba tutorial: v1 at seq_len 512 (its text), v2 / v3 per seq_len at channels 4096 (its table); --small runs
+# channels 256 at seq_len 1024
+for _v, _k, _pub in (("v1", mamba_v1, {512: 2.34}), ("v2", mamba_v2, {512: 1.61, 2048: 8.9, 8192: 52.2}),
+                     ("v3", mamba_v3, {512: 1.6, 2048: 6.6, 8192: 27.8})):
+    for _L, _ms in _pub.items():
+        CASES[f"mamba_{_v}_L{_L}"] = Case(_k, lambda small, L=_L: _mamba_inputs(1024 if small else L, small),
+                                         _mamba_reference, TRN1, "trn1", _ms)
+CASES["mamba_v1_L512_C256"] = Case(mamba_v1, lambda small: _mamba_inputs(512, small, 256), _mamba_reference, TRN1,
+                                   "trn1", 0.17293)  # the tutorial's first test case
+
+
+def run(name: str, small: bool = False) -> dict:
+    """One case: its result checked against torch, its modeled times (ms) under its chip's rates."""
+    case = CASES[name]
+    args = case.inputs(small)
     t0 = time.perf_counter()
     with compiled_for_lnc(1), counters(trace=True) as c:
-        if name in LIFTED:
+        if case.lifted:
             with capacity_lifted():
-                out = KERNELS[name](lhsT, rhs)
+                out = case.kernel(*args)
         else:
-            out = KERNELS[name](lhsT, rhs)
+            out = case.kernel(*args)
     emulated = time.perf_counter() - t0
-    torch.testing.assert_close(out, lhsT.T @ rhs, rtol=1e-4, atol=1e-3)
-    bracket = model(c)
-    return {"model_ms": round(schedule(c).seconds * 1e3, 3), "overlap_ms": round(bracket.overlap_s * 1e3, 3),
-            "serial_ms": round(bracket.serial_s * 1e3, 3), "bound": bracket.bound,
-            "capacity_lifted": name in LIFTED, "emulated_s": round(emulated, 1)}
+    torch.testing.assert_close(out, case.reference(*args), rtol=1e-4, atol=1e-3)
+    bracket = model(c, case.rates)
+    return {"chip": case.chip, "model_ms": round(schedule(c, case.rates).seconds * 1e3, 3),
+            "overlap_ms": round(bracket.overlap_s * 1e3, 3), "serial_ms": round(bracket.serial_s * 1e3, 3),
+            "bound": bracket.bound, "sbuf_peak_bytes": c.sbuf_peak, "capacity_lifted": case.lifted,
+            "emulated_s": round(emulated, 1)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help="lhsT [1024, 2048] x rhs [1024, 1024]: no published "
-                        "figure, a quick check")
-    parser.add_argument("--versions", default="v2,v3,v4,v5", help="comma-separated subset of v2,v3,v4,v5")
+    parser.add_argument("--small", action="store_true", help="smaller shapes (no published figure): a quick check")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
     args = parser.parse_args(argv)
-    K, M, N = (1024, 2048, 1024) if args.small else (8192, 4096, 8192)
     rows = {}
-    print(f"matmul tutorial kernels, fp32 lhsT [{K}, {M}] x rhs [{K}, {N}], one NeuronCore (LNC 1), trn2 time model")
-    print(f"{'kernel':8s}{'published ms':>14s}{'model ms':>11s}{'model/pub':>11s}{'bracket ms':>20s}  bound")
-    for name in args.versions.split(","):
-        r = run(name, K, M, N)
-        pub = None if args.small else PUBLISHED_MS[name]
+    print(f"{'case':16s}{'chip':>5s}{'published ms':>14s}{'model ms':>11s}{'model/pub':>11s}{'bracket ms':>22s}  bound")
+    for name in args.cases.split(","):
+        if name not in CASES:
+            parser.error(f"unknown case {name!r}; choose from {', '.join(CASES)}")
+        r = run(name, args.small)
+        pub = None if args.small else CASES[name].published_ms
         r["published_ms"] = pub
         r["ratio"] = None if pub is None else round(r["model_ms"] / pub, 3)
         rows[name] = r
         note = " (SBUF capacity lifted)" if r["capacity_lifted"] else ""
-        print(f"{name:8s}{pub if pub is not None else '-':>14}{r['model_ms']:>11.2f}"
+        print(f"{name:16s}{r['chip']:>5s}{pub if pub is not None else '-':>14}{r['model_ms']:>11.3f}"
               f"{r['ratio'] if r['ratio'] is not None else '-':>11}"
-              f"{r['overlap_ms']:>9.2f} .. {r['serial_ms']:<8.2f}  {r['bound']}{note}  [{r['emulated_s']} s]",
+              f"{r['overlap_ms']:>10.3f} .. {r['serial_ms']:<9.3f}  {r['bound']}{note}  [{r['emulated_s']} s]",
               flush=True)
     print(json.dumps(rows))
     return 0

@@ -284,6 +284,40 @@ def test_tensor_reduce_scan_max8_find_index8():
     np.testing.assert_array_equal(out[:, 27:35], np.argsort(-flat, axis=1, kind="stable")[:, :8])
 
 
+def test_bn_stats_over_slices_then_bn_aggr_give_the_rows_mean_and_variance():
+    x = rand(4, 1100) * 3 + 1  # 512 + 512 + 76 elements per partition: three bn_stats, the last one short and odd
+
+    def kernel(a):
+        t = load(a)
+        stats = nl.ndarray((4, 18), dtype=nl.float32, buffer=nl.sbuf)
+        for j in range(3):
+            nisa.bn_stats(dst=stats[:, 6 * j:6 * j + 6], data=t[:, 512 * j:min(1100, 512 * j + 512)])
+        mv = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv, data=stats)
+        out = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:6], src=stats[:, 12:18])
+        nisa.dma_copy(dst=out[:, 6:8], src=mv)
+        return out
+
+    with counters() as c:
+        out = run(kernel, x)
+    assert timing.model(c).unmodeled == {}
+    last = x[:, 1024:]  # the third slice's stats: even elements, then odd
+    for half, k in ((last[:, 0::2], 0), (last[:, 1::2], 3)):
+        np.testing.assert_allclose(out[:, k], half.shape[1])
+        np.testing.assert_allclose(out[:, k + 1], half.mean(1), rtol=1e-5)
+        np.testing.assert_allclose(out[:, k + 2], half.var(1) * half.shape[1], rtol=1e-4)
+    np.testing.assert_allclose(out[:, 6], x.mean(1), rtol=1e-5)
+    np.testing.assert_allclose(out[:, 7], x.var(1), rtol=1e-4)  # population variance (ddof 0)
+
+    def too_wide(a):
+        stats = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.bn_stats(dst=stats, data=load(a))
+
+    with raises("bn-stats-fmax"):
+        run(too_wide, x)
+
+
 def test_iota_affine_select_nonzero_with_count():
     def kernel(a):
         pos = nl.ndarray((4, 2, 3), dtype=nl.int32, buffer=nl.sbuf)

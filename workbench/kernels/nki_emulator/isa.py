@@ -922,6 +922,74 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=0, dma_engine=None,
     emit("dma", op, lambda: dst.write(value, init=init), dma_work(dst, src))
 
 
+URL_BN_STATS = f"{DOCS}/latest/nki/api/generated/nki.isa.bn_stats.html"
+URL_BN_AGGR = f"{DOCS}/latest/nki/api/generated/nki.isa.bn_aggr.html"
+BN_STATS_FMAX = 512  # "must not exceed 512 (nl.tile_size.bn_stats_fmax)" (bn_stats page)
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """(count, mean, variance * count) per partition of x [P, n] (n may be 0: all three 0)."""
+    n = x.shape[1]
+    if n == 0:
+        return torch.zeros(x.shape[0], 3)
+    mean = x.mean(1)
+    return torch.stack([torch.full_like(mean, float(n)), mean, ((x - mean[:, None]) ** 2).sum(1)], 1)
+
+
+def bn_stats(dst, data, name=None):
+    """Per partition, in fp32 on the Vector Engine: (count, mean, variance * count) of data's even elements, then
+    of its odd elements (6 values); data <= 512 elements per partition (bn_stats page:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.bn_stats.html)."""
+    op, url = "bn_stats", URL_BN_STATS
+    _on_chip(data, "data", op, url)
+    _on_chip(dst, "dst", op, url)
+    p, n = _per_partition(data)
+    if n > BN_STATS_FMAX:
+        raise violation("bn-stats-fmax", f"{op}: data has {n} elements per partition, more than "
+                        f"nl.tile_size.bn_stats_fmax = {BN_STATS_FMAX}: one bn_stats per 512-element slice, then "
+                        "one bn_aggr over their outputs", url)
+    if _per_partition(dst) != (p, 6):
+        raise violation("elementwise-shape", f"{op}: dst must hold 6 values per partition ({p}, 6), got "
+                        f"{dst.shape}", url)
+
+    def run():
+        value, poison = _data(data)
+        x = value.reshape(p, n)
+        out = torch.cat([_moments(x[:, 0::2]), _moments(x[:, 1::2])], 1)
+        dst.write(out.reshape(dst.shape),
+                  init=None if poison is None else _clean(dst, poison.reshape(p, n).int().amax(1) > 0))
+
+    emit("vector", op, run, elementwise_work(data, data))  # streams every input element once
+
+
+def bn_aggr(dst, data, name=None):
+    """Per partition, in fp32 on the Vector Engine: the mean and variance of everything the (count, mean,
+    variance * count) triples of `data` (bn_stats outputs side by side) summarise (bn_aggr page:
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.bn_aggr.html)."""
+    op, url = "bn_aggr", URL_BN_AGGR
+    _on_chip(data, "data", op, url)
+    _on_chip(dst, "dst", op, url)
+    p, n = _per_partition(data)
+    if n % 3:
+        raise violation("bn-aggr-triples", f"{op}: data holds {n} values per partition; bn_stats outputs are "
+                        "(count, mean, variance * count) triples, so it must be a multiple of 3", url)
+    if _per_partition(dst) != (p, 2):
+        raise violation("elementwise-shape", f"{op}: dst must hold (mean, variance) per partition ({p}, 2), got "
+                        f"{dst.shape}", url)
+
+    def run():
+        value, poison = _data(data)
+        t = value.reshape(p, n // 3, 3)
+        count, mean, m2 = t[..., 0], t[..., 1], t[..., 2]
+        total = count.sum(1)
+        mu = (count * mean).sum(1) / total
+        var = (m2 + count * (mean - mu[:, None]) ** 2).sum(1) / total  # the parallel-variance identity
+        dst.write(torch.stack([mu, var], 1).reshape(dst.shape),
+                  init=None if poison is None else _clean(dst, poison.reshape(p, n).int().amax(1) > 0))
+
+    emit("vector", op, run, elementwise_work(data, data))
+
+
 def _unemulated(name: str):
     """An nki.isa instruction nki-library uses that the emulator does not model: calling it raises."""
 
@@ -934,9 +1002,9 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "bn_stats",
-                 "bn_aggr", "nc_match_replace8", "range_select", "nc_n_gather", "tensor_partition_reduce",
-                 "local_gather", "select_reduce", "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
+for _missing in ("quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "nc_match_replace8",
+                 "range_select", "nc_n_gather", "tensor_partition_reduce", "local_gather", "select_reduce",
+                 "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))
 
 

@@ -82,6 +82,7 @@ class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
     psum_fmax = psum_bank_fmax = PSUM_BANK_BYTES // 4
     gemm_stationary_fmax = GEMM_STATIONARY_FMAX
     gemm_moving_fmax = GEMM_MOVING_FMAX
+    bn_stats_fmax = 512  # nki.isa.bn_stats page: "must not exceed 512 (nl.tile_size.bn_stats_fmax)"
     # "Usable SBUF free dimension per partition, in bytes" (tile_size page, v2.30): the page gives no number; this
     # is 224 KiB less the compiler's reservations as nki-library writes them (_core.SBUF_PARTITION_BYTES: the
     # figure the emulator's sbuf-capacity rule enforces)

@@ -182,6 +182,7 @@ class Rates:
     dma_semaphore_s: float = 1.3e-6
     sequencer_s: float = 50e-9
     branch_s: float = 50e-9
+    performance_modes: bool = True  # NeuronCore-v3's Vector Engine bf16 performance modes
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -190,6 +191,12 @@ class Rates:
 
 
 TRN2 = Rates()
+
+# One NeuronCore-v2 and its share of a Trainium1 chip: only for calibrating against AWS's trn1 tutorials
+# (benchmarks/nki_calibration.py); each figure that differs from TRN2 is cited in `TRN1_SOURCES`.
+TRN1 = Rates(tensor_hz=2.8e9, pe_bf16_flops=92e12, fp32_transpose_factor=4, vector_hz=1.12e9, scalar_hz=1.4e9,
+             gpsimd_hz=1.4e9, hbm_bytes_per_s_chip=820e9, cores_per_chip=2, dma_engine_bytes_per_s=17e9,
+             dge_hw_s=0.0, performance_modes=False)
 
 # Where each rate comes from (URL, what it says); "assumption" where no doc states the trn2 figure.
 SOURCES = {
@@ -229,17 +236,41 @@ SOURCES = {
     "dge_sw_row_cycles": (URL_DGE, "assumption: 16 GpSimd cycles per descriptor row"),
     "dma_semaphore_s": (URL_TRN2_NKI, "~1,300 ns semaphore-to-start latency across DMA engines: charged when a DMA "
                         "waits on another DMA's completion (assumption: not when a compute engine waits on a DMA)"),
+    "performance_modes": (URL_TRN2_NKI, "Vector Engine Performance Mode: tensor_copy / tensor_scalar up to 4x, "
+                          "tensor_tensor 2x for bf16 (the costs in `vector_cycles`)"),
     "sequencer_s": ("assumption", "register instructions (register_load / move / store) take 50 ns on the "
                     "sequencer that runs them; no doc gives a figure"),
     "branch_s": ("assumption", "a compiled loop's compare-and-branch takes 50 ns on every engine's instruction "
                  "stream (each engine runs the loop); no doc gives a figure"),
 }
 
+URL_TRN1_CHIP = f"{DOCS}/about-neuron/arch/neuron-hardware/trainium.html"
+TRN1_SOURCES = {
+    "tensor_hz": (URL_TRN1_NKI, "engine table: Tensor 2.8 GHz (NeuronCore-v2)"),
+    "pe_bf16_flops": (URL_TRN1_NKI, "BF16/FP16/TF32/cFP8 at a maximum throughput of 92 TFLOPS, 23 TFLOPS FP32"),
+    "fp32_transpose_factor": (URL_TRN1_NKI, "assumption: a PE transpose is a matmul, fp32 at the matmul's 4x "
+                              "(the 2x FP32 transpose mode is NeuronCore-v3's, Trainium2 guide)"),
+    "vector_hz": (URL_TRN1_NKI, "engine table: Vector 1.12 GHz"),
+    "scalar_hz": (URL_TRN1_NKI, "engine table: Scalar 1.4 GHz"),
+    "gpsimd_hz": (URL_TRN1_NKI, "engine table: GpSimd 1.4 GHz"),
+    "hbm_bytes_per_s_chip": (URL_TRN1_NKI, "2 HBM stacks ... bandwidth of 820 GB/s (per Trainium device)"),
+    "cores_per_chip": (URL_TRN1_CHIP, "two NeuronCore-v2 per Trainium chip; assumption: HBM shared evenly"),
+    "dma_engine_bytes_per_s": (URL_DMA_BW, "TRN1: 17 B/ns per engine, 16 engines, 272 GB/s per NeuronCore (the "
+                               "architecture guide's 27 GiB/s per engine is the peak)"),
+    "dge_hw_s": (URL_DGE, "assumption: 0 on NeuronCore-v2: descriptor-generation engines are NeuronCore-v3's; a "
+                 "trn1 DMA's descriptors are built by the compiler ahead of time"),
+    "performance_modes": (URL_TRN2_NKI, "the Vector Engine's bf16 performance modes are introduced with "
+                          "NeuronCore-v3 (Trainium2 guide); none on v2"),
+}
+
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
 
 
 def _elementwise_cycles(op: str, w: Elementwise, r: Rates, performance_modes: bool) -> float:
-    """VectorE cost model: inputs x N cycles, divided by the NeuronCore-v3 performance-mode speedup."""
+    """VectorE cost model: inputs x N cycles, divided by the NeuronCore-v3 performance-mode speedup; bn_aggr
+    13 N / 3 (its ISA page: 13 * (N / 3) Vector Engine cycles)."""
+    if op == "bn_aggr":
+        return 13 * w.free / 3 + r.access_overhead_cycles
     speedup = 1
     if performance_modes and w.bf16:
         if op in ("tensor_copy", "tensor_scalar"):
@@ -257,7 +288,7 @@ def instruction_seconds(engine: str, op: str, work, r: Rates = TRN2) -> float:
         return max(work.p, r.matmul_min_cycles) * (r.fp32_transpose_factor if work.fp32 else 1) / r.tensor_hz
     if isinstance(work, Elementwise):
         hz = {"vector": r.vector_hz, "scalar": r.scalar_hz, "gpsimd": r.gpsimd_hz}[engine]
-        return _elementwise_cycles(op, work, r, engine == "vector") / hz
+        return _elementwise_cycles(op, work, r, r.performance_modes and engine == "vector") / hz
     if isinstance(work, Dma):
         engines = min(r.dma_engines, -(-work.partitions // r.dma_partitions_per_engine))
         return (engines * r.dma_fixed_s + work.nbytes / r.dma_engine_bytes_per_s) / r.dma_engines
