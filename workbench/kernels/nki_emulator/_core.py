@@ -19,6 +19,7 @@ import contextlib
 import functools
 import heapq
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -92,8 +93,11 @@ class Budget:
 
     def __init__(self):
         self.event = 0  # instructions traced on this core so far: the program-order clock of liveness
-        self.tiles: dict[int, list] = {}  # id(storage) -> [kind, bytes/partition, alloc event, last use, name, site,
-        #                                    loop depth at allocation, storage, placement]
+        self.tiles: list[list] = []  # [kind, bytes/partition, alloc event, last use, name, site, loop depth at
+        #                               allocation, (unused), placement] per allocation, in allocation order
+        # storage -> its record; weak: a tile no Python name holds any more is dead for the program too, and holding
+        # it would keep every tile a long loop allocated in memory (GBs); not by id(): ids are reused
+        self.index = weakref.WeakKeyDictionary()
         self.carried: dict[int, list] = {}  # loop depth -> tiles used inside that loop but allocated outside it
 
     def allocate(self, storage: _Storage, per_partition: int, address=None) -> None:
@@ -103,8 +107,9 @@ class Budget:
         if kind == "psum":
             per_partition = PSUM_BANK_BYTES * math.ceil(per_partition / PSUM_BANK_BYTES)  # whole banks
         depth = len(_runtime.current().trace[_runtime.current().core])
-        self.tiles[id(storage)] = [kind, per_partition, self.event, self.event, storage.name, _runtime.call_site(),
-                                   depth, storage, address]
+        self.index[storage] = record = [kind, per_partition, self.event, self.event, storage.name,
+                                        _runtime.call_site(), depth, None, address]
+        self.tiles.append(record)
 
     def advance(self, depth: int) -> None:
         """Start the next instruction, traced inside `depth` nested dynamic loops."""
@@ -121,8 +126,8 @@ class Budget:
 
     def use(self, storage: _Storage, depth: int) -> None:
         """The instruction traced now (inside `depth` nested dynamic loops) reads or writes `storage`."""
-        tile = self.tiles.get(id(storage))
-        if tile is not None and tile[7] is storage:
+        tile = self.index.get(storage)
+        if tile is not None:
             tile[3] = max(tile[3], self.event)
             if depth > tile[6]:  # live through the outermost loop entered since its allocation
                 self.carried.setdefault(tile[6] + 1, []).append(tile)
@@ -136,7 +141,7 @@ class Budget:
                                ("psum", PSUM_PARTITION_BYTES, URL_MEMORY)):
             # a tile allocated after instruction c exists from c + 0.5 to its last use (an unused one just at
             # c + 0.5, where it meets every other allocation made before the next instruction)
-            tiles = sorted((t for t in self.tiles.values() if t[0] == kind), key=lambda t: t[2])
+            tiles = sorted((t for t in self.tiles if t[0] == kind), key=lambda t: t[2])
             live, ends, peak = 0, [], 0  # ends: heap of (last use, bytes) of the live tiles
             placed = []  # explicitly placed tiles still live: (last use, partitions and bytes, name, site)
             for t in tiles:

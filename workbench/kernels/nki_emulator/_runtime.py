@@ -21,6 +21,7 @@ import math
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -259,7 +260,10 @@ class Launch:
         self.moved: list = []  # (storage, init, selector) a data movement read, resolved only if it moved poison
         self.tracing = any(c.trace is not None for c in _active_counters)
         self.accesses = None  # while tracing: what the executing instruction touched (`touch`)
-        self.keys: dict = {}  # while tracing: id(storage or register) -> (it, serial): ids are never reused
+        # while tracing: storage or register -> its serial number in this launch. Weak keys: holding every tile a
+        # loop allocated would keep all their data alive (GBs for a long kernel); an `id()` could be reused
+        self.keys = weakref.WeakKeyDictionary()
+        self.serials = 0
         if self.tracing:
             self.stats.trace = [[] for _ in range(lnc)]
 
@@ -322,12 +326,13 @@ class Launch:
         self.accesses.append((self.key(storage), kind, r0, r1, c0, c1))
 
     def key(self, obj) -> int:
-        """A serial number for a storage or register, unique within the launch (an `id()` can be reused once the
-        object is freed, which would tie unrelated tiles together; holding the object keeps its id)."""
-        entry = self.keys.get(id(obj))
-        if entry is None:  # the entry holds obj, so no other object can take its id while the launch runs
-            entry = self.keys[id(obj)] = (obj, len(self.keys))
-        return entry[1]
+        """A serial number for a storage or register, unique within the launch (not its `id()`: that can be reused
+        once the object is freed, which would tie unrelated tiles together)."""
+        serial = self.keys.get(obj)
+        if serial is None:
+            serial = self.keys[obj] = self.serials
+            self.serials += 1
+        return serial
 
     # control flow ----------------------------------------------------------------------------------------------
     def check_control(self, where: str) -> None:
