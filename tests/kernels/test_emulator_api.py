@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.test_nki_emulator import evict, load, raises, store
+from tests.kernels.test_nki_emulator import bf16_round, evict, load, raises, store
 from workbench.core.neuron_env import compiled_for_lnc
 from workbench.kernels import nki_emulator as nki
 from workbench.kernels.nki_emulator import NkiRuleError, conformance, counters, timing
@@ -424,6 +424,229 @@ def test_dma_moves_equal_element_counts_in_row_major_order():
         return out
 
     np.testing.assert_array_equal(run(kernel, x), x.reshape(2, 3))
+
+
+# -- isa: an elementwise op fused with a reduction (nki-library's rmsnorm_quant) -----------------------------------
+def _engines(c) -> set:
+    """The (engine, instruction) pairs a counted run issued."""
+    return {(eng, op) for (_, eng, op, _), _ in c.work.items()}
+
+
+def test_activation_reduce_sums_the_fp32_activation_over_the_free_dims():
+    # dst = square(x * scale + bias) stored as bf16; reduce_res = the fp32 sum over both free dims (before dst's
+    # rounding: the engine reduces what it computes)
+    x, s = rand(4, 2, 6) * 3, rand(4, 1, seed=1)
+
+    def kernel(a, sc):
+        dst = nl.ndarray((4, 2, 6), dtype=nl.bfloat16, buffer=nl.sbuf)
+        total = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=dst, op=nl.square, data=load(a), reduce_op=nl.add, reduce_res=total,
+                               bias=0.5, scale=load(sc))
+        out = nl.ndarray((4, 13), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:12], src=dst)
+        nisa.dma_copy(dst=out[:, 12:13], src=total)
+        return out
+
+    with counters() as c:
+        out = run(kernel, x, s)
+    assert timing.model(c).unmodeled == {} and ("scalar", "activation_reduce") in _engines(c)
+    y = (x * s[:, :, None] + np.float32(0.5)) ** 2
+    np.testing.assert_array_equal(out[:, :12], bf16_round(y.reshape(4, 12)))
+    np.testing.assert_allclose(out[:, 12], y.reshape(4, 12).sum(1), rtol=1e-6)
+    assert not np.allclose(out[:, 12], bf16_round(y.reshape(4, 12)).sum(1), rtol=1e-6, atol=0)
+
+    def max_reduce(a):
+        t = load(a)
+        total = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=t, op=nl.copy, data=t, reduce_op=nl.maximum, reduce_res=total)
+
+    def wide_result(a):
+        t = load(a)
+        total = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation_reduce(dst=t, op=nl.copy, data=t, reduce_op=nl.add, reduce_res=total)
+
+    with raises("reduce-op"):
+        run(max_reduce, x)
+    with raises("reduce-res-shape"):
+        run(wide_result, x)
+
+
+def test_tensor_scalar_reduce_abs_max_and_the_other_reduce_ops():
+    x, v = rand(4, 3, 5), rand(4, 1, seed=1)
+
+    def kernel(a, b):
+        t = load(a)
+        mag = nl.ndarray((4, 3, 5), dtype=nl.bfloat16, buffer=nl.sbuf)
+        out = nl.ndarray((4, 18), dtype=nl.float32, buffer=nl.shared_hbm)
+        r = nl.ndarray((4, 3), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=mag, data=t, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum,
+                                  reduce_res=r[:, 0:1])  # nki-library's rmsnorm_quant absmax
+        scaled = nl.ndarray((4, 3, 5), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=scaled, data=t, op0=nl.multiply, operand0=load(b), reduce_op=nl.add,
+                                  reduce_res=r[:, 1:2], reduce_res_negate=True)
+        nisa.tensor_scalar_reduce(dst=scaled, data=t, op0=nl.add, operand0=1.0, reduce_op=nl.minimum,
+                                  reduce_res=r[:, 2:3])
+        also = nl.ndarray((4, 15), dtype=nl.float32, buffer=nl.sbuf)  # nl.abs: still an activation, and a
+        nisa.activation(dst=also[:, 0:10], op=nl.abs, data=t[:, 0:2, :])  # tensor_scalar op with operand None
+        nisa.tensor_scalar(dst=also[:, 10:15], data=t[:, 2, :], op0=nl.abs, operand0=None, op1=nl.add, operand1=1.0)
+        nisa.dma_copy(dst=out[:, 0:15], src=also)
+        nisa.dma_copy(dst=out[:, 15:18], src=r)
+        return out
+
+    with counters() as c:
+        out = run(kernel, x, v)
+    assert timing.model(c).unmodeled == {} and ("vector", "tensor_scalar_reduce") in _engines(c)
+    flat = x.reshape(4, 15)
+    np.testing.assert_array_equal(out[:, 0:10], np.abs(flat[:, :10]))
+    np.testing.assert_array_equal(out[:, 10:15], np.abs(flat[:, 10:]) + 1)
+    np.testing.assert_array_equal(out[:, 15], np.abs(flat).max(1))
+    np.testing.assert_allclose(out[:, 16], -(flat * v).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(out[:, 17], (flat + 1).min(1), rtol=1e-6)
+
+    def call(**kw):
+        def kernel(a):
+            t = load(a)
+            r = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+            args = {"dst": t, "data": t, "op0": nl.abs, "operand0": 0.0, "reduce_op": nl.maximum, "reduce_res": r}
+            args.update(kw)
+            nisa.tensor_scalar_reduce(**args)
+        return kernel
+
+    with raises("unary-operand"):  # "Must be None or 0 when op0 is a unary operator (e.g., nl.abs)"
+        run(call(operand0=2.0), x)
+    with raises("reduce-op"):  # nl.abs is not a legal reduction op
+        run(call(reduce_op=nl.abs), x)
+    with raises("reduce-rank"):
+        run(call(), rand(4, 1, 2, 2, 2))
+    with pytest.raises(NotImplementedError, match="reduce_cmd"):
+        run(call(reduce_cmd=nisa.reduce_cmd.reduce), x)
+
+    def abs_between_tensors(a):
+        t = load(a)
+        nisa.tensor_tensor(dst=t, data1=t, data2=t, op=nl.abs)
+
+    with pytest.raises(NotImplementedError, match="unary ALU op"):
+        run(abs_between_tensors, x)
+
+
+def test_new_reductions_carry_poison_to_their_partitions_result_only():
+    x = rand(4, 6)
+
+    def kernel(a, which):
+        t = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf, name="partly")
+        nisa.dma_copy(dst=t[0:3, :], src=a[0:3, :])
+        nisa.dma_copy(dst=t[3:4, 0:5], src=a[3:4, 0:5])  # element (3, 5) is never written
+        dst = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if which == "scalar":
+            nisa.activation_reduce(dst=dst, op=nl.copy, data=t, reduce_op=nl.add, reduce_res=r)
+        else:
+            nisa.tensor_scalar_reduce(dst=dst, data=t, op0=nl.abs, operand0=0.0, reduce_op=nl.maximum, reduce_res=r)
+        return dst, r
+
+    for which, ref in (("scalar", x), ("vector", np.abs(x))):
+        def clean_part(a, which=which):  # everything but element (3, 5) and partition 3's reduction
+            dst, r = kernel(a, which)
+            out = nl.ndarray((4, 7), dtype=nl.float32, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=out[0:3, 0:6], src=dst[0:3, :])
+            nisa.dma_copy(dst=out[3:4, 0:5], src=dst[3:4, 0:5])  # the poisoned partition's clean elements
+            nisa.dma_copy(dst=out[3:4, 5:6], src=dst[0:1, 5:6])  # (filler)
+            nisa.dma_copy(dst=out[0:3, 6:7], src=r[0:3, :])
+            nisa.dma_copy(dst=out[3:4, 6:7], src=r[0:1, :])  # (filler)
+            return out
+
+        out = run(clean_part, x)
+        np.testing.assert_array_equal(out[0:3, 0:6], ref[0:3])
+        np.testing.assert_array_equal(out[3, 0:5], ref[3, 0:5])
+        np.testing.assert_allclose(out[0:3, 6], ref[0:3].sum(1) if which == "scalar" else ref[0:3].max(1),
+                                   rtol=1e-6)
+
+        def poisoned_row(a, which=which):
+            _, r = kernel(a, which)
+            return store(r)
+
+        with pytest.raises(NkiRuleError, match=r"\[uninitialized-read\] .* holds 1 of 4 .*partly \(nl.sbuf"):
+            run(poisoned_row, x)
+
+
+# -- reinterpret casts and fp8 bits ---------------------------------------------------------------------------------
+E4M3_NAN_BYTES = list(range(0x79, 0x80)) + list(range(0xF9, 0x100))
+
+
+@pytest.mark.parametrize("fp8", [nl.float8_e4m3, nl.float8_e5m2])
+def test_fp8_data_movements_copy_every_bit_pattern(fp8):
+    # all 256 byte patterns (e4m3 NaNs 0x79-0x7F / 0xF9-0xFF among them) through an HBM -> SBUF -> HBM -> SBUF
+    # round trip of fp8 DMAs and an fp8 -> fp8 tensor_copy: every byte arrives unchanged (e4m3 used to decode and
+    # re-encode, collapsing its NaNs into 0x7F / 0xFF; e5m2, torch's own type, was already moved as bytes)
+    bits = np.arange(256, dtype=np.uint8).reshape(1, 256)
+
+    def kernel(raw):
+        a = nl.ndarray((1, 256), dtype=fp8, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=raw.ap(pattern=[[256, 1], [1, 256]], dtype=fp8))
+        hbm = nl.ndarray((1, 256), dtype=fp8, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=hbm, src=a)
+        b = load(hbm)
+        c = nl.ndarray((1, 256), dtype=fp8, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=c, src=b)
+        out = nl.ndarray((1, 256), dtype=nl.uint8, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=c.ap(pattern=[[256, 1], [1, 256]], dtype=nl.uint8))
+        return out
+
+    np.testing.assert_array_equal(run(kernel, bits), bits)
+
+
+def test_ap_dtype_reinterprets_fp32_bytes_as_fp8_exactly():
+    # rmsnorm_quant's scale store: a (P, 1) fp32 tile viewed as P x 4 fp8 bytes ([[4, P], [1, 4]]) and DMA'd into
+    # fp8 HBM. Values chosen so that their bytes hold e4m3 NaN patterns (0x7A, 0xFA, 0x7F, 0xFF).
+    scales = np.frombuffer(bytes([0x10, 0x7A, 0xFA, 0x3C, 0x7F, 0x00, 0x80, 0x3F, 0xFF, 0xF9, 0x01, 0x3D,
+                                  0x00, 0x00, 0x79, 0x40]), dtype=np.float32).reshape(4, 1).copy()
+
+    def kernel(s):
+        t = load(s)
+        packed = nl.ndarray((4, 4), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=packed, src=t.ap(pattern=[[4, 4], [1, 4]], dtype=nl.float8_e4m3))
+        out = nl.ndarray((4, 4), dtype=nl.uint8, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=packed.ap(pattern=[[4, 4], [1, 4]], dtype=nl.uint8))
+        back = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)  # and the other way: 4 fp8 as one fp32,
+        nisa.dma_copy(dst=back.ap(pattern=[[4, 4], [1, 4]], dtype=nl.float8_e4m3), src=packed)  # written whole
+        return out, store(back), packed
+
+    out, back, packed = run(kernel, scales)
+    np.testing.assert_array_equal(out, scales.view(np.uint8).reshape(4, 4))
+    np.testing.assert_array_equal(back.view(np.uint32), scales.view(np.uint32))
+    assert np.isnan(packed.reshape(-1)[np.isin(out.reshape(-1), E4M3_NAN_BYTES)]).all()
+
+    def partial_write_of_unwritten(s):
+        t = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t.ap(pattern=[[2, 4], [1, 1]], dtype=nl.bfloat16), src=s)  # 2 of each fp32's 4 bytes
+
+    with pytest.raises(NotImplementedError, match="only some bytes"):
+        run(partial_write_of_unwritten, np.zeros((4, 1), dtype=np.float32))
+
+    def unwritten_bytes_are_poison(s):
+        t = nl.ndarray((4, 2), dtype=nl.float32, buffer=nl.sbuf, name="half")
+        nisa.dma_copy(dst=t[:, 0:1], src=s)
+        packed = nl.ndarray((4, 8), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=packed, src=t.ap(pattern=[[8, 4], [1, 8]], dtype=nl.float8_e4m3))
+        return packed
+
+    with pytest.raises(NkiRuleError, match=r"\[uninitialized-read\] .* holds 16 of 32 .*half \(nl.sbuf"):
+        run(unwritten_bytes_are_poison, scales)
+
+    def odd_bytes(s):
+        t = nl.ndarray((4, 3), dtype=nl.uint8, buffer=nl.sbuf)
+        t.ap(pattern=[[1, 4], [1, 1]], dtype=nl.float32)  # 3 bytes per partition: not a whole fp32
+
+    def as_bool(s):
+        load(s).ap(pattern=[[4, 4], [1, 4]], dtype=nl.bool_)
+
+    def step_in_old_units(s):
+        load(s).ap(pattern=[[1, 4], [1, 4]], dtype=nl.float8_e4m3)  # the partition step counts fp8 elements: 4
+
+    for kernel, rule in ((odd_bytes, "ap-reinterpret"), (as_bool, "ap-reinterpret"),
+                         (step_in_old_units, "ap-partition-contiguity")):
+        with raises(rule):
+            run(kernel, scales)
 
 
 # -- isa: matmul modes ------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ URL_TRN2 = f"{DOCS}/latest/nki/about/trainium2_arch.html"
 URL_TILE_SIZE = f"{DOCS}/v2.33.0/nki/api/nki.language.tile_size.html"
 URL_NKI_TENSOR = f"{DOCS}/v2.33.0/nki/api/generated/nki.language.NkiTensor.html"
 URL_AP = f"{DOCS}/latest/nki/deep-dives/nki-aps.html"
+URL_AP_CAST = f"{URL_AP}#reinterpret-cast-with-ap"
 URL_LNC = f"{DOCS}/v2.33.1/nki/get-started/about/lnc.html"
 
 # Hardware numbers (NeuronCore-v3 / Trainium2). 128 partitions; PSUM is 2 MiB = 128 x 16 KiB organised in
@@ -361,10 +362,8 @@ class Tensor:
         if not self._root:
             raise violation("ap-on-view", f"cannot specify an access pattern on an already indexed tensor {self}; "
                             "call .ap on the nl.ndarray itself", URL_AP)
-        if dtype is not None and dtype != self.dtype:  # ap(dtype=own dtype) is the plain access pattern
-            raise NotImplementedError(f"ap(dtype={dtype}) on a {self.dtype} tensor: reinterpret casts are outside the "
-                                      "emulated subset")
-        return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim)
+        view = None if dtype is None or dtype == self.dtype else dtype  # ap(dtype=own dtype): the plain pattern
+        return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, view)
 
     # -- element access used by the instructions -------------------------------------------------------------
     def _access(self, kind: str) -> None:
@@ -391,11 +390,13 @@ class Tensor:
         return dtypes.values(self._data.clone()), _poison(self._storage, self._init, self._derived)
 
     def read_moved(self):
-        """(values, initialised mask) for a pure data movement: moving unwritten elements is not an error, they
-        arrive unwritten (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
+        """(stored data, initialised mask) for a pure data movement: the bits as stored (an e4m3 carrier is not
+        decoded, so a same-dtype move copies every byte, NaN patterns included; `dtypes.cast` decodes it for a
+        store of another dtype). Moving unwritten elements is not an error, they arrive unwritten
+        (`write(init=...)`), and computing on them later raises `uninitialized-read`."""
         self._access("r")
         _moved(self._storage, self._init, self._derived)
-        return dtypes.values(self._data.clone()), self._init.clone()
+        return self._data.clone(), self._init.clone()
 
     def _derived(self, derived: torch.Tensor) -> torch.Tensor:
         """This view of the storage's `derived` mask (laid out like `init`)."""
@@ -441,28 +442,44 @@ def _expand_ellipsis(index: tuple, ndim: int) -> tuple:
 
 
 class AccessPattern:
-    """`t.ap(pattern=[[step, num], ...], offset, scalar_offset|vector_offset, indirect_dim)` on a root tensor.
+    """`t.ap(pattern=[[step, num], ...], offset, scalar_offset|vector_offset, indirect_dim, dtype)` on a root tensor.
 
     Semantics (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-aps.html): the tensor is
     flattened; element (i0, i1, ...) of the view is flat[offset + sum_k i_k * step_k]. `scalar_offset` (a 1-element
     SBUF int tile, read at execution time) adds value * stride(indirect_dim) of the tensor to the start.
     `vector_offset` (an SBUF int tile with one value per outer iteration) replaces the outermost term i0 * step0
     by value[i0] * stride(indirect_dim): a row gather/scatter. Out-of-range indices raise (oob_mode.error).
+
+    `dtype` other than the tensor's is a reinterpret cast (same page, "Reinterpret Cast with ap": "Since both the
+    pattern and the offset are in terms of number of elements, not bytes, the count must be computed
+    accordingly"; its example views a (128, 256) int32 tile as bf16 with pattern [[512, 128], [1, 512]]): the
+    tensor's bytes, flattened, are elements of `dtype`, and the pattern, the offset and the partition step count
+    those elements. The bytes move unchanged (a view of the stored bytes; little-endian, the byte order in which
+    the host reads a device buffer back, e.g. nki-library's test viewing 4 fp8 output bytes as one fp32). A view
+    element is initialised when every tensor element whose bytes it covers is. Refused (`ap-reinterpret`): bool
+    on either side, and a tensor (on chip: a partition) whose bytes are not a whole number of `dtype` elements.
+    Not emulated (NotImplementedError): a reinterpret cast with a scalar/vector offset (whether `indirect_dim`'s
+    stride counts old or new elements is not stated), and a narrower view writing only part of an element no
+    instruction wrote (initialisation is tracked per element of the tensor's dtype, not per byte).
     """
 
-    def __init__(self, root: Tensor, pattern, offset, scalar_offset, vector_offset, indirect_dim):
+    def __init__(self, root: Tensor, pattern, offset, scalar_offset, vector_offset, indirect_dim, view_dtype=None):
         pattern = [(int(s), int(n)) for s, n in pattern]
         if scalar_offset is not None and vector_offset is not None:
             raise ValueError("at most one of scalar_offset and vector_offset can be given")
         if any(n <= 0 for _, n in pattern):
             raise violation("index-bounds", f"access pattern {pattern} has an empty dimension", URL_AP)
+        self.root, self.view_dtype = root, view_dtype
+        if view_dtype is not None:
+            self._check_reinterpret(scalar_offset, vector_offset)
         if root.buffer.on_chip:
-            free = math.prod(root.shape[1:])
+            free = math.prod(root.shape[1:]) * self._ratio[0] // self._ratio[1]  # in elements of the view's dtype
             if pattern[0][0] != free or pattern[0][1] > root.shape[0]:
                 raise violation(
                     "ap-partition-contiguity",
                     f"on {root.buffer} the first pattern entry must walk partitions contiguously: step {free} "
-                    f"(the free size) and count <= {root.shape[0]}, got {pattern[0]}",
+                    f"(the free size{' in ' + str(self.dtype) + ' elements' if view_dtype is not None else ''}) "
+                    f"and count <= {root.shape[0]}, got {pattern[0]}",
                     URL_AP,
                 )
         for name, off in (("scalar_offset", scalar_offset), ("vector_offset", vector_offset)):
@@ -483,8 +500,28 @@ class AccessPattern:
         if vector_offset is not None and math.prod(vector_offset.shape) != pattern[0][1]:
             raise violation("offset-tile", f"vector_offset has {math.prod(vector_offset.shape)} values but the "
                             f"outer pattern dim iterates {pattern[0][1]} times", URL_AP)
-        self.root, self.pattern, self.offset = root, pattern, int(offset)
+        self.pattern, self.offset = pattern, int(offset)
         self.scalar_offset, self.vector_offset, self.indirect_dim = scalar_offset, vector_offset, indirect_dim
+
+    def _check_reinterpret(self, scalar_offset, vector_offset) -> None:
+        root, dtype = self.root, self.view_dtype
+        dtypes.check_stored(dtype, f"ap(dtype={dtype})")
+        if torch.bool in (dtype, root.dtype):
+            raise violation("ap-reinterpret", f"ap(dtype={dtype}) on a {root.dtype} tensor: bool holds only 0/1, "
+                            "so arbitrary bytes have no bool meaning; reinterpret as uint8", URL_AP_CAST)
+        old, new = self._ratio
+        numel = math.prod(root.shape)
+        unit = math.prod(root.shape[1:]) if root.buffer.on_chip else numel
+        if unit * old % new:
+            where = "one partition holds" if root.buffer.on_chip else "the tensor holds"
+            raise violation("ap-reinterpret", f"ap(dtype={dtype}) on {root}: {where} {unit * old} bytes, not a whole "
+                            f"number of {new}-byte {dtype} elements", URL_AP_CAST)
+        if scalar_offset is not None or vector_offset is not None:
+            raise NotImplementedError(f"ap(dtype={dtype}) with a scalar_offset/vector_offset: a reinterpret cast "
+                                      "with a runtime offset is outside the emulated subset (whether the stride of "
+                                      f"indirect_dim counts {root.dtype} or {dtype} elements is not stated; {URL_AP})")
+
+    _ratio = property(lambda self: (self.root.dtype.itemsize, self.dtype.itemsize))  # (tensor's, view's) bytes
 
     def detached(self) -> AccessPattern:
         ap = object.__new__(AccessPattern)
@@ -497,14 +534,16 @@ class AccessPattern:
         return ap
 
     shape = property(lambda self: tuple(n for _, n in self.pattern))
-    dtype = property(lambda self: self.root.dtype)
+    dtype = property(lambda self: self.root.dtype if self.view_dtype is None else self.view_dtype)
     buffer = property(lambda self: self.root.buffer)
 
     def __repr__(self) -> str:
-        return f"AccessPattern({self.root!r}, pattern={self.pattern}, offset={self.offset})"
+        cast = "" if self.view_dtype is None else f", dtype={self.view_dtype}"
+        return f"AccessPattern({self.root!r}, pattern={self.pattern}, offset={self.offset}{cast})"
 
     def _flat_index(self, kind: str, skip: bool = False):
-        """Flat element indices of the view, and (oob_mode.skip) which of them take part in the transfer.
+        """Flat element indices of the view (in elements of its dtype), and (oob_mode.skip) which of them take part
+        in the transfer.
 
         With skip=False an out-of-range offset raises (oob_mode.error) and the mask is None. With skip=True a
         scalar offset out of range skips the whole transfer and a vector offset out of range skips its row
@@ -538,7 +577,7 @@ class AccessPattern:
         flat = start
         for k, term in enumerate(terms):
             flat = flat.unsqueeze(-1) + term.reshape([1] * k + [-1])
-        numel = math.prod(shape)
+        numel = math.prod(shape) * self._ratio[0] // self._ratio[1]
         if keep is not None:  # skipped rows address nothing: park them on element 0, masked out below
             keep = keep.reshape([-1] + [1] * (flat.dim() - 1)).expand(flat.shape)
             flat = torch.where(keep, flat, 0)
@@ -546,33 +585,81 @@ class AccessPattern:
             raise violation("index-bounds", f"{self} addresses elements outside the {numel}-element tensor", URL_AP)
         launch = _runtime.current()
         if launch is not None:
-            launch.touch(self.root._storage, kind, int(start), self.pattern, outer)  # the time model's trace
+            box = race = (int(start), self.pattern, outer)
+            if self.view_dtype is not None:
+                box, race = self._tensor_patterns(flat)
+            launch.touch(self.root._storage, kind, *box)  # the time model's trace
             if launch.lnc > 1 and self.root._storage.shared:
-                launch.record(self.root._storage, kind, int(start), self.pattern, outer)
+                launch.record(self.root._storage, kind, *race)
         return flat, keep
+
+    def _covered(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor elements (flat, in its own dtype) whose bytes each view element covers: shape
+        flat.shape + (max(1, view itemsize // tensor itemsize),). Itemsizes are powers of two, so a narrower view
+        element lies inside one tensor element."""
+        old, new = self._ratio
+        return (flat * new // old).unsqueeze(-1) + torch.arange(max(1, new // old), dtype=torch.int64)
+
+    def _tensor_patterns(self, flat: torch.Tensor):
+        """The (start, pattern, outer) of a reinterpreting view in the tensor's own elements for the time model's
+        trace (a box) and for the LNC race log (exact elements): the view's pattern rescaled when it is whole
+        tensor elements (both); else the contiguous range of the elements it covers (the box, conservative) and
+        those elements as explicit offsets (`outer`) of a one-entry pattern (the race log)."""
+        old, new = self._ratio
+        if new >= old:  # each view element covers new // old consecutive tensor elements
+            k = new // old
+            exact = self.offset * k, [(s * k, n) for s, n in self.pattern] + [(1, k)], None
+            return exact, exact
+        k = old // new
+        (inner_step, inner_n), rest = self.pattern[-1], self.pattern[:-1]
+        if self.offset % k == 0 and inner_step == 1 and inner_n % k == 0 and all(s % k == 0 for s, _ in rest):
+            exact = self.offset // k, [(s // k, n) for s, n in rest] + [(1, inner_n // k)], None
+            return exact, exact
+        covered = torch.unique(self._covered(flat))
+        lo, hi = int(covered[0]), int(covered[-1])
+        return (lo, [(1, hi - lo + 1)], None), (0, [(0, len(covered))], covered)
+
+    def _stored(self, flat: torch.Tensor) -> torch.Tensor:
+        """The stored data at the view's elements `flat`, in the view's dtype (a reinterpret cast views the bytes)."""
+        data = self.root._storage.data.reshape(-1)
+        if self.view_dtype is not None:
+            data = data.view(torch.uint8).view(self.view_dtype)
+        return data[flat].clone()
+
+    def _init_at(self, flat: torch.Tensor) -> torch.Tensor:
+        """Which view elements are initialised: all the tensor elements they cover are."""
+        init = self.root._storage.init.reshape(-1)
+        return init[flat] if self.view_dtype is None else init[self._covered(flat)].all(-1)
+
+    def _derived_at(self, flat: torch.Tensor):
+        """Selects the view elements' part of a storage-shaped mask (`_sources`' derived_at)."""
+        if self.view_dtype is None:
+            return lambda d: d.reshape(-1)[flat]
+        covered = self._covered(flat)
+        return lambda d: d.reshape(-1)[covered].any(-1)
 
     def read(self):
         """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read`."""
         flat, _ = self._flat_index("r")
-        init = self.root._storage.init.reshape(-1)[flat]
+        init = self._init_at(flat)
         if not bool(init.all()):
             _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "
-                           "written", ~init, lambda d: d.reshape(-1)[flat])
-        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone())
+                           "written", ~init, self._derived_at(flat))
+        return dtypes.values(self._stored(flat))
 
     def read_data(self):
         """(values, poison mask or None) for an instruction computing on them (see Tensor.read_data)."""
         flat, _ = self._flat_index("r")
-        storage = self.root._storage
-        return dtypes.values(storage.data.reshape(-1)[flat].clone()), _poison(storage, storage.init.reshape(-1)[flat],
-                                                               lambda d: d.reshape(-1)[flat])
+        return dtypes.values(self._stored(flat)), _poison(self.root._storage, self._init_at(flat),
+                                                          self._derived_at(flat))
 
     def read_moved(self, skip: bool = False):
-        """(values, initialised mask, transferred mask or None) for a pure data movement (see Tensor.read_moved)."""
+        """(stored data, initialised mask, transferred mask or None) for a pure data movement (see
+        Tensor.read_moved)."""
         flat, keep = self._flat_index("r", skip)
-        init = self.root._storage.init.reshape(-1)[flat]
-        _moved(self.root._storage, init if keep is None else init | ~keep, lambda d: d.reshape(-1)[flat])
-        return dtypes.values(self.root._storage.data.reshape(-1)[flat].clone()), init, keep
+        init = self._init_at(flat)
+        _moved(self.root._storage, init if keep is None else init | ~keep, self._derived_at(flat))
+        return self._stored(flat), init, keep
 
     def write(self, value: torch.Tensor, by_matmul: bool = False, keep=None, skip: bool = False, init=None) -> None:
         flat, own = self._flat_index("w", skip)
@@ -582,9 +669,12 @@ class AccessPattern:
         written = torch.ones(flat.shape, dtype=torch.bool) if init is None else init.reshape(flat.shape)
         if init is not None:
             value = torch.where(written, value, torch.zeros((), dtype=value.dtype))
-        value = dtypes.cast(value, storage.data.dtype)
+        value = dtypes.cast(value, self.dtype)
         if keep is not None:
             flat, value, written = flat[keep], value[keep], written[keep]
+        if self.view_dtype is not None:
+            self._write_bytes(flat.reshape(-1), value.reshape(-1), written.reshape(-1), by_matmul, init is None)
+            return
         derived = _taint(storage, None if init is None else written)
         if derived is not None:
             derived.view(-1)[flat] = ~written
@@ -592,6 +682,42 @@ class AccessPattern:
         storage.init.view(-1)[flat] = written
         if storage.mm is not None:
             storage.mm.view(-1)[flat] = by_matmul
+
+    def _write_bytes(self, flat, value, written, by_matmul: bool, computed: bool) -> None:
+        """A write through a reinterpreting view: store the bytes, then mark each tensor element it covers
+        initialised when all of its bytes are (written now without poison, or written before)."""
+        storage = self.root._storage
+        old, new = self._ratio
+        if new >= old:  # each view element covers whole tensor elements
+            touched = self._covered(flat).reshape(-1)
+            ok = written.repeat_interleave(new // old)
+        else:
+            covered = self._covered(flat).reshape(-1)
+            touched, inverse = torch.unique(covered, return_inverse=True)
+            whole = torch.bincount(inverse[_first(flat)], minlength=len(touched)) == old // new
+            ok = torch.bincount(inverse, weights=(~written).double(), minlength=len(touched)) == 0
+            partial = ~whole & ~storage.init.reshape(-1)[touched]
+            if bool(partial.any()):
+                raise NotImplementedError(
+                    f"{self} writes only some bytes of {int(partial.sum())} {storage.data.dtype} element(s) of "
+                    f"{self.root} that no instruction wrote: the emulator tracks initialisation per "
+                    f"{storage.data.dtype} element, so a partly written one is outside the emulated subset; write "
+                    "whole elements")
+        derived = _taint(storage, None if computed else ok)
+        if derived is not None:
+            derived.view(-1)[touched] = ~ok
+        _bits(storage.data.view(-1).view(torch.uint8).view(self.view_dtype)).view(-1)[flat] = _bits(value)
+        storage.init.view(-1)[touched] = ok
+        if storage.mm is not None:
+            storage.mm.view(-1)[touched] = by_matmul
+
+
+def _first(flat: torch.Tensor) -> torch.Tensor:
+    """Positions of the first occurrence of each distinct value of `flat` (a pattern may address an element twice)."""
+    order = torch.argsort(flat, stable=True)
+    keep = torch.ones(len(flat), dtype=torch.bool)
+    keep[1:] = flat[order][1:] != flat[order][:-1]
+    return order[keep]
 
 
 View = (Tensor, AccessPattern)

@@ -10,8 +10,10 @@ NotImplementedError instead of storing something close.
 - `float8_e4m3` on trn2 is the IEEE-style e4m3, the "legacy float8e4" of Neuron's compiler (NCC_EOCP001; not the
   OCP `float8_e4m3fn`, whose same bit patterns mean other values, NCC_EVRF051/052). Emulated bit-exactly (below);
   torch has no such dtype, so its storage is torch's `float8_e4m3fnuz` *holding IEEE e4m3 bit patterns* (`E4M3`):
-  every read decodes them (`values`), every store encodes (`cast`). No NKI type is fnuz (Neuron rejects FNUZ types,
-  NCC_EVRF005), so the carrier names nothing else; a torch fnuz tensor passed in is refused.
+  every read an engine computes on decodes them (`values`), every store of computed values encodes (`cast`); a
+  data movement moves the bytes (`cast` of data already of the type is the identity), NaN patterns included. No
+  NKI type is fnuz (Neuron rejects FNUZ types, NCC_EVRF005), so the carrier names nothing else; a torch fnuz tensor
+  passed in is refused.
 - `float8_e5m2` is IEEE-style e5m2 (bias 15, max 57,344, inf and NaN): torch's type holds the same values and its
   cast rounds to nearest-even with overflow to inf, checked bit by bit in tests/kernels/test_emulator_api.py.
 - `tfloat32` rounds the fp32 mantissa to 10 bits; torch has no such storage type.
@@ -120,11 +122,16 @@ def values(t: torch.Tensor) -> torch.Tensor:
 
 def cast(value: torch.Tensor, dtype) -> torch.Tensor:
     """`value` converted to `dtype` as a store does: float types round to nearest-even (torch's cast; `e4m3_bits`
-    for float8_e4m3).
+    for float8_e4m3). Data already of `dtype` is stored as it is, bit for bit: a data movement (`read_moved`
+    hands over the stored bits, an e4m3 carrier included) copies bytes, so every NaN pattern survives (decoding
+    and re-encoding would turn e4m3's 0x79-0x7E into 0x7F). An e4m3 carrier stored as another type is decoded first.
 
     Float -> integer stores are exact only for integral in-range values; any other value raises
     NotImplementedError, because the engines' float-to-int rounding and saturation are not documented.
     """
+    if value.dtype == dtype:
+        return value
+    value = values(value)
     if dtype in INTEGER and value.is_floating_point():
         info = torch.iinfo(dtype)
         v = value.double()

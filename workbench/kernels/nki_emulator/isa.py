@@ -52,6 +52,8 @@ URL_MEMSET = f"{API}/nki.isa.memset.html"
 URL_DMA_COMPUTE = f"{DOCS}/latest/nki/api/generated/nki.isa.dma_compute.html"
 URL_ACTIVATION_LATEST = f"{DOCS}/latest/nki/api/generated/nki.isa.activation.html"
 URL_REGISTER_ALLOC = f"{DOCS}/latest/nki/api/generated/nki.isa.register_alloc.html"
+URL_ACTIVATION_REDUCE = f"{API}/nki.isa.activation_reduce.html"
+URL_TENSOR_SCALAR_REDUCE = f"{API}/nki.isa.tensor_scalar_reduce.html"
 
 
 # Engine selectors (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.engine.html):
@@ -152,7 +154,23 @@ def _engine(engine_, default: str) -> str:
 def _arith(op, name: str, url: str):
     if op not in nl.ARITHMETIC:
         raise NotImplementedError(f"{name}: op {op!r} outside the emulated subset {nl.ARITHMETIC} ({url})")
+    if op in nl.ARITHMETIC_UNARY:  # abs etc. between two tensors: no page says what that computes
+        raise NotImplementedError(f"{name}: the unary ALU op {op!r} is emulated only as a tensor_scalar / "
+                                  f"tensor_scalar_reduce op with operand None or 0 ({nl.URL_ALU_OPS})")
     return op.fn
+
+
+def _scalar_op(op, operand, reverse, name: str, url: str):
+    """(fn(x, operand), operand) of one tensor_scalar-style op: a binary ALU op, or a unary one (nl.abs), which
+    applies to data alone; its operand "Must be None or 0 when op0 is a unary operator (e.g., nl.abs)"
+    (tensor_scalar / tensor_scalar_reduce pages), and with one input there is nothing to reverse."""
+    if op not in nl.ARITHMETIC_UNARY:
+        return _arith(op, name, url), operand
+    if not (operand is None or (isinstance(operand, (int, float)) and float(operand) == 0.0)) or reverse:
+        raise violation("unary-operand", f"{name}: {op!r} is a unary ALU op: its operand must be None or 0 and "
+                        f"reverse False, got operand {operand!r}, reverse {reverse!r}", nl.URL_ALU_OPS)
+    fn = op.fn
+    return (lambda x, _: fn(x)), 0.0
 
 
 # -- Tensor Engine -----------------------------------------------------------------------------------------------------
@@ -337,7 +355,7 @@ def _count_gather(src, value, keep=None) -> None:
     kernels' row T of x_pad), so for the gather of a kernel's input rows this is "padding slots computed"."""
     stats = current().stats
     rows = src.pattern[0][1]
-    zero_rows = (value.reshape(rows, -1) == 0).all(dim=1)
+    zero_rows = (dtypes.values(value).reshape(rows, -1) == 0).all(dim=1)
     if keep is not None:  # rows skipped under oob_mode.skip are not read
         read = keep.reshape(rows, -1)[:, 0]
         rows, zero_rows = int(read.sum()), zero_rows & read
@@ -411,8 +429,8 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _same_layout(op, url, dst=dst, src=src)
 
     def run():
-        value, init, _ = _read_moved(src)
-        value = value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else value.float()
+        value, init, _ = _read_moved(src)  # the stored bits: an equal dtype copies them
+        value = value if value.dtype == dst.dtype or value.dtype in dtypes.INTEGER else dtypes.values(value).float()
         dst.write(value, init=init)
 
     emit(_engine(engine, "vector"), op, run, elementwise_work(dst, src))
@@ -446,11 +464,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     for op, operand, reverse in ((op0, operand0, reverse0), (op1, operand1, reverse1)):
         if op is None:
             continue
-        _check_operand(operand, data, "operand", name_, url)
-        if not isinstance(operand, (int, float)) and operand.dtype != torch.float32:
-            raise violation("tensor-scalar-operand-dtype", f"tensor_scalar: a tile operand of an arithmetic op must "
-                            f"be float32, got {operand.dtype}; keep per-partition scale/bias vectors in fp32", url)
-        steps.append((_arith(op, name_, url), operand, reverse))
+        steps.append((*_scalar_operand(op, operand, reverse, data, name_, url), reverse))
 
     def run():
         result, poison = _data(data)
@@ -464,6 +478,16 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     emit(_engine(engine, "vector"), name_, run, elementwise_work(dst, data))
 
 
+def _scalar_operand(op, operand, reverse, data, name: str, url: str):
+    """(fn, operand) of a tensor_scalar-style op after its checks: the operand a float or a (P, 1) fp32 tile."""
+    fn, operand = _scalar_op(op, operand, reverse, name, url)
+    _check_operand(operand, data, "operand", name, url)
+    if not isinstance(operand, (int, float)) and operand.dtype != torch.float32:
+        raise violation("tensor-scalar-operand-dtype", f"{name}: a tile operand of an arithmetic op must be float32, "
+                        f"got {operand.dtype}; keep per-partition scale/bias vectors in fp32", url)
+    return fn, operand
+
+
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,  # noqa: F811
                engine=None, name=None):
     """dst = op(data * scale + bias) on the Scalar Engine in fp32 (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.activation.html)."""
@@ -472,26 +496,130 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         raise violation("api-drift", "nisa.activation has no engine= parameter in current NKI (it always runs on the "
                         "Scalar Engine on trn2); drop engine=", URL_ACTIVATION_LATEST)
     if reduce_op is not None or reduce_res is not None or reduce_cmd is not None:
-        raise NotImplementedError("activation reduce_* options are outside the emulated subset")
+        raise NotImplementedError("activation reduce_* options are outside the emulated subset (nisa."
+                                  "activation_reduce is emulated)")
+    _check_activation(dst, op, data, bias, scale, name_, url)
+
+    def run():
+        y, masks = _activate(op, data, bias, scale)
+        dst.write(y, init=_clean(dst, *masks))
+
+    emit("scalar", name_, run, elementwise_work(dst, data))
+
+
+def _check_activation(dst, op, data, bias, scale, name: str, url: str) -> None:
     if op not in nl.ACTIVATIONS:
-        raise NotImplementedError(f"activation op {op!r} outside the emulated subset {nl.ACTIVATIONS}")
+        raise NotImplementedError(f"{name}: activation op {op!r} outside the emulated subset {nl.ACTIVATIONS}")
+    _on_chip(data, "data", name, url)
+    _on_chip(dst, "dst", name, url)
+    _same_layout(name, url, dst=dst, data=data)
+    _check_operand(scale, data, "scale", name, url)
+    if bias is not None:
+        _check_operand(bias, data, "bias", name, url)
+
+
+def _activate(op, data, bias, scale):
+    """op(data * scale + bias) in fp32, in data's shape, and the poison masks it depends on (data's per element,
+    scale's and bias's per partition)."""
+    (x, x_poison), (a, a_poison) = _data(data), _operand(scale, data)
+    x = x.reshape(data.shape) * a
+    b_poison = None
+    if bias is not None:
+        b, b_poison = _operand(bias, data)
+        x = x + b
+    return op.fn(x), (x_poison, a_poison, b_poison)
+
+
+def _check_reduce_res(reduce_res, data, name: str, url: str) -> None:
+    """reduce_res: "a SBUF/PSUM tile with the same partition axis size as the input tile data and one element per
+    partition", "a tile of shape (data.shape[0], 1)" (activation_reduce and tensor_scalar_reduce pages)."""
+    if reduce_res is None:
+        raise NotImplementedError(f"{name}(reduce_res=None), keeping the result in the engine's accumulator "
+                                  f"registers for a later instruction, is outside the emulated subset ({url})")
+    _on_chip(reduce_res, "reduce_res", name, url)
+    if _per_partition(reduce_res) != (data.shape[0], 1):
+        raise violation("reduce-res-shape", f"{name}: reduce_res must hold one element per partition of data, "
+                        f"shape ({data.shape[0]}, 1), got {tuple(reduce_res.shape)}", url)
+
+
+def _write_with_reduction(dst, y, masks, reduce_res, fn, negate: bool = False) -> None:
+    """Store the elementwise result y (fp32, cast on store) into dst and fn of each partition's row of y (the
+    fp32 results, before dst's rounding: the engine reduces what it computes) into reduce_res. A poison element
+    of y poisons its dst element and its partition's reduction."""
+    p = y.shape[0]
+    init = _clean(dst, *masks)
+    rows = None if init is None else ~init.reshape(p, -1).all(1)
+    sources = list(current().taint)  # each write ends the instruction's reading: both results need the sources
+    dst.write(y, init=init)
+    current().taint.extend(sources)
+    r = fn(y.reshape(p, -1), (1,))
+    reduce_res.write(-r if negate else r, init=None if rows is None else _clean(reduce_res, rows))
+
+
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
+    """dst = op(data * scale + bias) in fp32 on the Scalar Engine, as nisa.activation, and reduce_res (P, 1) = the
+    sum over all free dims of each partition's fp32 activated values ("reduce_res = reduce_op(output,
+    axis=<FreeAxis>)"; the registers are reset first, so nothing accumulates across instructions). reduce_op must
+    be nl.add ("the Scalar Engine reduction registers can only sum the activated data")
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.activation_reduce.html;
+    op/data/bias/scale as in https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.activation.html).
+    """
+    name_, url = "activation_reduce", URL_ACTIVATION_REDUCE
+    _check_activation(dst, op, data, bias, scale, name_, url)
+    if reduce_op is not nl.add:
+        raise violation("reduce-op", f"{name_}: reduce_op must be nl.add (the Scalar Engine's reduction registers "
+                        f"only sum; reduce the result with nisa.tensor_reduce for max/min), got {reduce_op!r}", url)
+    _check_reduce_res(reduce_res, data, name_, url)
+
+    def run():
+        y, masks = _activate(op, data, bias, scale)
+        _write_with_reduction(dst, y, masks, reduce_res, _REDUCE["add"])
+
+    emit("scalar", name_, run, elementwise_work(dst, data))
+
+
+_SCALAR_REDUCE_OPS = ("add", "multiply", "maximum", "minimum")  # the page's "nl.add, nl.multiply, nl.max or nl.min"
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=constants.reduce_cmd.reset_reduce,  # noqa: F811 - the page's parameter name
+                         reduce_init=None, reduce_res_negate=False, name=None):
+    """dst = data <op0> operand0 in fp32 on the Vector Engine, as nisa.tensor_scalar with one op (an arithmetic
+    one; a unary op such as nl.abs takes operand0 None or 0), and reduce_res (P, 1) = reduce_op (nl.add,
+    nl.multiply, nl.maximum, nl.minimum) over all free dims of each partition's fp32 results, negated with
+    reduce_res_negate; data and dst have at most 3 free dims
+    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.tensor_scalar_reduce.html).
+    Only reduce_cmd=reset_reduce (the default: reset the accumulators, then reduce this instruction's results);
+    accumulating across instructions (reduce, load_reduce) and reverse0 ("not supported yet") are not emulated.
+    """
+    name_, url = "tensor_scalar_reduce", URL_TENSOR_SCALAR_REDUCE
+    if reverse0:
+        raise NotImplementedError(f"{name_}(reverse0=True): the page marks reverse0 \"not supported yet\" ({url})")
+    if reduce_cmd is not constants.reduce_cmd.reset_reduce or reduce_init is not None:
+        raise NotImplementedError(f"{name_}(reduce_cmd={reduce_cmd!r}, reduce_init={reduce_init!r}): accumulator "
+                                  "state carried across instructions is outside the emulated subset; only "
+                                  f"reduce_cmd=reset_reduce ({url})")
     _on_chip(data, "data", name_, url)
     _on_chip(dst, "dst", name_, url)
     _same_layout(name_, url, dst=dst, data=data)
-    _check_operand(scale, data, "scale", name_, url)
-    if bias is not None:
-        _check_operand(bias, data, "bias", name_, url)
+    for what, t in (("data", data), ("dst", dst)):
+        if len(t.shape) > 4:
+            raise violation("reduce-rank", f"{name_}: {what} has {len(t.shape) - 1} free dims {tuple(t.shape)}; at "
+                            "most three (rank 4 with the partition dim)", url)
+    fn, operand = _scalar_operand(op0, operand0, reverse0, data, name_, url)
+    if getattr(reduce_op, "name", None) not in _SCALAR_REDUCE_OPS or reduce_op not in nl.ARITHMETIC:
+        raise violation("reduce-op", f"{name_}: reduce_op must be nl.add, nl.multiply, nl.maximum or nl.minimum, "
+                        f"got {reduce_op!r}", url)
+    _check_reduce_res(reduce_res, data, name_, url)
 
     def run():
-        (x, x_poison), (a, a_poison) = _data(data), _operand(scale, data)
-        x = x.reshape(data.shape) * a
-        b_poison = None
-        if bias is not None:
-            b, b_poison = _operand(bias, data)
-            x = x + b
-        dst.write(op.fn(x), init=_clean(dst, x_poison, a_poison, b_poison))
+        x, x_poison = _data(data)
+        value, o_poison = _operand(operand, data)
+        y = fn(x.reshape(data.shape), value)
+        _write_with_reduction(dst, y, (x_poison, o_poison), reduce_res, _REDUCE[reduce_op.name],
+                              negate=bool(reduce_res_negate))
 
-    emit("scalar", name_, run, elementwise_work(dst, data))
+    emit("vector", name_, run, elementwise_work(dst, data))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -594,11 +722,10 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, engine=engin
         pred, p_poison = predicate.read_data()
         take = (pred.reshape(dst.shape) != 0) ^ bool(reverse_pred)
         value, s_poison = src.read_data()
-        old, old_init, _ = _read_moved(dst)  # elements not taken keep dst's value, poison or not
+        old, old_init, _ = _read_moved(dst)  # elements not taken keep dst's value (its bits), poison or not
         poison = torch.where(take, False if s_poison is None else s_poison.reshape(dst.shape),
                              ~old_init.reshape(dst.shape))
-        dst.write(torch.where(take, dtypes.values(dtypes.cast(value.reshape(dst.shape), dst.dtype)).to(old.dtype),
-                              old.reshape(dst.shape)),
+        dst.write(torch.where(take, dtypes.cast(value.reshape(dst.shape), dst.dtype), old.reshape(dst.shape)),
                   init=_clean(dst, None if p_poison is None else p_poison.reshape(dst.shape) | poison,
                               poison if bool(poison.any()) else None))
 
@@ -802,7 +929,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
 
     def run():
         x, x_init = src.read_moved() if isinstance(src, Tensor) else src.read_moved()[:2]
-        x, x_init = x.float().reshape(p, t), x_init.reshape(p, t)
+        x, x_init = dtypes.values(x).float().reshape(p, t), x_init.reshape(p, t)
         out, init = dst.read_moved()
         out, init = out.reshape(p, t + 1).clone(), init.reshape(p, t + 1).clone()
         for row in range(0, p, 16):
@@ -810,7 +937,9 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1):
             line = torch.full((t + 1,), float(padding_val), dtype=torch.float64)
             line[: len(idx)] = idx.double() + index_offset
             line[t] = len(idx)
-            out[row], init[row] = line.to(out.dtype), bool(x_init[row].all())  # a poison input poisons its row
+            # out holds dst's stored bits (read_moved): an e4m3 row is encoded, other types convert as before
+            out[row] = dtypes.cast(line, out.dtype) if out.dtype is dtypes.E4M3 else line.to(out.dtype)
+            init[row] = bool(x_init[row].all())  # a poison input poisons its row
         dst.write(out, init=init)
 
     emit("gpsimd", op, run, elementwise_work(src, src))
@@ -1002,9 +1131,9 @@ def _unemulated(name: str):
     return instruction
 
 
-for _missing in ("quantize_mx", "nc_matmul_mx", "activation_reduce", "tensor_scalar_reduce", "nc_match_replace8",
-                 "range_select", "nc_n_gather", "tensor_partition_reduce", "local_gather", "select_reduce",
-                 "exponential", "rand2", "rng", "sequence_bounds", "dropout"):
+for _missing in ("quantize_mx", "nc_matmul_mx", "nc_match_replace8", "range_select", "nc_n_gather",
+                 "tensor_partition_reduce", "local_gather", "select_reduce", "exponential", "rand2", "rng",
+                 "sequence_bounds", "dropout"):
     globals().setdefault(_missing, _unemulated(_missing))
 
 

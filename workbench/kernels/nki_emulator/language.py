@@ -216,6 +216,14 @@ gelu_apprx_sigmoid_dx = _Op("gelu_apprx_sigmoid_dx", _gelu_apprx_sigmoid_dx)
 ACTIVATIONS = ACTIVATIONS + (copy, exp, log, tanh, sin, abs, square, sqrt, rsqrt, reciprocal, relu, silu, silu_dx,
                              gelu, gelu_apprx_tanh, gelu_apprx_sigmoid, gelu_apprx_sigmoid_dx)
 
+# Absolute (`nl.abs`) is also an ALU op: the "Supported Math Operators for NKI ISA" table lists it among the
+# arithmetic operators ("Arithmetic Unary" in the current table; not a legal reduction op). A unary ALU op applies
+# to an instruction's tensor input alone: tensor_scalar / tensor_scalar_reduce take it with operand None or 0 (their
+# operand0: "Must be None or 0 when op0 is a unary operator (e.g., nl.abs)"). As an activation it stays torch.abs.
+URL_ALU_OPS = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/api/nki.api.shared.html#nki-aluop"
+ARITHMETIC_UNARY = (abs,)
+ARITHMETIC = ARITHMETIC + ARITHMETIC_UNARY
+
 
 def shared_identity_matrix(n: int, dtype=uint8):
     """`nl.shared_identity_matrix(n, dtype=nl.uint8)`: an (n, n) identity matrix in SBUF, a compiler constant (no
