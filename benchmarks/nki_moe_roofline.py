@@ -81,7 +81,8 @@ def plot(data: dict, path: Path) -> None:
     for y, label, color, ls in floors:
         ax.axhline(y, color=color, ls=ls, lw=1.5, label=f"{label}: {y:.2f} ms")
     ax.axhline(1.3 * runs[0]["roofline_ms"], color="black", ls="--", lw=1, label="1.3 x roofline (goal)")
-    ax.set_xticks(x, [str(r["block_size"]) for r in runs])
+    ax.set_xticks(x, [str(r["block_size"]) if r.get("kernel_block", r["block_size"]) == r["block_size"] else
+                      f"{r['block_size']}\n(kernel block {r['kernel_block']})" for r in runs])
     ax.set_xlabel("model.moe_block_size (kernel block)")
     ax.set_ylabel("ms per MoE layer, forward + backward, one rank")
     ax.set_ylim(bottom=0)
