@@ -1,6 +1,7 @@
 """The NKI time model against AWS's published timings: the tutorials' kernels, written here, at AWS's shapes.
 
     .venv/bin/python benchmarks/nki_calibration.py [--cases matmul_v2,layernorm_v1,...] [--small]
+        [--nki-library DIR]
 
 Each case is one published figure (`CASES`): the kernel, written here from the tutorial's description of each step
 (not copied: the same loops, tile shapes, instructions and blocking), runs through the NKI emulator (LNC 1, one
@@ -18,6 +19,11 @@ instruction trace (the cost report's dependency model) with the rates of the chi
     mamba_*         trn1, the fused Mamba tutorial (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/
                     guides/tutorials/fused_mamba.html), fp32, batch 1, state 16, channels 4096 (v1 also 256):
                     v1 states outer, v2 per channel tile, v3 the sequence in 512-column chunks
+    rmsnorm_quant_* trn2, LNC 2: AWS's own `rmsnorm_quant_kernel` (nki-library core/rmsnorm, unmodified, from the
+                    checkout `--nki-library DIR` names; not shipped) at its design spec's four shapes (https://
+                    awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/library/specs/design-rmsnorm-quant.html,
+                    "Performance Targets": [1, 2K, 8192] 458.2 us ... [1, 32K, 16384] 13,214.4 us), bf16 input;
+                    its values checked against the spec's definition within AWS's test tolerance
 
 v4 and v5 as the tutorial writes them keep more SBUF live in program order than the 212,464 B per partition the
 emulator allows (the usable SBUF): v4 two rhs columns of 64 fp32 [128, 512] tiles (256 KiB), v5 its 64 fp32
@@ -385,10 +391,60 @@ def _mamba_reference(delta, u, A, B, C):
     return out.float()[None]
 
 
+# -- trn2: AWS's rmsnorm_quant (nki-library core/rmsnorm) at its design spec's shapes, LNC 2 ------------------------
+RMSNORM_QUANT_US = {(2048, 8192): 458.2, (32768, 8192): 6287.0, (2048, 16384): 866.81, (32768, 16384): 13214.4}
+FP8_MAX = 240.0  # trn2's float8_e4m3
+
+
+def rmsnorm_quant(library: Path, S: int, H: int):
+    """AWS's `rmsnorm_quant_kernel`, unmodified, from the nki-library checkout `library`, on hidden [1, S, H] bf16
+    (seeded normal, as AWS's LNC tests draw it) and gamma [1, H], ROW quantisation, LNC 2, under the NKI version
+    nki-library was written for. Returns (counters, the output [1, S, H + 4] as values, hidden, gamma)."""
+    from workbench.kernels.nki_emulator import version
+    from workbench.kernels.nki_emulator.conformance import LIBRARY_NKI_VERSION, launch, redirected
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, S, H, generator=g).to(torch.bfloat16)
+    gamma = torch.randn(1, H, generator=g).to(torch.bfloat16)
+    with redirected(library), version.rules_of(LIBRARY_NKI_VERSION):
+        from nkilib_src.nkilib.core.rmsnorm.rmsnorm_quant import RmsNormQuantKernelArgs, rmsnorm_quant_kernel
+        from nkilib_src.nkilib.core.utils.common_types import NormType, QuantizationType
+
+        kargs = RmsNormQuantKernelArgs(quantization_type=QuantizationType.ROW, lower_bound=0.0,
+                                       norm_type=NormType.RMS_NORM, eps=1e-6)
+        with counters(trace=True) as c:
+            out = launch(rmsnorm_quant_kernel, 2, {"hidden": hidden, "ln_w": gamma, "kargs": kargs,
+                                                   "input_dequant_scale": None})
+    return c, out, hidden, gamma
+
+
+def check_rmsnorm_quant(out, hidden, gamma) -> float:
+    """The quantised values against RMSNorm-Quant's definition (design spec): y = x / sqrt(mean(x^2) + eps) * gamma
+    per row, scale = max|y| / 240, q = y / scale rounded to float8_e4m3; within AWS's test tolerance, |q - ref| <=
+    0.072 x max|ref| (its maxAllClose). Returns that relative error. (The 4 bytes per row after the values hold the
+    fp32 dequant scale, read back here as fp8 values: checked byte-exactly in tests/kernels/test_emulator_api.py.)"""
+    from workbench.kernels.nki_emulator import dtypes
+
+    H = hidden.shape[-1]
+    worst, top = 0.0, 0.0
+    for r0 in range(0, hidden.shape[1], 1024):  # 1024 rows at a time: the fp8 rounding is memory-hungry
+        x = hidden[0, r0:r0 + 1024].float()
+        y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * gamma.float()
+        scale = y.abs().amax(-1, keepdim=True) / FP8_MAX
+        ref = dtypes.values(dtypes.cast(y / scale, dtypes.E4M3)).float()
+        worst = max(worst, float((out[0, r0:r0 + 1024, :H].float() - ref).abs().max()))
+        top = max(top, float(ref.abs().max()))
+    err = worst / top
+    if not err <= 0.072:
+        raise AssertionError(f"rmsnorm_quant: max |q - ref| / max |ref| = {err:.4f} > 0.072 (AWS's tolerance)")
+    return err
+
+
 # -- the cases -------------------------------------------------------------------------------------------------------
 class Case(NamedTuple):
     """One published timing: the kernel written here, its inputs (full or --small), the torch reference, the rates
-    of the chip it was published on, the figure (ms; None: none at this shape), SBUF capacity lifted or not."""
+    of the chip it was published on, the figure (ms; None: none at this shape), SBUF capacity lifted or not;
+    `aws`: (S, H) of AWS's own rmsnorm_quant instead (kernel, inputs, reference unused; needs --nki-library)."""
 
     kernel: object
     inputs: object
@@ -397,6 +453,7 @@ class Case(NamedTuple):
     chip: str
     published_ms: float | None
     lifted: bool = False
+    aws: tuple | None = None
 
 
 def _matmul_inputs(small):
@@ -418,21 +475,31 @@ for _v, _k, _pub in (("v1", mamba_v1, {512: 2.34}), ("v2", mamba_v2, {512: 1.61,
                                          _mamba_reference, TRN1, "trn1", _ms)
 CASES["mamba_v1_L512_C256"] = Case(mamba_v1, lambda small: _mamba_inputs(512, small, 256), _mamba_reference, TRN1,
                                    "trn1", 0.17293)  # the tutorial's first test case
+for (_S, _H), _us in RMSNORM_QUANT_US.items():  # --small: [1, 256, H]
+    CASES[f"rmsnorm_quant_{_S // 1024}K_{_H // 1024}K"] = Case(None, None, None, TRN2, "trn2", _us / 1e3, aws=(_S, _H))
 
 
-def run(name: str, small: bool = False) -> dict:
+def run(name: str, small: bool = False, library: Path | None = None) -> dict:
     """One case: its result checked against torch, its modeled times (ms) under its chip's rates."""
     case = CASES[name]
-    args = case.inputs(small)
     t0 = time.perf_counter()
-    with compiled_for_lnc(1), counters(trace=True) as c:
-        if case.lifted:
-            with capacity_lifted():
+    if case.aws is not None:
+        if library is None:
+            raise ValueError(f"{name} runs AWS's rmsnorm_quant: pass --nki-library DIR (an aws-neuron/nki-library "
+                             "checkout; not shipped)")
+        c, out, hidden, gamma = rmsnorm_quant(library, 256 if small else case.aws[0], case.aws[1])
+        emulated = time.perf_counter() - t0
+        check_rmsnorm_quant(out, hidden, gamma)
+    else:
+        args = case.inputs(small)
+        with compiled_for_lnc(1), counters(trace=True) as c:
+            if case.lifted:
+                with capacity_lifted():
+                    out = case.kernel(*args)
+            else:
                 out = case.kernel(*args)
-        else:
-            out = case.kernel(*args)
-    emulated = time.perf_counter() - t0
-    torch.testing.assert_close(out, case.reference(*args), rtol=1e-4, atol=1e-3)
+        emulated = time.perf_counter() - t0
+        torch.testing.assert_close(out, case.reference(*args), rtol=1e-4, atol=1e-3)
     bracket = model(c, case.rates)
     return {"chip": case.chip, "model_ms": round(schedule(c, case.rates).seconds * 1e3, 3),
             "overlap_ms": round(bracket.overlap_s * 1e3, 3), "serial_ms": round(bracket.serial_s * 1e3, 3),
@@ -443,16 +510,24 @@ def run(name: str, small: bool = False) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="smaller shapes (no published figure): a quick check")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
+    parser.add_argument("--cases", default=None, help="comma-separated subset of " + ", ".join(CASES) +
+                        " (default: all; the rmsnorm_quant ones only with --nki-library)")
+    parser.add_argument("--nki-library", type=Path, default=None, help="an aws-neuron/nki-library checkout, for "
+                        "AWS's rmsnorm_quant at its design spec's shapes")
     args = parser.parse_args(argv)
+    if args.cases is None:
+        args.cases = ",".join(n for n in CASES if args.nki_library or CASES[n].aws is None)
     rows = {}
     print(f"{'case':19s}{'chip':>5s}{'published ms':>14s}{'model ms':>11s}{'model/pub':>11s}{'bracket ms':>22s}  bound")
     for name in args.cases.split(","):
         if name not in CASES:
             parser.error(f"unknown case {name!r}; choose from {', '.join(CASES)}")
+        if CASES[name].aws is not None and args.nki_library is None:
+            parser.error(f"{name} runs AWS's rmsnorm_quant: pass --nki-library DIR (an aws-neuron/nki-library "
+                         "checkout; not shipped)")
         pub = None if args.small else CASES[name].published_ms
         try:
-            r = run(name, args.small)
+            r = run(name, args.small, args.nki_library)
         except NkiRuleError as exc:  # e.g. sbuf-capacity: the kernel as written does not fit (the hardware spills)
             rows[name] = {"chip": CASES[name].chip, "published_ms": pub, "refused": str(exc).split(" (see ")[0]}
             print(f"{name:19s}{CASES[name].chip:>5s}{pub if pub is not None else '-':>14}  refused: "
