@@ -1065,28 +1065,40 @@ def _moments(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.full_like(mean, float(n)), mean, ((x - mean[:, None]) ** 2).sum(1)], 1)
 
 
+def _statistics_operands(dst, data, per_partition: int, what: str, op: str, url: str) -> tuple[int, int]:
+    """bn_stats / bn_aggr entry checks: both on chip, dst `per_partition` values per partition of data. Returns
+    (partitions, data's elements per partition)."""
+    _on_chip(data, "data", op, url)
+    _on_chip(dst, "dst", op, url)
+    p, n = _per_partition(data)
+    if _per_partition(dst) != (p, per_partition):
+        raise violation("elementwise-shape", f"{op}: dst must hold {what} per partition ({p}, {per_partition}), "
+                        f"got {dst.shape}", url)
+    return p, n
+
+
+def _write_statistics(dst, out: torch.Tensor, poison) -> None:
+    """dst <- out [P, k] (per-partition statistics); a partition with any poison input gets poison statistics."""
+    p = out.shape[0]
+    dst.write(out.reshape(dst.shape),
+              init=None if poison is None else _clean(dst, poison.reshape(p, -1).int().amax(1) > 0))
+
+
 def bn_stats(dst, data, name=None):
     """Per partition, in fp32 on the Vector Engine: (count, mean, variance * count) of data's even elements, then
     of its odd elements (6 values); data <= 512 elements per partition (bn_stats page:
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.bn_stats.html)."""
     op, url = "bn_stats", URL_BN_STATS
-    _on_chip(data, "data", op, url)
-    _on_chip(dst, "dst", op, url)
-    p, n = _per_partition(data)
+    p, n = _statistics_operands(dst, data, 6, "6 values", op, url)
     if n > BN_STATS_FMAX:
         raise violation("bn-stats-fmax", f"{op}: data has {n} elements per partition, more than "
                         f"nl.tile_size.bn_stats_fmax = {BN_STATS_FMAX}: one bn_stats per 512-element slice, then "
                         "one bn_aggr over their outputs", url)
-    if _per_partition(dst) != (p, 6):
-        raise violation("elementwise-shape", f"{op}: dst must hold 6 values per partition ({p}, 6), got "
-                        f"{dst.shape}", url)
 
     def run():
         value, poison = _data(data)
         x = value.reshape(p, n)
-        out = torch.cat([_moments(x[:, 0::2]), _moments(x[:, 1::2])], 1)
-        dst.write(out.reshape(dst.shape),
-                  init=None if poison is None else _clean(dst, poison.reshape(p, n).int().amax(1) > 0))
+        _write_statistics(dst, torch.cat([_moments(x[:, 0::2]), _moments(x[:, 1::2])], 1), poison)
 
     emit("vector", op, run, elementwise_work(data, data))  # streams every input element once
 
@@ -1096,15 +1108,10 @@ def bn_aggr(dst, data, name=None):
     variance * count) triples of `data` (bn_stats outputs side by side) summarise (bn_aggr page:
     https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/api/generated/nki.isa.bn_aggr.html)."""
     op, url = "bn_aggr", URL_BN_AGGR
-    _on_chip(data, "data", op, url)
-    _on_chip(dst, "dst", op, url)
-    p, n = _per_partition(data)
+    p, n = _statistics_operands(dst, data, 2, "(mean, variance)", op, url)
     if n % 3:
         raise violation("bn-aggr-triples", f"{op}: data holds {n} values per partition; bn_stats outputs are "
                         "(count, mean, variance * count) triples, so it must be a multiple of 3", url)
-    if _per_partition(dst) != (p, 2):
-        raise violation("elementwise-shape", f"{op}: dst must hold (mean, variance) per partition ({p}, 2), got "
-                        f"{dst.shape}", url)
 
     def run():
         value, poison = _data(data)
@@ -1113,8 +1120,7 @@ def bn_aggr(dst, data, name=None):
         total = count.sum(1)
         mu = (count * mean).sum(1) / total
         var = (m2 + count * (mean - mu[:, None]) ** 2).sum(1) / total  # the parallel-variance identity
-        dst.write(torch.stack([mu, var], 1).reshape(dst.shape),
-                  init=None if poison is None else _clean(dst, poison.reshape(p, n).int().amax(1) > 0))
+        _write_statistics(dst, torch.stack([mu, var], 1), poison)
 
     emit("vector", op, run, elementwise_work(data, data))
 
