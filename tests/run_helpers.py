@@ -196,3 +196,17 @@ def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
                 continue
             drawn.append(name)
     return drawn
+
+
+def check_memory_report(run_dir: Path, stdout: str, ranks: int) -> dict:
+    """A launch's first-launch memory check (`--job.memory_measure always`): `<run>/memory_check.json` has steps 1
+    and 2 of `ranks` ranks against the CPU plan, and the launch printed each step's measured peak. Returns it."""
+    import json
+
+    report = json.loads((run_dir / "memory_check.json").read_text())
+    assert [s["step"] for s in report["steps"]] == [1, 2] and report["world_size"] == ranks
+    assert report["plan"]["device"] == "cpu" and report["plan"]["device_runtime_bytes"] == 0
+    for s in report["steps"]:
+        assert len(s["measured_bytes"]) == ranks and s["max_bytes"] == max(s["measured_bytes"])
+        assert f"memory step {s['step']}: measured peak {s['max_bytes'] / 2**30:.2f} GiB" in stdout
+    return report

@@ -11,7 +11,7 @@ machine's own path: `MACHINE_CPU_PATH`; `cached_run` never shares a launch acros
 Without the pin, the code paths one AVX-512 machine can be forced to move the curves by up to ~1e-3 (2-rank MoE,
 step 8); `python tests/test_golden_losses.py spread` measures that again. Under the pin a run repeats to the
 last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a_small_change` shows that a
-small deliberate change (lr x 1.01, one token more per document, another seed) still fails the check.
+small deliberate change (lr x 1.01) still fails the check.
 
 The 2-rank cases use exactly the arguments of runs other tests already make (the first 12 steps of the 30-step
 schedule, `FIRST_12_OF_30`), so `cached_run` shares them within a pytest session. The five 1-rank cases are launches
@@ -111,42 +111,25 @@ def test_loss_curve_matches_golden(name, tmp_path_factory):
                      "A deliberate change? Regenerate as this module's docstring says and review the diff.")
 
 
-def _one_more_token_per_document(folder: Path) -> tuple[str, ...]:
-    """The bundled plays, each with one `<|endoftext|>` token in front: every document shifts by one token."""
-    from workbench.data import bundled_corpus_dir
-
-    src = bundled_corpus_dir()
-    for play in sorted(src.rglob("*.md")):
-        dst = folder / play.relative_to(src)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_text("<|endoftext|>" + play.read_text(encoding="utf-8"), encoding="utf-8")
-    return ("--training.dataset", str(folder))
-
-
 GUARD_CASE = "dense-huggingface_v5-1rank"  # the cheapest case: 1 rank, ONE_RANK_STEPS steps
-CHANGE_STEPS = 2  # every change below moves the curve by step 2, past 100 x ATOL: lr x 1.01 by 3.7e-4 at step 2 (its
-# first update), one token more by 4.0e-3 at step 1, seed 43 by 9.2e-3 at step 1 (measured). The lr schedule stays the
-# GOLDEN_STEPS-step one (lr_scheduler.total_steps), so unchanged, steps 1-2 equal the curve
-CHANGES = {
-    "lr x 1.01": lambda tmp: ("--optimizer.lr", "0.00303"),
-    "one token more per document": _one_more_token_per_document,
-    "init seed 43": lambda tmp: ("--job.seed", "43"),
-}
+CHANGE_STEPS = 2  # lr x 1.01 moves the curve by 3.7e-4 at step 2 (its first update), past 100 x ATOL (measured). The
+# lr schedule stays the GOLDEN_STEPS-step one (lr_scheduler.total_steps), so unchanged, steps 1-2 equal the curve.
+# Only the smallest change is launched: a changed seed (9.2e-3 at step 1) or one token more per document (4.0e-3 at
+# step 1) moved it 10-25x as far when measured, so their launches could not fail while this one passes.
 
 
-@pytest.mark.parametrize("change", list(CHANGES))
-def test_golden_check_catches_a_small_change(change, tmp_path):
-    """The check is sharp enough: a small deliberate change to the guard case moves its curve past ATOL."""
+def test_golden_check_catches_a_small_change(tmp_path):
+    """The check is sharp enough: a small deliberate change to the guard case (lr x 1.01) moves its curve past
+    ATOL."""
     config, args, nproc = CASES[GUARD_CASE]
     assert args[-4:] == SHORT
-    extra = CHANGES[change](tmp_path / "data")
     run_train(config, *args[:-4], "--training.steps", str(CHANGE_STEPS), "--lr_scheduler.total_steps",
-              str(GOLDEN_STEPS), *extra, "--job.dump_folder", str(tmp_path / "out"), nproc=nproc)
+              str(GOLDEN_STEPS), "--optimizer.lr", "0.00303", "--job.dump_folder", str(tmp_path / "out"), nproc=nproc)
     (run_dir,) = (tmp_path / "out").iterdir()
     losses = losses_by_step(run_dir)
     off = moved(GUARD_CASE, {str(s): losses[s] for s in range(1, CHANGE_STEPS + 1)})
     biggest = max((abs(now - want) for now, want in off.values()), default=0.0)
-    assert biggest > 100 * ATOL, f"{change}: the golden check did not fail ({off})"
+    assert biggest > 100 * ATOL, f"lr x 1.01: the golden check did not fail ({off})"
 
 
 def test_the_pinned_cpu_path_reaches_child_processes():

@@ -4,9 +4,8 @@
   host whose Neuron device files exist while torch_neuronx does not import).
 * `[neuron] apply = "always"` runs `workbench/platform/neuron_adjustments.py` through the real launch path on 2 gloo
   ranks, with the process group registered under the configured name ("neuron", tests/neuron_standin.py): the losses
-  equal the plain CPU run's to 1e-6, and switching the SUM reduction off makes FSDP hand PREMUL_SUM to that process
-  group,
-  which rejects it.
+  equal the plain CPU run's to 1e-6, its first-launch memory check gathers both ranks' peaks (within 0.5% of the
+  plan), and switching the SUM reduction off makes FSDP hand PREMUL_SUM to that process group, which rejects it.
 
 Not proven here: that TorchNeuron's own "neuron" backend, SDPA dispatch, memory statistics or timeouts behave as
 the docs say; only that the workbench's side of each adjustment is wired and numerically neutral.
@@ -19,7 +18,7 @@ import sys
 
 import pytest
 
-from run_helpers import FIRST_12_OF_30, ROOT, cached_run, free_port, losses_by_step
+from run_helpers import FIRST_12_OF_30, ROOT, cached_run, check_memory_report, free_port, losses_by_step
 
 DENSE = "configs/cpu_dense.toml"
 
@@ -68,9 +67,13 @@ def _standin_run(out, *args: str, log=None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_neuron_adjustments_on_gloo_equal_plain_cpu(tmp_path, tmp_path_factory):
+    """Also the first-launch memory check through the stand-in (the same launch: measuring steps 1 and 2 changes no
+    number): every rank's peak is gathered; the ranks are symmetric, so they agree within 1%, and step 2 is within
+    0.5% of the plan, as on plain CPU (tests/test_plan.py)."""
     plain_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
     log = tmp_path / "standin"
-    proc = _standin_run(tmp_path, "--training.steps", "4", "--lr_scheduler.total_steps", "30", log=log)
+    proc = _standin_run(tmp_path, "--training.steps", "4", "--lr_scheduler.total_steps", "30",
+                        "--job.memory_measure", "always", log=log)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "neuron adjustments: process group neuron, FSDP SUM reduction, SDPA OVERRIDEABLE" in proc.stdout
     for rank in (0, 1):  # both ranks really built their process group through the "neuron" registration
@@ -79,6 +82,9 @@ def test_neuron_adjustments_on_gloo_equal_plain_cpu(tmp_path, tmp_path_factory):
     assert sorted(adjusted) == [1, 2, 3, 4]
     for step in range(1, 5):
         assert abs(adjusted[step] - plain[step]) <= 1e-6, (step, adjusted[step], plain[step])
+    step2 = check_memory_report(tmp_path / "cpu_dense", proc.stdout, 2)["steps"][1]
+    assert min(step2["measured_bytes"]) >= 0.99 * step2["max_bytes"]
+    assert step2["measured_over_plan"] == pytest.approx(1.0, abs=0.005), step2
 
 
 @pytest.mark.slow

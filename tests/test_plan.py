@@ -13,15 +13,12 @@ through the neuron stand-in; its cuda/neuron branch (torch.<device>.max_memory_a
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from run_helpers import free_port
 from workbench import plan
 from workbench.core.config import load_config
 from workbench.memory import measure, report, tables, tracer
@@ -327,29 +324,3 @@ def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_dev
 def test_memory_measure_takes_only_its_values(capsys):
     assert plan.main(["--job.memory_measure", "sometimes", *TINY]) == 2
     assert "job.memory_measure" in capsys.readouterr().err
-
-
-def _check_report(run_dir: Path, stdout: str, ranks: int) -> dict:
-    report = json.loads((run_dir / "memory_check.json").read_text())
-    assert [s["step"] for s in report["steps"]] == [1, 2] and report["world_size"] == ranks
-    assert report["plan"]["device"] == "cpu" and report["plan"]["device_runtime_bytes"] == 0
-    for s in report["steps"]:
-        assert len(s["measured_bytes"]) == ranks and s["max_bytes"] == max(s["measured_bytes"])
-        assert f"memory step {s['step']}: measured peak {s['max_bytes'] / GiB:.2f} GiB" in stdout
-    return report
-
-
-@pytest.mark.slow
-def test_first_launch_check_through_the_neuron_standin(tmp_path):
-    """The same check on 2 ranks through the neuron stand-in (the workbench's neuron adjustments over a gloo process
-    group named "neuron"): every rank's peak is gathered; the ranks are symmetric, so they agree within 1%."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "neuron_standin.py"), "--job.config_file", str(ROOT / "configs/cpu_dense.toml"),
-           "--neuron.apply", "always", "--job.dump_folder", str(tmp_path), "--job.memory_measure", "always",
-           "--training.steps", "2", "--training.seq_len", "256"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = _check_report(tmp_path / "cpu_dense", proc.stdout, 2)
-    step2 = report["steps"][1]
-    assert min(step2["measured_bytes"]) >= 0.99 * step2["max_bytes"]
-    assert step2["measured_over_plan"] == pytest.approx(1.0, abs=0.005), report
