@@ -26,6 +26,18 @@ def run(body, *arrays, lnc=1):
         return nki.jit(body)[lnc](*arrays)
 
 
+def run_costed(kernel, *args):
+    """`run` under the counters, asserting that every instruction it issued has a cost in the trn2 time model.
+
+    Returns:
+        (the kernel's outputs, the (engine, instruction) pairs it issued).
+    """
+    with counters() as c:
+        out = run(kernel, *args)
+    assert timing.model(c).unmodeled == {}
+    return out, {(eng, op) for (_, eng, op, _), _ in c.work.items()}
+
+
 # -- dtypes ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [nl.int8, nl.uint8, nl.int16, nl.uint16, nl.uint32, nl.int32])
 def test_integer_tiles_hold_integers_exactly(dtype):
@@ -240,9 +252,7 @@ def test_scalar_tensor_tensor_reciprocal_and_predicated_copy():
         nisa.dma_copy(dst=out[1], src=ta)
         return out
 
-    with counters() as c:
-        out = run(kernel, x, y, v, pred)
-    assert timing.model(c).unmodeled == {}  # each instruction has a cost in the trn2 time model
+    out, _ = run_costed(kernel, x, y, v, pred)
     np.testing.assert_allclose(out[0], y - x * v, rtol=1e-6)
     np.testing.assert_allclose(out[1], np.where(pred != 0, 1 / y, x), rtol=1e-6)
 
@@ -272,9 +282,7 @@ def test_tensor_reduce_scan_max8_find_index8():
             nisa.dma_copy(dst=out[:, parts[k][1]:parts[k][1] + parts[k][2]], src=parts[k][0])
         return out
 
-    with counters() as c:
-        out = run(kernel, x)
-    assert timing.model(c).unmodeled == {}
+    out, _ = run_costed(kernel, x)
     flat = x.reshape(4, 32)
     top8 = -np.sort(-flat, axis=1)[:, :8]
     np.testing.assert_allclose(out[:, 0:2], x.sum(axis=2), rtol=1e-5)
@@ -299,9 +307,7 @@ def test_bn_stats_over_slices_then_bn_aggr_give_the_rows_mean_and_variance():
         nisa.dma_copy(dst=out[:, 6:8], src=mv)
         return out
 
-    with counters() as c:
-        out = run(kernel, x)
-    assert timing.model(c).unmodeled == {}
+    out, _ = run_costed(kernel, x)
     last = x[:, 1024:]  # the third slice's stats: even elements, then odd
     for half, k in ((last[:, 0::2], 0), (last[:, 1::2], 3)):
         np.testing.assert_allclose(out[:, k], half.shape[1])
@@ -344,9 +350,7 @@ def test_iota_affine_select_nonzero_with_count():
         return out
 
     a = rand(4, 4)
-    with counters() as c:
-        out = run(kernel, a)
-    assert timing.model(c).unmodeled == {}
+    out, _ = run_costed(kernel, a)
     want_pos = 5 + 100 * np.arange(4)[:, None, None] + 10 * np.arange(2)[None, :, None] + np.arange(3)[None, None]
     np.testing.assert_array_equal(out[0], want_pos.reshape(4, 6))
     np.testing.assert_array_equal(out[1, :, :4], np.where(np.tril(np.ones((4, 4))) > 0, a, -9.0))
@@ -376,9 +380,7 @@ def test_nc_stream_shuffle_and_dma_transpose():
         nisa.dma_copy(dst=out[1], src=back)
         return out
 
-    with counters() as c:
-        out = run(kernel, x)
-    assert timing.model(c).unmodeled == {}
+    out, _ = run_costed(kernel, x)
     want = np.full((64, 3), -1.0, dtype=np.float32)
     for p in range(64):
         if p % 32 != 31:
@@ -427,11 +429,6 @@ def test_dma_moves_equal_element_counts_in_row_major_order():
 
 
 # -- isa: an elementwise op fused with a reduction (nki-library's rmsnorm_quant) -----------------------------------
-def _engines(c) -> set:
-    """The (engine, instruction) pairs a counted run issued."""
-    return {(eng, op) for (_, eng, op, _), _ in c.work.items()}
-
-
 def test_activation_reduce_sums_the_fp32_activation_over_the_free_dims():
     # dst = square(x * scale + bias) stored as bf16; reduce_res = the fp32 sum over both free dims (before dst's
     # rounding: the engine reduces what it computes)
@@ -447,9 +444,8 @@ def test_activation_reduce_sums_the_fp32_activation_over_the_free_dims():
         nisa.dma_copy(dst=out[:, 12:13], src=total)
         return out
 
-    with counters() as c:
-        out = run(kernel, x, s)
-    assert timing.model(c).unmodeled == {} and ("scalar", "activation_reduce") in _engines(c)
+    out, issued = run_costed(kernel, x, s)
+    assert ("scalar", "activation_reduce") in issued
     y = (x * s[:, :, None] + np.float32(0.5)) ** 2
     np.testing.assert_array_equal(out[:, :12], bf16_round(y.reshape(4, 12)))
     np.testing.assert_allclose(out[:, 12], y.reshape(4, 12).sum(1), rtol=1e-6)
@@ -493,9 +489,8 @@ def test_tensor_scalar_reduce_abs_max_and_the_other_reduce_ops():
         nisa.dma_copy(dst=out[:, 15:18], src=r)
         return out
 
-    with counters() as c:
-        out = run(kernel, x, v)
-    assert timing.model(c).unmodeled == {} and ("vector", "tensor_scalar_reduce") in _engines(c)
+    out, issued = run_costed(kernel, x, v)
+    assert ("vector", "tensor_scalar_reduce") in issued
     flat = x.reshape(4, 15)
     np.testing.assert_array_equal(out[:, 0:10], np.abs(flat[:, :10]))
     np.testing.assert_array_equal(out[:, 10:15], np.abs(flat[:, 10:]) + 1)
