@@ -7,7 +7,9 @@ an assumption there, a constant fitted to a published timing is marked FITTED):
 replayed on each core's in-order queues. An instruction starts when its queue is free and its operands are ready:
 read-after-write, write-after-write and write-after-read through the boxes of SBUF / PSUM / HBM tensors and the
 registers it touches (so reusing one workspace tile or one PSUM bank serialises, and a bank or buffer in rotation
-does not), and a core barrier waits for every core's earlier instructions. Queues: Tensor, Vector, Scalar and
+does not), and a core barrier waits for every core's earlier instructions. Each core keeps its own record of
+accesses, cleared at each barrier: between barriers the cores touch disjoint parts of shared HBM (the emulator's
+race check refuses a launch where they do not), so one core's accesses never order the other's. Queues: Tensor, Vector, Scalar and
 GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines. A DMA first
 generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE), then moves
 its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's share of
@@ -446,6 +448,12 @@ class _Core:
         self.hbm = _Booked()
         self.end = 0.0  # latest completion so far
         self.issued = 0  # DMAs replayed (the booked resources are pruned every `_PRUNE` of them)
+        # storage key -> [(box, end, engine, site)] of this core's writes / reads since the last core barrier. Per
+        # core: within a barrier phase the cores touch disjoint parts of shared HBM (the emulator's race check
+        # stops a launch where they do not), so one core's accesses never order the other's; a merged (pruned)
+        # box of one core's rows must not hold back the other core's rows inside its span
+        self.writes: dict = {}
+        self.reads: dict = {}
 
 
 def _overlaps(entries, box, best, cause, label):
@@ -458,9 +466,14 @@ def _overlaps(entries, box, best, cause, label):
     return best, cause
 
 
-def _note(table, key, box, end, engine, site):
+def _note(c: _Core, table, key, box, end, engine, site):
     entries = table.setdefault(key, [])
     entries.append((*box, end, engine, site))
+    if len(entries) > _PRUNE:
+        # first drop what can no longer delay anything: an entry that ends by the time every queue of this core
+        # (and its DGEs) is free again cannot hold back a later instruction, which starts no earlier than that
+        horizon = min(min(c.free.values()), min(c.dge))
+        entries[:] = [e for e in entries if e[4] > horizon]
     if len(entries) > _PRUNE:  # merge the oldest half: a wider box, the latest end (can only delay, never hasten)
         old = entries[: _PRUNE // 2]
         entries[: _PRUNE // 2] = [(min(e[0] for e in old), max(e[1] for e in old), min(e[2] for e in old),
@@ -492,14 +505,12 @@ def _replay(cores_trace, r: Rates, out: Schedule) -> float:
     """One launch: the cores run concurrently between core barriers; returns its makespan."""
     cores = [_Core(r) for _ in cores_trace]
     pos = [0] * len(cores)
-    writes: dict = {}
-    reads: dict = {}
     while True:
         ended = True
         for k, trace in enumerate(cores_trace):
             i = pos[k]
             while i < len(trace) and not (trace[i][0] == "sync" and trace[i][1] == "core_barrier"):
-                _issue(cores[k], trace[i], r, out, writes, reads)
+                _issue(cores[k], trace[i], r, out)
                 i += 1
             pos[k] = i + 1
             ended = ended and i >= len(trace)
@@ -517,10 +528,12 @@ def _replay(cores_trace, r: Rates, out: Schedule) -> float:
                 if b.end() < t:
                     b.book(b.end(), t)
             c.end = t
+            c.writes.clear()  # everything before the barrier has ended by t, when every queue starts again
+            c.reads.clear()
     return max(c.end for c in cores)
 
 
-def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) -> None:
+def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
     engine, op, work, site, accesses = ins
     if engine == "control":  # every engine's stream runs the branch
         for q in COMPUTE:
@@ -529,9 +542,9 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) ->
         return
     ready, cause = 0.0, None
     for key, kind, *box in accesses:
-        ready, cause = _overlaps(writes.get(key, ()), box, ready, cause, "RAW" if kind == "r" else "WAW")
+        ready, cause = _overlaps(c.writes.get(key, ()), box, ready, cause, "RAW" if kind == "r" else "WAW")
         if kind == "w":
-            ready, cause = _overlaps(reads.get(key, ()), box, ready, cause, "WAR")
+            ready, cause = _overlaps(c.reads.get(key, ()), box, ready, cause, "WAR")
     if engine == "dma":
         end = _dma(c, work, r, ready, cause, site, out)
     else:
@@ -545,7 +558,7 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule, writes: dict, reads: dict) ->
             out.busy[q] += seconds
     c.end = max(c.end, end)
     for key, kind, *box in accesses:
-        _note(writes if kind == "w" else reads, key, box, end, engine, site)
+        _note(c, c.writes if kind == "w" else c.reads, key, box, end, engine, site)
 
 
 def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
