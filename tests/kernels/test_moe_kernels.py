@@ -293,13 +293,17 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
                 real = False
                 tile_next = 0
                 for k in range(L):
-                    for q in range(int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])):
-                        g, r0, tile = (int(v) for v in kp.piece[q])
+                    begin, end = int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])
+                    for q in range(begin, end):
+                        g, r0, tile, own, nxt = (int(v) for v in kp.piece[q])
                         width = widths[k]
                         assert r0 == g * G
                         if width >= ts:  # resident main tiles, in order, no-op pieces too
                             assert tile == tile_next
                             tile_next += width // ts
+                        # the backward's gathers: the loop's first piece its own rows, each piece the next one's
+                        # while the next row is in the loop (main tiles only: a tail class gathers its own)
+                        assert (own, nxt) == ((q == begin, q + 1 < end) if width >= ts else (0, 0))
                         if g >= ng:  # a no-op piece: this core's own area
                             assert g == ng + c * r
                             noop_pieces += 1

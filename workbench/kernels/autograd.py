@@ -94,8 +94,8 @@ class KernelPlan:
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M + 1, 3]: first slot group, first slot row, first resident tile; per class, core,
-    #                      position; then a padding row
+    piece: torch.Tensor  # [M + 1, 5]: first slot group, first slot row, first resident tile, own, next (the
+    #                      backward's row gathers); per class, core, position; then a padding row
     seg_table: torch.Tensor  # [lnc * S, 4 + 2L]: expert, [begin, end) sub_table rows, next expert, [begin, end)
     #                          piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
@@ -352,14 +352,16 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
         NG: the plan's slot groups; per_block: KB / G; G: the slot granule.
 
     Returns:
-        piece [M + 1, 3] int32 (first slot group, first slot row, first resident tile; the last row a padding row
-        in core 0's no-op area: the forward gathers the rows of `piece` row j + 1 while it computes row j) and, per
+        piece [M + 1, 5] int32 (first slot group, first slot row, first resident tile, own: 1 where the backward
+        piece gathers its own rows (the first of a main-tile class loop), next: 1 where the next row is in the same
+        main-tile class loop (the backward piece gathers its rows); the last row a padding row in core 0's no-op
+        area: the forward gathers the rows of `piece` row j + 1 while it computes row j) and, per
         class, two [lnc, S * J] columns: each sub-segment's [begin, end) rows of `piece`.
     """
     lnc, S, J = cores.live.shape[0], cores.S, subs.J
     dev = noop_group.device
     rows_k = [max(1, NG // per_block)] + [S * min(J, lnc)] * (len(tiles_k) - 1)
-    groups, tile_col, sub_cols = [], [], []
+    groups, tile_col, first_col, next_col, sub_cols = [], [], [], [], []
     base = 0
     for k in range(len(tiles_k)):
         m_flat = subs.m[k].reshape(-1)  # (position, sub-segment) in run order
@@ -375,12 +377,19 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
             offset = per_block * (j_q * subs.blocks_per_sub + t_q) if k == 0 else 0
             groups.append(torch.where(is_real, experts.first_kE[k][e_q] + offset, noop_group[c]))
             tile_col.append(subs.tile0_k[k].reshape(-1)[sj] + t_q * tiles_k[k] if tiles_k[k] else torch.zeros_like(q))
+            # the backward's software pipeline over a main-tile class loop (one sub-segment's pieces of the class):
+            # its first piece gathers its own rows, each piece the next one's while it computes
+            main = tiles_k[k] > 0
+            first_col.append(((q == beg_q[sj]) & (q < end_q[sj]) & main).long())
+            next_col.append(((q + 1 < end_q[sj]) & main).long())
         cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
         sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]
         base += lnc * rows_k[k]
     group = torch.cat(groups + [noop_group[:1]])  # + the padding row the last row's prefetch reads
-    tile_col.append(torch.zeros(1, dtype=tile_col[0].dtype, device=dev))
-    return torch.stack([group, group * G, torch.cat(tile_col)], 1).to(torch.int32), sub_cols
+    for col in (tile_col, first_col, next_col):
+        col.append(torch.zeros(1, dtype=col[0].dtype, device=dev))
+    columns = [group, group * G, torch.cat(tile_col), torch.cat(first_col), torch.cat(next_col)]
+    return torch.stack(columns, 1).to(torch.int32), sub_cols
 
 
 def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: list,

@@ -365,19 +365,24 @@ def backward_layout(D, F, io_dtype, widths):
 # plus one block inside SBUF, and the PSUM tiles inside the 8 banks.
 def _psum_pool(io_dtype, banks):
     """The pieces' PSUM tiles: banks["t"] transpose staging banks, banks["acc"] accumulators (each a whole 2 KiB
-    bank), the affinity-gradient row; `_psum` hands them out in turn."""
+    bank), the affinity-gradient row; `_psum` hands them out in turn. A transpose staging bank holds 2 KiB / (128 x
+    itemsize) [128, 128] transposes side by side (8 in bf16), each its own staging slot: the Tensor Engine writes
+    the next slot while the previous one is evicted, instead of waiting for the eviction of the one tile."""
     pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0},
             "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad")}
+    slots = MOVING_FMAX * F32.itemsize // (P * io_dtype.itemsize)  # [P, P] transposes per 2 KiB bank
     for _ in range(banks["t"]):
-        pool["t"].append(nl.ndarray((P, P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose"))
+        bank = nl.ndarray((P, slots * P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
+        for k in range(slots):
+            pool["t"].append(bank[0:P, k * P:(k + 1) * P])
     for _ in range(banks["acc"]):
         pool["acc"].append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"))
     return pool
 
 
 def _psum(ps, kind):
-    """The next bank of `kind` ("t" or "acc") in rotation. Rotation happens at trace time: a compiled loop body's
-    k-th use is the same bank every iteration, and consecutive uses inside a body alternate banks."""
+    """The next bank ("acc") or transpose slot ("t") in rotation. Rotation happens at trace time: a compiled loop
+    body's k-th use is the same bank every iteration, and consecutive uses inside a body take turns."""
     n = ps["turn"][kind]
     ps["turn"][kind] = n + 1
     return ps[kind][n % len(ps[kind])]
@@ -733,14 +738,19 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
     of `piece`; else a tail class's one-tile buffer)."""
 
+    C = piece.shape[1]
+
     def body(j):
-        rows = _row(piece, 0, j, 2)  # this piece's row and the next one's (the forward gathers its x rows)
+        rows = _row(piece, 0, j, 2)  # this piece's row and the next one's (whose rows the piece gathers)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
-            _forward_block(grp, row0, rows[0:1, 3:4], hbm, w, ws, ps, B, f0, first)
+            _forward_block(grp, row0, rows[0:1, C:C + 1], hbm, w, ws, ps, B, f0, first)
+        elif indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
+            gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
+                       rows[0:1, C + 2:C + 3])
+            _backward_block(grp, row0, rows[0:1, 2:3], gathers, hbm, w, ws, res, ps, B, f0, first)
         else:
-            tile = rows[0:1, 2:3] if indexed else None
-            _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first)
+            _backward_block(grp, row0, None, None, hbm, w, ws, res, ps, B, f0, first)
 
     nl.fori_loop(begin, end, body)
 
@@ -825,7 +835,7 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     """Entry checks of the host tables both kernels take (`autograd.KernelPlan`); returns L, the piece classes."""
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
-    _expect(piece, "piece", "[M, 3]", (None, 3), I32)
+    _expect(piece, "piece", "[M, 5]", (None, 5), I32)
     _expect(seg_table, "seg_table", "[LNC * S, 4 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - SEG_HEAD) // 2
     check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
@@ -866,9 +876,11 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M + 1, 3] int32, per piece its first slot group, first slot row (group * G) and, in the backward,
-            first resident tile; rows grouped by class; the last row a padding row (any valid piece: the forward
-            gathers row j + 1's rows while it computes row j).
+        piece: [M + 1, 5] int32, per piece its first slot group, first slot row (group * G) and, for the
+            backward, its first resident tile, own (1: the first piece of a main-tile class loop, which gathers its
+            own rows) and next (1: the next row is in the same loop, whose rows the piece gathers); rows grouped by
+            class; the last row a padding row (any valid piece: the forward gathers row j + 1's rows while it
+            computes row j).
         seg_table: [LNC * S, 4 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights the backward prefetches), then per piece class k (KB >> k slots) the [begin, end)
@@ -1027,16 +1039,34 @@ def _dx_rows(dx_slots, ws, banks, row0, B, D, first):
         _write_rows(dx_slots, ws, row0, s * P, sl, first)
 
 
-def _backward_block(grp, row0, tile, hbm, w, ws, res, ps, B, f0, first):
+def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first):
     """One B-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + FC) of the segment's expert
     (w: that chunk, resident as `_backward_weights` lays it out). Leaves x, affinity * dy and the token-major dg,
     du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them).
+
+    Software pipeline (main-tile classes; `gathers` (own, next, next group, next tile): registers own, next
+    (0 or 1) and int32 SBUF [1, 1] tiles): a piece gathers its own x and dy rows only when it is the first of its
+    class loop (`own` 1); it gathers the next piece's rows into that piece's tiles (another tile index: no hazard)
+    when the next row of `piece` is in the same loop (`next` 1), first thing, so the gather overlaps this piece's
+    work instead of opening the next piece. A tail class (`gathers` None, one-tile buffer, 0/1 trips) gathers its
+    own rows.
 
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.down [min(P, D), D/128, FC]).
     """
     D, FC = hbm["x"].shape[1], w.down.shape[2]
-    _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, B)
+
+    def own_rows(i):
+        _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, B)
+
+    def next_rows(i):
+        _load_block([res["x"], res["dy"]], gathers[3], [hbm["x"], hbm["dout"]], hbm["index"], gathers[2], B)
+
+    if gathers is None:
+        own_rows(0)
+    else:
+        nl.fori_loop(0, gathers[0], own_rows)
+        nl.fori_loop(0, gathers[1], next_rows)
     affinity = _affinities(hbm["weight"], grp, B)
     _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
     _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
