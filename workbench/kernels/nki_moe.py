@@ -175,19 +175,30 @@ def _load_expert_matrix(w, e, r0, R, c0, C, tile=None):
     30B-A3B expert matrix, or for a 384-wide F chunk at D = 4096), a second one the remainder rows. `e` is an
     int32 SBUF [1, 1] tile (runtime).
     """
+    if tile is None:
+        tile = nl.ndarray((min(P, R), _ntiles(R, min(P, R)), C), dtype=w.dtype, buffer=nl.sbuf, name="w_resident")
+    for pair in _matrix_copies(w, e, r0, R, c0, C, tile, R):
+        nisa.dma_copy(dst=pair[0], src=pair[1])
+    return tile
+
+
+def _matrix_copies(w, e, r0, R, c0, C, tile, per):
+    """The (SBUF dst, HBM src) DMAs of `_load_expert_matrix` into `tile`, each at most `per` full 128-row tiles,
+    the remainder rows last."""
     Ct = w.shape[2]
     rp = min(P, R)
     nfull = R // rp
     rem = R - nfull * rp
-    if tile is None:
-        tile = nl.ndarray((rp, _ntiles(R, rp), C), dtype=w.dtype, buffer=nl.sbuf, name="w_resident")
-    nisa.dma_copy(dst=tile[0:rp, 0:nfull, 0:C], src=w.ap(pattern=[[Ct, rp], [rp * Ct, nfull], [1, C]],
-                                                         offset=r0 * Ct + c0, scalar_offset=e, indirect_dim=0))
+    pairs = []
+    for j0 in range(0, nfull, per):
+        n = min(per, nfull - j0)
+        pairs.append((tile[0:rp, j0:j0 + n, 0:C], w.ap(pattern=[[Ct, rp], [rp * Ct, n], [1, C]],
+                                                         offset=(r0 + j0 * rp) * Ct + c0, scalar_offset=e,
+                                                         indirect_dim=0)))
     if rem > 0:
-        nisa.dma_copy(dst=tile[0:rem, nfull, 0:C], src=w.ap(pattern=[[Ct, rem], [1, C]],
-                                                            offset=(r0 + nfull * rp) * Ct + c0, scalar_offset=e,
-                                                            indirect_dim=0))
-    return tile
+        pairs.append((tile[0:rem, nfull, 0:C], w.ap(pattern=[[Ct, rem], [1, C]], offset=(r0 + nfull * rp) * Ct + c0,
+                                                     scalar_offset=e, indirect_dim=0)))
+    return pairs
 
 
 def _expert_window(w, e, r0, rows, c0, cols):
@@ -940,6 +951,23 @@ def _backward_weights(hbm_w, e, f0, FC, into=None):
     return ExpertWeights(gate=gate, up=up, down=down)
 
 
+# Bytes per partition of one part of the backward's weight prefetch (`_weight_parts`): the DMA engines serve each
+# engine's packets in order (DMA overview: one packet per engine per group of partitions), so one 9 MiB expert load
+# would hold every dW store behind it for ~26 us; in parts of this size spread over the weight-gradient phase a
+# store waits for at most one part (>= 2 KiB per partition keeps each part an efficient DMA)
+WEIGHT_PART_BYTES = 8 * 1024
+
+
+def _weight_parts(hbm_w, e, into):
+    """The DMAs of `_backward_weights(hbm_w, e, 0, F, into)` (down, gate, up) as (dst, src) pairs of about
+    WEIGHT_PART_BYTES per partition each."""
+    pairs = []
+    for w, tile in ((hbm_w.down, into.down), (hbm_w.gate, into.gate), (hbm_w.up, into.up)):
+        R, C = w.shape[1], w.shape[2]  # one F chunk: the whole matrix, in either layout
+        pairs += _matrix_copies(w, e, 0, R, 0, C, tile, max(1, _ntiles(WEIGHT_PART_BYTES, C * w.dtype.itemsize)))
+    return pairs
+
+
 def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
     """ws["aff_bcast"] [parts, B], every partition a copy of the piece's slot weights (ws["aff_row"] <-
     slot_weight from group grp on): ones[1, parts]^T @ row (PE)."""
@@ -1161,12 +1189,13 @@ def _dw_window(grads, e, row, f0):
     return _expert_window(grads[row.grad], e, f0 + row.row, row.rows, row.col, row.width)
 
 
-def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, FC):
+def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, FC, fetch=None):
     """dW of the sub-segment's expert over the F chunk [f0, f0 + FC): per group of rows (<= DW_BANKS PSUM banks),
     main tile 0 opens the PSUM accumulation, a compiled loop adds tiles 1 .. n_tiles - 1, a 0/1-trip loop each tail
     buffer (the sub-segment's tail pieces); then each row is evicted once (Scalar Engine), written to dW[write_row]
     in one DMA and, in a continuation sub-segment (`cont` 1), added into dW[acc_row] by the DMA engines (the host
-    points unused rows at this core's dummy).
+    points unused rows at this core's dummy). `fetch` ((dst, src) DMA pairs, a 0/1 register): the next expert's
+    weights, `load` times, one pair after every few groups, so the stores never wait behind the whole load.
 
     Dimensions:
         D: hidden size (res["x"] [TS, NT, D]); FC: the chunk's width; grads: ExpertWeights of [E + LNC, ...].
@@ -1193,6 +1222,19 @@ def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, c
             nisa.dma_copy(dst=_dw_window(grads, write_row, row, f0), src=ws["stage"][0:row.rows, c0:c0 + row.width])
             bank += _ntiles(row.width, MOVING_FMAX)
         _add_into(grads, group, acc_row, cont, ws, f0, first + stage)
+        if fetch is not None:  # the parts due after this group
+            for i in range(len(fetch[0])):
+                if i * len(groups) // len(fetch[0]) == g:
+                    _copy_times(fetch[0][i], fetch[1])
+
+
+def _copy_times(pair, times):
+    """`times` (a 0/1 register) times: the DMA dst <- src of `pair`."""
+
+    def body(i):
+        nisa.dma_copy(dst=pair[0], src=pair[1])
+
+    nl.fori_loop(0, times, body)
 
 
 def _contract_loop(group, res, main, begin, end, ps_dw):
@@ -1223,9 +1265,8 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                   prefetch, nxt):
     """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
     its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase. `prefetch`
-    (the HBM weights, when F is one chunk): between the two, the position's last sub-segment (`load` 1 in
-    sub_table) loads the next position's expert `nxt` into `w`, so that load overlaps the weight-gradient phase,
-    which does not read `w`."""
+    (the HBM weights, when F is one chunk): the position's last sub-segment (`load` 1 in sub_table) loads the next
+    position's expert `nxt` into `w` in parts spread over its weight-gradient phase, which does not read `w`."""
     TS = tile_slots(widths[0])
 
     def sub(j):
@@ -1242,14 +1283,11 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
                     first)
-        if prefetch is not None:
-
-            def fetch(i):
-                _backward_weights(prefetch, nxt, 0, prefetch.down.shape[2], w)
-
-            nl.fori_loop(0, _register(row[0:1, 4:5]), fetch)
+        fetch = None
+        if prefetch is not None:  # the next position's weights, in parts, during the weight-gradient phase
+            fetch = (_weight_parts(prefetch, nxt, w), _register(row[0:1, 4:5]))
         _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0,
-                      w.down.shape[2])
+                      w.down.shape[2], fetch)
 
     nl.fori_loop(begin, end, sub)
 

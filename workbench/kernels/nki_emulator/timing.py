@@ -9,20 +9,20 @@ read-after-write, write-after-write and write-after-read through the boxes of SB
 registers it touches (so reusing one workspace tile or one PSUM bank serialises, and a bank or buffer in rotation
 does not), and a core barrier waits for every core's earlier instructions. Each core keeps its own record of
 accesses, cleared at each barrier: between barriers the cores touch disjoint parts of shared HBM (the emulator's
-race check refuses a launch where they do not), so one core's accesses never order the other's. Queues: Tensor, Vector, Scalar and
-GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines. A DMA first
-generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE), then moves
-its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's share of
-HBM bandwidth. The DMA engines and the HBM link are booked by time (`_Booked`): a transfer takes the first idle gap
-at or after its descriptors exist, so a load ready early is not held behind a store the program issued before it
-but whose operands came later (descriptors reach the engines' rings in time order; until 2026-12-05 both were
-served in program order, which serialised every DMA of a kernel). A DMA that waits on another DMA's completion
+race check refuses a launch where they do not), so one core's accesses never order the other's. Queues: Tensor,
+Vector, Scalar and GpSimd engines, the register sequencer, two hardware DGE instances and the core's 16 DMA engines.
+A DMA first generates its descriptors (hardware DGE, ~600 ns; an indirect gather/scatter on GpSimd, software DGE),
+then moves its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's
+share of HBM bandwidth. The DMA engines and the HBM link are booked by time (`_Booked`): a transfer takes the first
+idle gap at or after its descriptors exist, so a load ready early is not held behind a store the program issued
+before it but whose operands came later (descriptors reach the engines' rings in time order; until 2026-12-05 both
+were served in program order, which serialised every DMA of a kernel). A DMA that waits on another DMA's completion
 pays the ~1.3 us semaphore latency. A compiled loop's branch costs every engine `branch_s`. The result: the
 launches' makespans (the headline `model_ms` of the MoE cost report), each engine's busy and waiting time, and the
-stalls by waiting source line and what it waited for. Not modelled: the compiler's reordering inside a basic
-block (the replay keeps program order per queue), the DMA queue assignment (a DMA takes the DGE instance free
-first), HBM bank conflicts, bandwidth shared between concurrent transfers (a transfer booked first holds an engine
-or the HBM link for its whole length: a small transfer behind a big one waits for all of it).
+stalls by waiting source line and what it waited for. Not modelled: the compiler's reordering inside a basic block
+(the replay keeps program order per queue), the DMA queue assignment (a DMA takes the DGE instance free first), HBM
+bank conflicts, bandwidth shared between concurrent transfers (a transfer booked first holds an engine or the HBM
+link for its whole length: a small transfer behind a big one waits for all of it).
 
 `model(c)`, the throughput model (the bracket): per engine, the sum of its instructions' costs.
 
