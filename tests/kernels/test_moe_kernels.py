@@ -278,8 +278,16 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
         for c in range(lnc):
             row = seg[c]
             e = int(row[0])
-            # the weights the backward prefetches: the core's next position's expert (its own at the last)
+            # the weights both kernels prefetch: the core's next position's expert (its own at the last), the
+            # forward into the other of its two weight sets
             assert int(row[3]) == int(kp.seg_table[c * S + min(s + 1, S - 1), 0])
+            assert (int(row[4]), int(row[5])) == (s % 2, 1 - s % 2)
+            run = [q for k in range(L) for q in range(int(row[nki_moe.SEG_HEAD + 2 * k]),
+                                                        int(row[nki_moe.SEG_HEAD + 1 + 2 * k]))]
+            loads = kp.piece[run, 5:8].long()  # the forward's gate / up / down loads, spread over the pieces
+            assert loads.sum(0).tolist() == ([1, 1, 1] if s + 1 < positions else [0, 0, 0])
+            if s + 1 < positions:
+                assert [int(loads[:, m].argmax()) for m in range(3)] == [m * len(run) // 3 for m in range(3)]
             for j in range(int(row[1]), int(row[2])):
                 sub = kp.sub_table[j]
                 others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
@@ -295,7 +303,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
                 for k in range(L):
                     begin, end = int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])
                     for q in range(begin, end):
-                        g, r0, tile, own, nxt = (int(v) for v in kp.piece[q])
+                        g, r0, tile, own, nxt = (int(v) for v in kp.piece[q, :5])
                         width = widths[k]
                         assert r0 == g * G
                         if width >= ts:  # resident main tiles, in order, no-op pieces too

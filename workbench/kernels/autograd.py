@@ -94,9 +94,11 @@ class KernelPlan:
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M + 1, 5]: first slot group, first slot row, first resident tile, own, next (the
-    #                      backward's row gathers); per class, core, position; then a padding row
-    seg_table: torch.Tensor  # [lnc * S, 4 + 2L]: expert, [begin, end) sub_table rows, next expert, [begin, end)
+    piece: torch.Tensor  # [M + 1, 8]: first slot group, first slot row, first resident tile, own, next (the
+    #                      backward's row gathers), gate / up / down (the forward's weight prefetch); per class, core,
+    #                      position; then a padding row
+    seg_table: torch.Tensor  # [lnc * S, 6 + 2L]: expert, [begin, end) sub_table rows, next expert, weight set,
+    #                          next weight set, [begin, end)
     #                          piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
     sub_table: torch.Tensor  # [lnc * S * J, 5 + 2L]: write row, add row, cont, tiles, load, [begin, end) piece
@@ -163,6 +165,7 @@ class KernelPlan:
         noop_group = NG + per_block * torch.arange(lnc, device=cores.own.device)  # each core's KB-slot no-op area
         piece, sub_cols = _piece_table(experts, cores, subs, tiles_k, noop_group, NG, per_block, G)
         seg_table, sub_table = _segment_tables(E, cores, subs, sub_cols, L)
+        piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, -(-cores.nseg // lnc), lnc, L)], 1)
         zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
         fill_rows, fill_count = _fill_rows(experts.real, noop_group, per_block, lnc)
         T = plan.slot_of_assignment_TK.shape[0]
@@ -403,8 +406,9 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
         L: piece classes.
 
     Returns:
-        seg_table [lnc * S, 4 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights the backward
-        prefetches during the position: the core's next position's, its own at the last; per class the position's
+        seg_table [lnc * S, 6 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights both kernels
+        prefetch during the position: the core's next position's, its own at the last; the forward's weight set
+        of the position (s % 2) and of the next (1 - s % 2); per class the position's
         [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
         [lnc * S * J, 5 + 2L] (write row, add row, cont, resident tiles, load: 1 on the position's last sub-segment,
         which loads the next expert's weights after its pieces; per class [begin, end) piece rows), int32.
@@ -424,11 +428,32 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
     sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
     last_sub = (subs.nsub_s - 1)[None, :, None].expand(lnc, S, 1)
     nxt = torch.cat([cores.expert[:, 1:], cores.expert[:, -1:]], 1)  # the core's next position's expert
-    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :], nxt]
+    pick = (torch.arange(S, device=dev) % 2)[None].expand(lnc, S)  # the forward's weight set, alternating
+    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :], nxt, pick, 1 - pick]
     seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(2, last_sub)[..., 0]
                  for i, col in enumerate(sub_cols)]
     return (torch.stack(seg_cols, 2).reshape(lnc * S, nki_moe.SEG_HEAD + 2 * L).to(torch.int32),
             sub_table.reshape(lnc * S * J, nki_moe.SUB_HEAD + 2 * L).to(torch.int32))
+
+
+def _prefetch_flags(rows: int, seg_table: torch.Tensor, positions, lnc: int, L: int) -> torch.Tensor:
+    """`piece`'s forward columns gate, up, down [rows, 3] int32: 1 on the piece that loads that matrix of its core's
+    next position's expert into the other weight set. A position's n pieces (class by class, in run order) share
+    the three loads: matrix m on its piece floor(m * n / 3), so the DMA engines, which serve their packets in order,
+    carry one matrix at a time between the pieces' own transfers. None at a core's last position run (`positions`)."""
+    S = seg_table.shape[0] // lnc
+    bounds = seg_table[:, nki_moe.SEG_HEAD:].view(lnc * S, L, 2).long()  # per class [begin, end) piece rows
+    n_k = bounds[..., 1] - bounds[..., 0]
+    ends = n_k.cumsum(1)
+    n = ends[:, -1]
+    m = torch.arange(3, device=seg_table.device)
+    o = m[None, :] * n[:, None] // 3  # [lnc * S, 3]: the piece (its ordinal in the position) loading matrix m
+    k = (o[:, :, None] >= ends[:, None, :]).sum(2).clamp(max=L - 1)  # its class
+    row = bounds[..., 0].gather(1, k) + o - (ends - n_k).gather(1, k)
+    live = ((torch.arange(lnc * S, device=seg_table.device) % S + 1 < positions) & (n > 0))[:, None].expand(-1, 3)
+    flags = torch.zeros(rows, 3, dtype=torch.int32, device=seg_table.device)
+    flags[row[live], m.expand(lnc * S, 3)[live]] = 1
+    return flags
 
 
 def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Tensor]:

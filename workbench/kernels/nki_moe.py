@@ -119,7 +119,9 @@ DW_BANKS = DW_GROUP_BANKS * DW_SETS
 # a store that the HBM link has queued behind other transfers (T 512, E 16, bf16: backward 1.95 -> 1.88 ms with 6
 # instead of 2). They never take SBUF from the resident tiles (`fit_backward` sizes those with DW_SETS).
 DW_STAGE_BYTES = 12 * 1024
-SEG_HEAD = 4  # seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert
+# seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert, its weight set, the
+# next position's weight set (the forward's double buffer)
+SEG_HEAD = 6
 SUB_HEAD = 5  # sub_table columns before the piece bounds: write row, add row, cont, tiles, load
 DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segments of this many banks (1024 columns)
 
@@ -167,9 +169,42 @@ def _block_column(table, grp, s0, sl, dtype):
     return tile
 
 
+class InSet(NamedTuple):
+    """One of two expert matrices kept in one SBUF tile [rp, 2, n * C] (each laid out [rp, n, C] as
+    `_load_expert_matrix` writes it), picked at run time: `pick` an int32 SBUF [1, 1] tile holding 0 or 1. The
+    forward's weight double buffer: the pieces read one set while the next expert's weights load into the other."""
+
+    tile: object
+    pick: object
+    C: int
+
+
+def _matrix(w, parts, j, c0, cols):
+    """[parts, cols] of row tile j, columns c0.., of a resident expert matrix: an SBUF tile [rp, n, C] or an InSet."""
+    if isinstance(w, InSet):
+        t = w.tile
+        return t.ap(pattern=[[t.shape[1] * t.shape[2], parts], [1, cols]], offset=j * w.C + c0, scalar_offset=w.pick,
+                    indirect_dim=1)
+    return w[0:parts, j, c0:c0 + cols]
+
+
+def _matrix_rows(w, parts, j0, n, C):
+    """[parts, n, C]: row tiles j0 .. j0 + n - 1 of a resident expert matrix (an SBUF tile or an InSet)."""
+    if isinstance(w, InSet):
+        t = w.tile
+        return t.ap(pattern=[[t.shape[1] * t.shape[2], parts], [C, n], [1, C]], offset=j0 * C, scalar_offset=w.pick,
+                    indirect_dim=1)
+    return w[0:parts, j0:j0 + n, 0:C]
+
+
+def _columns(w):
+    """C, the columns of a resident expert matrix (an SBUF tile [rp, n, C] or an InSet)."""
+    return w.C if isinstance(w, InSet) else w.shape[2]
+
+
 def _load_expert_matrix(w, e, r0, R, c0, C, tile=None):
     """SBUF [min(P, R), ceil(R / P), C] <- w[e, r0:r0+R, c0:c0+C] of an [E, Rt, Ct] HBM tensor: row r of the
-    window at [r % P, r // P, :] (into `tile` when given, else a new tile).
+    window at [r % P, r // P, :] (into `tile` when given, an SBUF tile or an InSet, else a new tile).
 
     One DMA moves all full 128-row tiles (C * itemsize * R // 128 bytes per partition: 24 KiB for a whole
     30B-A3B expert matrix, or for a 384-wide F chunk at D = 4096), a second one the remainder rows. `e` is an
@@ -192,12 +227,12 @@ def _matrix_copies(w, e, r0, R, c0, C, tile, per):
     pairs = []
     for j0 in range(0, nfull, per):
         n = min(per, nfull - j0)
-        pairs.append((tile[0:rp, j0:j0 + n, 0:C], w.ap(pattern=[[Ct, rp], [rp * Ct, n], [1, C]],
+        pairs.append((_matrix_rows(tile, rp, j0, n, C), w.ap(pattern=[[Ct, rp], [rp * Ct, n], [1, C]],
                                                          offset=(r0 + j0 * rp) * Ct + c0, scalar_offset=e,
                                                          indirect_dim=0)))
     if rem > 0:
-        pairs.append((tile[0:rem, nfull, 0:C], w.ap(pattern=[[Ct, rem], [1, C]], offset=(r0 + nfull * rp) * Ct + c0,
-                                                     scalar_offset=e, indirect_dim=0)))
+        src = w.ap(pattern=[[Ct, rem], [1, C]], offset=(r0 + nfull * rp) * Ct + c0, scalar_offset=e, indirect_dim=0)
+        pairs.append((_matrix(tile, rem, nfull, 0, C), src))
     return pairs
 
 
@@ -407,24 +442,32 @@ def _block_tiles(KB, width, dtype, name):
     return tiles
 
 
-def x_per_class(widths, D, F, FC, itemsize):
-    """Whether the forward gives each piece class its own x tiles: F is one chunk and the resident weights, one
-    block's workspace (every class's x tiles, xT, gT, uT, silu, hT, the y rows) and the small tiles fit SBUF_BYTES."""
+def forward_layout(widths, D, F, FC, itemsize):
+    """(weight sets, x per class) of the forward. Two weight sets (`_weight_sets`: the next position's expert loads
+    into one while the pieces read the other) when F is one chunk and they fit SBUF_BYTES with one block's
+    workspace (x tiles, xT, gT, uT, silu, hT, the y rows) and the small tiles; then x tiles per piece class (so the
+    classes' first gathers can all be issued when a position starts) when those fit as well."""
     if FC < F:
-        return False
-    KB, x_tiles = widths[0], 0
-    for B in widths:
-        x_tiles += _ntiles(B, P)
-    workspace = (x_tiles * D + _ntiles(D, P) * KB + 4 * _ntiles(F, P) * KB + D) * itemsize
-    return _resident_bytes(D, F, itemsize, 3) + workspace + SMALL_TILES_BYTES <= SBUF_BYTES
+        return 1, False
+    KB = widths[0]
+    fits = []
+    for sets, classes in ((2, widths), (2, [KB]), (1, widths)):
+        x_tiles = 0
+        for B in classes:
+            x_tiles += _ntiles(B, P)
+        workspace = (x_tiles * D + _ntiles(D, P) * KB + 4 * _ntiles(F, P) * KB + D) * itemsize
+        fits.append(sets * _resident_bytes(D, F, itemsize, 3) + workspace + SMALL_TILES_BYTES <= SBUF_BYTES)
+    if fits[0] or fits[1]:
+        return 2, fits[0]
+    return 1, fits[2]
 
 
 def _fwd_workspace(widths, D, FC, io_dtype, slot_dtype, chunked, per_class):
     """The forward's per-block SBUF workspace (`widths`: the piece classes, KB first). chunked: F is split (partial
     sums accumulate in the slot scratch, then fp32); "out_rows" holds the piece's y rows on their way to the slot
     scratch; "x" the token-major x tiles of each piece class (`_ws_view` picks the class's): one set per class
-    (`per_class`, see `x_per_class`), so the classes' first gathers can all be issued when a position starts, else
-    one set all classes share."""
+    (`per_class`), so the classes' first gathers can all be issued when a position starts, else
+    one set all classes share (see `forward_layout`)."""
     KB = widths[0]
     dp, fp, nD, nF = min(P, D), min(P, FC), _ntiles(D, P), _ntiles(FC, P)
     x, shared = {}, None if per_class else _block_tiles(KB, D, io_dtype, "x_tok")
@@ -558,14 +601,15 @@ def _affinities(slot_weight, grp, B):
 
 
 def _project(out, w_res, xT, B, D, n_out, ps):
-    """out ([min(P, n_out), n_tiles, B]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out]. Evicted
+    """out ([min(P, n_out), n_tiles, B]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out] (or an
+    InSet of them). Evicted
     from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
         acc = _psum(ps, "acc")[0:fl, 0:B]
         for j in range(_ntiles(D, P)):
             dl = _width(D, P, j)
-            nisa.nc_matmul(dst=acc, stationary=w_res[0:dl, j, i * P:i * P + fl], moving=xT[0:dl, j, 0:B],
+            nisa.nc_matmul(dst=acc, stationary=_matrix(w_res, dl, j, i * P, fl), moving=xT[0:dl, j, 0:B],
                            accumulate=j > 0)
         nisa.tensor_copy(dst=out[0:fl, i, 0:B], src=acc, engine=nisa.engine.scalar)
 
@@ -703,12 +747,28 @@ def _piece_classes(token_index, seg_table, first_class_col):
 
 
 # -- forward -----------------------------------------------------------------------------------------------------------
-def _forward_weights(hbm_w, e, f0, FC):
+def _forward_weights(hbm_w, e, f0, FC, into=None):
     """The F chunk [f0, f0 + FC) of expert e, resident for the forward: gate and up F on columns ([min(P, D),
     D/128, FC] of W^T: the stationary of gT, uT = W @ xT), down F on rows ([min(P, FC), FC/128, D] of W_down^T: the
-    moving of y = h @ W_down^T). `hbm_w`: the forward's transposed [E, D, F], [E, D, F], [E, F, D] arguments."""
-    return ExpertWeights(gate=_f_columns(hbm_w.gate, e, f0, FC), up=_f_columns(hbm_w.up, e, f0, FC),
-                         down=_f_rows(hbm_w.down, e, f0, FC))
+    moving of y = h @ W_down^T). `hbm_w`: the forward's transposed [E, D, F], [E, D, F], [E, F, D] arguments;
+    `into`: ExpertWeights of InSets to load into (the weight double buffer), else new tiles."""
+    into = into or ExpertWeights(None, None, None)
+    return ExpertWeights(gate=_f_columns(hbm_w.gate, e, f0, FC, into.gate), up=_f_columns(hbm_w.up, e, f0, FC, into.up),
+                         down=_f_rows(hbm_w.down, e, f0, FC, into.down))
+
+
+def _weight_sets(D, F, dtype):
+    """The forward's weight double buffer: gate, up [min(P, D), 2, D/128 * F] and down [min(P, F), 2, F/128 * D]
+    tiles (two experts' whole matrices each; `_in_set` picks one)."""
+    gate = nl.ndarray((min(P, D), 2, _ntiles(D, P) * F), dtype=dtype, buffer=nl.sbuf, name="w_gate_sets")
+    up = nl.ndarray((min(P, D), 2, _ntiles(D, P) * F), dtype=dtype, buffer=nl.sbuf, name="w_up_sets")
+    down = nl.ndarray((min(P, F), 2, _ntiles(F, P) * D), dtype=dtype, buffer=nl.sbuf, name="w_down_sets")
+    return ExpertWeights(gate, up, down)
+
+
+def _in_set(sets, pick, D, F):
+    """The weight set `pick` (an int32 SBUF [1, 1] tile) of `_weight_sets`, as InSets."""
+    return ExpertWeights(gate=InSet(sets.gate, pick, F), up=InSet(sets.up, pick, F), down=InSet(sets.down, pick, D))
 
 
 def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
@@ -721,7 +781,7 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, D), D/128, FC]).
     """
-    D, FC = hbm["x"].shape[1], w.gate.shape[2]
+    D, FC = hbm["x"].shape[1], _columns(w.gate)
     affinity = _affinities(hbm["weight"], grp, B)
     _feature_major(ws["xT"], ws["x"], None, B, D, ps)
     _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], nxt, B)  # the next piece's rows (software pipeline)
@@ -738,12 +798,12 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
             for i in range(_ntiles(FC, P)):
                 fl = _width(FC, P, i)
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
-                               moving=w.down[0:fl, i, c0:c0 + cl], accumulate=i > 0)
+                               moving=_matrix(w.down, fl, i, c0, cl), accumulate=i > 0)
             _evict_rows(ws, acc, affinity[s], sl, c0, cl)
         _write_rows(hbm["slots"], ws, row0, s * P, sl, first)
 
 
-def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
+def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None):
     """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
     the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
@@ -755,6 +815,8 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
         rows = _row(piece, 0, j, 2)  # this piece's row and the next one's (whose rows the piece gathers)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
+            if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
+                _fetch_matrices(rows, fetch)
             _forward_block(grp, row0, rows[0:1, C:C + 1], hbm, w, ws, ps, B, f0, first)
         elif indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
             gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
@@ -766,6 +828,26 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first):
     nl.fori_loop(begin, end, body)
 
 
+def _fetch_matrices(rows, fetch):
+    """The forward piece's share of the next position's weights: per matrix (gate, up, down: `piece` columns 5, 6,
+    7 of the piece's row in `rows`, 0 or 1), that matrix of expert `fetch[1]` from the HBM weights `fetch[0]` into
+    the weight set `fetch[2]` (InSets of `_weight_sets`)."""
+    hbm_w, e, into = fetch
+    F = _columns(into.gate)
+    nl.fori_loop(0, _register(rows[0:1, 5:6]), _matrix_loader(_f_columns, hbm_w.gate, e, F, into.gate))
+    nl.fori_loop(0, _register(rows[0:1, 6:7]), _matrix_loader(_f_columns, hbm_w.up, e, F, into.up))
+    nl.fori_loop(0, _register(rows[0:1, 7:8]), _matrix_loader(_f_rows, hbm_w.down, e, F, into.down))
+
+
+def _matrix_loader(layout, w, e, F, into):
+    """A loop body loading expert e's matrix w (all of F, `layout` `_f_columns` or `_f_rows`) into `into`."""
+
+    def body(i):
+        layout(w, e, 0, F, into)
+
+    return body
+
+
 def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     """This core's expert segments (its own function so the workspace is freed before the combine). Per segment
     position (one expert) and F chunk: load the chunk of the expert's weights once (resident, reused by every piece
@@ -775,9 +857,15 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     D, F = x_pad.shape[1], hbm_w.gate.shape[2]
     widths = _piece_classes(hbm["index"], seg_table, SEG_HEAD)
     FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
-    per_class = x_per_class(widths, D, F, FC, x_pad.dtype.itemsize)
+    sets, per_class = forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
     ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F, per_class)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
+    double = None
+    if sets == 2:  # position 0's weights into its set here; each position loads the next one's into the other set
+        double = _weight_sets(D, F, x_pad.dtype)
+        head = nl.ndarray((1, SEG_HEAD), dtype=I32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=head, src=seg_table[pid * S:pid * S + 1, 0:SEG_HEAD])
+        _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
         row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
@@ -790,12 +878,17 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
             if per_class:  # each class's first piece's rows into the class's own x tiles, before the weights
                 for k in range(len(widths)):
                     _first_rows(piece, bounds[k][0], hbm, ws, widths[k])
-            w = _forward_weights(hbm_w, row[0:1, 0:1], f0, _width(F, FC, c))
+            fetch = None
+            if double is None:
+                w = _forward_weights(hbm_w, row[0:1, 0:1], f0, _width(F, FC, c))
+            else:  # this position's weights were loaded by the previous one; its pieces load the next one's
+                w = _in_set(double, row[0:1, 4:5], D, F)
+                fetch = (hbm_w, row[0:1, 3:4], _in_set(double, row[0:1, 5:6], D, F))
             for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
                 if not per_class:  # one set of x tiles for all classes: each class's first rows before its loop
                     _first_rows(piece, bounds[k][0], hbm, ws, widths[k])
                 _pieces(piece, bounds[k][0], bounds[k][1], hbm, w, _ws_view(ws, widths[k]), None, False, ps,
-                        widths[k], f0, c == 0)
+                        widths[k], f0, c == 0, fetch)
             w = None  # the chunk's weights are dead: the next chunk's take their SBUF
 
     nl.fori_loop(0, _count(seg_count), segment)
@@ -846,11 +939,11 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     """Entry checks of the host tables both kernels take (`autograd.KernelPlan`); returns L, the piece classes."""
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
-    _expect(piece, "piece", "[M, 5]", (None, 5), I32)
-    _expect(seg_table, "seg_table", "[LNC * S, 4 + 2L]", (None, None), I32)
+    _expect(piece, "piece", "[M, 8]", (None, 8), I32)
+    _expect(seg_table, "seg_table", "[LNC * S, 6 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - SEG_HEAD) // 2
     check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
-                   f"seg_table must be [LNC * S, 4 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+                   f"seg_table must be [LNC * S, 6 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
     _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
     check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
@@ -887,15 +980,18 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M + 1, 5] int32, per piece its first slot group, first slot row (group * G) and, for the
+        piece: [M + 1, 8] int32, per piece its first slot group, first slot row (group * G) and, for the
             backward, its first resident tile, own (1: the first piece of a main-tile class loop, which gathers its
-            own rows) and next (1: the next row is in the same loop, whose rows the piece gathers); rows grouped by
-            class; the last row a padding row (any valid piece: the forward gathers row j + 1's rows while it
-            computes row j).
-        seg_table: [LNC * S, 4 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
+            own rows) and next (1: the next row is in the same loop, whose rows the piece gathers); for the forward,
+            gate, up, down (1: the piece loads that matrix of the next position's expert into the other weight
+            set); rows grouped by class; the last row a padding row (any valid piece: the forward gathers row
+            j + 1's rows while it computes row j).
+        seg_table: [LNC * S, 6 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
-            last: whose weights the backward prefetches), then per piece class k (KB >> k slots) the [begin, end)
-            rows of `piece` (the same count on every core).
+            last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
+            forward's double buffer), prefetch (1 where a next position runs, else 0: the forward loads the next
+            expert's weights during the position), then per piece class k (KB >> k slots) the [begin, end) rows of
+            `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
         fill_rows: [LNC * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
             no-op area, its share of the unused groups; padded with its no-op area), zero-filled in g_saved, u_saved.
