@@ -59,7 +59,7 @@ from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 # expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
-WEIGHT_ARGS = {"fwd": {"arg9", "arg10", "arg11"}, "bwd": {"arg13", "arg14", "arg15"}}
+WEIGHT_ARGS = {"fwd": {"arg7", "arg8", "arg9"}, "bwd": {"arg13", "arg14", "arg15"}}
 
 
 def add_shape_args(p):

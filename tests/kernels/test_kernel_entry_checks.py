@@ -34,8 +34,8 @@ def kernel_args(lnc):
     return fwd, bwd
 
 
-FWD = ("x_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "fill_rows", "fill_count",
-       "slot_of_assignment", "w_gate_t", "w_up_t", "w_down_t")
+FWD = ("x_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "slot_of_assignment", "w_gate_t",
+       "w_up_t", "w_down_t")
 BWD = ("x_pad", "dout_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "sub_table",
        "zero_rows", "zero_count", "slot_of_assignment", "g_saved", "u_saved", "w_down", "w_gate", "w_up")
 

@@ -345,11 +345,9 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
     assert all(E + c in zeroed[c] and set(zeroed[c]) <= {E + c} | set(range(E)) for c in range(lnc))
     empties = sorted(e for rows in zeroed for e in set(rows) if e < E)
     assert empties == sorted(torch.nonzero(counts_E == 0).flatten().tolist())
-    # the saved gT/uT groups no piece computes get zeros: each core its no-op area and a disjoint share of the rest
-    U = kp.fill_rows.shape[0] // lnc
-    filled = [{int(v) // G for v in kp.fill_rows[c * U:c * U + int(kp.fill_count[0, 0]), 0]} for c in range(lnc)]
-    assert all(not (filled[a] & filled[b]) for a in range(lnc) for b in range(a + 1, lnc))
-    assert set().union(*filled) == set(range(real_slots // G, ng + lnc * r))
+    # the forward zero-fills the saved gT/uT from group ceil(T * K / G) on (known when traced): every group before
+    # it holds real slots, whatever the routing
+    assert real_slots >= -(-T * K // G) * G
     assert kp.slot_of_assignment.shape[0] % lnc == 0  # the combine's token tiles split evenly
 
 

@@ -90,7 +90,7 @@ class KernelPlan:
 
     `from_plan` builds it in parts: full blocks and tail pieces per expert (`_pieces_per_expert`), the experts split
     across the cores (`_deal_to_cores`), sub-segments and their piece counts (`_sub_segments`), then the tables
-    (`_piece_table`, `_segment_tables`, `_zero_fill`, `_fill_rows`, `_combine_table`). Letters as in `nki_moe`.
+    (`_piece_table`, `_segment_tables`, `_zero_fill`, `_combine_table`). Letters as in `nki_moe`.
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
@@ -105,8 +105,6 @@ class KernelPlan:
     #                          rows/class
     zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
     zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
-    fill_rows: torch.Tensor  # [lnc * U, 1]: slot rows of the groups each core zero-fills in the saved gT, uT
-    fill_count: torch.Tensor  # [1, 1]: groups zero-filled per core, the same on every core
     slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
     num_tokens: int
     num_experts: int
@@ -167,7 +165,6 @@ class KernelPlan:
         seg_table, sub_table = _segment_tables(E, cores, subs, sub_cols, L)
         piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, -(-cores.nseg // lnc), lnc, L)], 1)
         zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
-        fill_rows, fill_count = _fill_rows(experts.real, noop_group, per_block, lnc)
         T = plan.slot_of_assignment_TK.shape[0]
         token_index = F.pad(plan.token_index_N.view(NG, G), (0, 0, 0, lnc * per_block), value=T)  # no-op areas
         return cls(
@@ -177,8 +174,6 @@ class KernelPlan:
             seg_count=(-(-cores.nseg // lnc)).view(1, 1).to(torch.int32),
             sub_table=sub_table,
             zero_rows=zero_rows,
-            fill_rows=(fill_rows * G).to(torch.int32),
-            fill_count=fill_count,
             zero_count=zero_count,
             slot_of_assignment=_combine_table(plan.slot_of_assignment_TK, lnc),
             num_tokens=T,
@@ -188,9 +183,8 @@ class KernelPlan:
         )
 
     def forward_tables(self) -> tuple[torch.Tensor, ...]:
-        """piece, seg_table, seg_count, fill_rows, fill_count: the forward kernel's arguments after token_index and
-        slot_weight."""
-        return (self.piece, self.seg_table, self.seg_count, self.fill_rows, self.fill_count)
+        """piece, seg_table, seg_count: the forward kernel's arguments after token_index and slot_weight."""
+        return (self.piece, self.seg_table, self.seg_count)
 
     def backward_tables(self) -> tuple[torch.Tensor, ...]:
         """piece, seg_table, seg_count, sub_table, zero_rows, zero_count: the backward kernel's arguments after
@@ -474,26 +468,6 @@ def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Te
     return zero_rows.view(lnc * Z, 1).to(torch.int32), zero_count.view(1, 1).to(torch.int32)
 
 
-def _fill_rows(real: torch.Tensor, noop_group: torch.Tensor, per_block: int,
-               lnc: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot groups no piece computes, which the forward zero-fills in the saved gT, uT: each core its no-op
-    area, then every lnc-th unused group of the plan (padded with its no-op area's first group).
-
-    Returns:
-        fill groups [lnc * U, 1] (int64: the caller scales them to slot rows) and fill_count [1, 1] int32.
-    """
-    NG, dev = real.shape[0], real.device
-    U = per_block + -(-NG // lnc)
-    unused = ~real
-    urank = unused.long().cumsum(0) - 1
-    where = torch.where(unused, (urank % lnc) * U + per_block + urank // lnc, lnc * U)
-    fill = noop_group[:, None].expand(lnc, U).clone()
-    fill[:, :per_block] += torch.arange(per_block, device=dev)
-    fill = torch.cat([fill.reshape(-1), fill[0, :1]]).scatter(0, where, torch.arange(NG, device=dev))[:-1]
-    fill_count = per_block + (unused.sum() + lnc - 1) // lnc
-    return fill.view(lnc * U, 1), fill_count.view(1, 1).to(torch.int32)
-
-
 def _combine_table(slot_of_assignment_TK: torch.Tensor, lnc: int) -> torch.Tensor:
     """slot_of_assignment as [nT, TT, K] int32 token tiles, nT a multiple of lnc (the same tile count per core in
     the combine); padded tokens read slot 0, always real."""
@@ -575,12 +549,12 @@ def neuron_moe_op():
     Tensor = torch.Tensor
 
     def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
-                seg_count: Tensor, fill_rows: Tensor, fill_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
+                seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
                 zero_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
                 w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         io = x_pad.dtype  # sub_table, zero_rows, zero_count: taken here only to be saved for the backward
         return nki_moe.moe_blockwise_fwd[lnc](
-            x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count, slot_of_assignment,
+            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
             _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
 
     input_names = tuple(inspect.signature(moe_fwd).parameters)  # the backward returns a gradient per input, in order

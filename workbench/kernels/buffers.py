@@ -18,8 +18,8 @@ from workbench.kernels.nki_emulator import HbmAllocation
 SHARED = "shared_hbm"
 
 
-def _forward(lnc, x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count,
-             slot_of_assignment, w_gate_t, w_up_t, w_down_t) -> list[HbmAllocation]:
+def _forward(lnc, x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+             w_up_t, w_down_t) -> list[HbmAllocation]:
     """`moe_blockwise_fwd`: the y_slots scratch (fp32 when F is split into chunks: partial sums over chunks), the
     saved gT and uT (outputs 1, 2: live until the backward), then `out`."""
     ng, G = token_index.shape

@@ -13,7 +13,7 @@ slots, columns, rows):
     KB: slots of a full kernel block, G * 2^(L-1); L: piece classes; B: slots of one piece (its class: KB >> k)
     TS: slots per resident backward tile, min(128, KB); NT: resident main tiles of a sub-segment
     S: segment positions per core; M: rows of `piece`; J: sub-segments per position (a static bound);
-        U, Z: per-core rows of `fill_rows`, `zero_rows`
+        Z: per-core rows of `zero_rows`
     nT, TT: token tiles of the combine and tokens per tile; LNC: logical cores (`lnc`); P: 128 partitions
     R, C: rows and columns of whatever matrix a generic helper moves
 
@@ -703,7 +703,7 @@ def _count(count):
 
 def _listed(table, count, pid, body):
     """Compiled loop over the first `count` entries of this core's part of a per-core [LNC * n, 1] int32 table
-    (`fill_rows`: n = U, `zero_rows`: n = Z): body(entry as an int32 SBUF [1, 1] tile)."""
+    (`zero_rows`: n = Z): body(entry as an int32 SBUF [1, 1] tile)."""
     n = table.shape[0] // nl.num_programs(0)
 
     def each(i):
@@ -901,26 +901,29 @@ def _first_rows(piece, begin, hbm, ws, B):
     _load_block([ws["x"][B]], None, [hbm["x"]], hbm["index"], _load_entry(piece, 0, 0, begin), B)
 
 
-def _zero_saved(saved, G, fill_rows, fill_count, pid):
-    """Zero G slot columns from each slot row listed for this core in `fill_rows`, in every [F, NS] tensor of
-    `saved` (the slot groups no piece computes: the unused ones and the core's no-op area; the kernel returns these
-    tensors, so every element gets written). One DMA per group and tensor covers all whole 128-row tiles of F."""
-    F = saved[0].shape[0]
+def _zero_saved(saved, first, pid, lnc):
+    """Zero slot columns [first, NS) of every [F, NS] tensor of `saved`, each core a contiguous share, in DMAs of
+    up to MOVING_FMAX columns covering all whole 128-row tiles of F: the slot groups a piece may not compute (the
+    kernel returns these tensors, so every element gets written). `first`: the slots of the ceil(T * K / G) groups
+    that every routing fills (each of the T * K assignments has its own slot), so the columns are known when the
+    kernel is traced, whatever the routing; the pieces then overwrite the ones they compute, after a core barrier
+    (the other core's pieces may compute columns of this core's share)."""
+    F, NS = saved[0].shape
     fp, nfull = min(P, F), F // min(P, F)
     rem = F - nfull * fp
-    zeros = nl.ndarray((fp, nfull, G), dtype=saved[0].dtype, buffer=nl.sbuf)
+    per = _ntiles(NS - first, lnc)
+    lo = min(NS, first + pid * per)
+    hi = min(NS, lo + per)
+    zeros = nl.ndarray((fp, nfull, MOVING_FMAX), dtype=saved[0].dtype, buffer=nl.sbuf)
     nisa.memset(dst=zeros, value=0.0)
-
-    def group(row):
+    for c0 in range(lo, hi, MOVING_FMAX):
+        cl = min(MOVING_FMAX, hi - c0)
         for t in saved:
-            NS = t.shape[1]
-            nisa.dma_copy(dst=t.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, G]], offset=0, scalar_offset=row,
-                                   indirect_dim=1), src=zeros)
+            nisa.dma_copy(dst=t.ap(pattern=[[NS, fp], [fp * NS, nfull], [1, cl]], offset=c0),
+                          src=zeros[0:fp, 0:nfull, 0:cl])
             if rem > 0:
-                nisa.dma_copy(dst=t.ap(pattern=[[NS, rem], [1, G]], offset=nfull * fp * NS, scalar_offset=row,
-                                       indirect_dim=1), src=zeros[0:rem, 0, 0:G])
-
-    _listed(fill_rows, fill_count, pid, group)
+                nisa.dma_copy(dst=t.ap(pattern=[[NS, rem], [1, cl]], offset=nfull * fp * NS + c0),
+                              src=zeros[0:rem, 0, 0:cl])
 
 
 # -- entry checks ------------------------------------------------------------------------------------------------------
@@ -953,7 +956,7 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
 
 
 def _expect_per_core(rows, count, names, lnc):
-    """Entry checks of a per-core list (`fill_rows` / `zero_rows` [LNC * n, 1]) and its [1, 1] count, `names`."""
+    """Entry checks of a per-core list (`zero_rows` [LNC * n, 1]) and its [1, 1] count, `names`."""
     _expect(rows, names[0], "[LNC * n, 1]", (None, 1), I32)
     check_argument(rows.shape[0] % lnc == 0, names[0],
                    f"{names[0]} must be [LNC * n, 1] at LNC {lnc}, got {tuple(rows.shape)}")
@@ -961,8 +964,8 @@ def _expect_per_core(rows, count, names, lnc):
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, fill_rows, fill_count,
-                      slot_of_assignment, w_gate_t, w_up_t, w_down_t):
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+                      w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
 
     Slots come in groups of G (each expert's slots padded to a multiple of G, and to at least one TS-slot tile);
@@ -972,7 +975,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     Dimensions:
         T, D: tokens, hidden size; E, F: experts and their intermediate size; K: experts per token
         G, NG: slot granule and slot groups (NS = NG * G slots); L: piece classes (KB = G * 2^(L-1))
-        M: piece rows; S: segment positions per core; U: slot groups per core in fill_rows
+        M: piece rows; S: segment positions per core
         nT, TT: token tiles (a multiple of LNC) and tokens per tile
 
     Args:
@@ -989,13 +992,9 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         seg_table: [LNC * S, 6 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
-            forward's double buffer), prefetch (1 where a next position runs, else 0: the forward loads the next
-            expert's weights during the position), then per piece class k (KB >> k slots) the [begin, end) rows of
-            `piece` (the same count on every core).
+            forward's double buffer), then per piece class k (KB >> k slots) the [begin, end) rows of `piece` (the
+            same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
-        fill_rows: [LNC * U, 1] int32, per core the first slot rows of the G-slot groups no piece computes (its
-            no-op area, its share of the unused groups; padded with its no-op area), zero-filled in g_saved, u_saved.
-        fill_count: [1, 1] int32, groups zero-filled per core (the same on every core).
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
             LNC (padded tokens point at any real slot; the host drops their rows).
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed); io dtype.
@@ -1011,7 +1010,6 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
-    _expect_per_core(fill_rows, fill_count, ("fill_rows", "fill_count"), lnc)
     _expect(w_gate_t, "w_gate_t", "[E, D, F] (D of x_pad, io dtype)", (None, D, None), io)
     E, F = w_gate_t.shape[0], w_gate_t.shape[2]
     _expect(w_up_t, "w_up_t", "[E, D, F] (w_gate_t's shape)", (E, D, F), io)
@@ -1025,7 +1023,9 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     u_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="u_saved")
     hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots, "g_saved": g_saved,
            "u_saved": u_saved}
-    _zero_saved((g_saved, u_saved), G, fill_rows, fill_count, pid)
+    _zero_saved((g_saved, u_saved), G * _ntiles((x_pad.shape[0] - 1) * slot_of_assignment.shape[2], G), pid, lnc)
+    if lnc > 1:
+        nisa.core_barrier(data=g_saved, cores=(0, 1))  # the zeros land before any piece's columns
     _forward_segments(pid, S, hbm, piece, seg_table, seg_count, ExpertWeights(w_gate_t, w_up_t, w_down_t))
     if lnc > 1:
         nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
