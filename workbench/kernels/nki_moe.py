@@ -45,7 +45,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   class; where a core has fewer real pieces than the other it runs no-op pieces (zero rows of x, slot weight 0,
   its own scratch slot rows: they contribute exact zeros). The host deals experts to cores sorted by group count,
   so the two experts of a position mostly have equal piece counts (why this and not AWS's shared-count-with-barriers
-  pattern: docs/nki_kernels.md). The zero fill and the combine run the same trip count on both cores.
+  pattern: docs/nki_kernels.md). The zero fills and the combine run the same trip count on both cores.
 * **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (NT tiles of
   TS slots for full blocks and the TS-slot tail, one buffer per smaller tail class) at the tile index the host
   wrote into `piece`. After the segment's pieces, each group of `DW_GROUP_BANKS` output bands [<=128, <=512] of
@@ -56,12 +56,23 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   SBUF is split by the host into *sub-segments* run one after the other by the same core; sub-segments after the
   first add into dW[e] with `nisa.dma_compute` (`cont` in `sub_table`). Each core has a dummy dW row (E + core)
   that absorbs the writes of its no-op and spare sub-segments; the host drops those rows. When F is one chunk the
-  position's last sub-segment loads the core's next expert's weights between its pieces and its dW phase
-  (`next expert` in `seg_table`, `load` in `sub_table`), so that load overlaps the dW phase.
-* **Forward software pipeline.** Each forward piece gathers the next piece's x rows (`piece` row j + 1) right after
-  its transposes, so the gather overlaps its matmuls; each class loop's first piece is gathered when the position
-  starts (its own x tiles per class where SBUF allows, `x_per_class`). The class loops gather one piece each that
-  they do not run (harmless: every row of `piece` is a valid piece, and `piece` ends with a padding row).
+  position's last sub-segment loads the core's next expert's weights during its dW phase, which does not read
+  them (`next expert` in `seg_table`, `load` in `sub_table`), in parts of ~8 KiB per partition between the dW
+  groups (`_weight_parts`).
+* **DMA order.** The DMA engines serve their packets in order (DMA overview: one packet per engine per group of
+  partitions), so a 9 MiB weight load issued in one piece holds every transfer behind it for ~26 us. The kernels
+  spread such loads: the backward's between dW groups, the forward's one matrix per piece (below).
+* **Forward software pipeline and weight double buffer.** Each forward piece gathers the next piece's x rows
+  (`piece` row j + 1) right after its transposes, so the gather overlaps its matmuls; each class loop's first
+  piece is gathered when the position starts (its own x tiles per class where SBUF allows, `forward_layout`). The
+  class loops gather one piece each that they do not run (harmless: every row of `piece` is a valid piece, and
+  `piece` ends with a padding row). When F is one chunk and SBUF allows (`forward_layout`), the weights are double
+  buffered (`InSet`: set s % 2 of position s, picked at run time from `seg_table`): the position's pieces load
+  the next position's gate, up and down matrices into the other set, one matrix on each of three pieces spread
+  over the position (`piece` columns 5-7).
+* **Backward software pipeline.** In a class loop over resident main tiles, the first piece gathers its own x and
+  dy rows and each piece gathers the next one's into that piece's tiles (`piece` columns 3-4, 0/1-trip loops), so
+  the gather chain (table row -> index column -> row gather) overlaps a piece instead of opening it.
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
