@@ -673,33 +673,53 @@ def _load_feature_major(tiles, saved, f0, FC, row0, B):
 
 
 def _combine(out, slots, slot_of_assignment, pid, lnc):
-    """out[t] = sum_k slots[slot_of_assignment[t, k]]: K row gathers per token tile, summed in fp32.
+    """out[t] = sum_k slots[slot_of_assignment[t, k]]: K row gathers per token tile, summed in fp32 PSUM by the
+    Tensor Engine (identity^T @ rows accumulates each token's K rows in order, as K fp32 adds would; the Vector
+    Engine's fp32 adds took ~4 us per [128, 2048] row block, ~1 ms of each kernel at 30B-A3B). One caveat of the
+    matmul: an inf in a gathered row meets the identity's zeros, so its whole column of the tile becomes NaN
+    instead of one token's inf (either way the step has overflowed).
 
     Token tiles are split across the cores, the same number per core (the host pads the tile count to a multiple
     of the LNC: one trip count for both cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
 
     Dimensions:
         nT, TT, K: token tiles, tokens per tile, experts per token (`slot_of_assignment` [nT, TT, K]);
-        NS, D: slots and hidden size (`slots` [NS, D]).
+        NS, D: slots and hidden size (`slots` [NS, D]; D <= 8 PSUM banks of 512 columns).
     """
     nT, TT, K = slot_of_assignment.shape
     D = slots.shape[1]
+    nc = _ntiles(D, MOVING_FMAX)
+    check_argument(nc <= 8, "slots", f"the combine sums a token tile's {D} columns in 8 PSUM banks of "
+                   f"{MOVING_FMAX}: D must be <= {8 * MOVING_FMAX}")
     per = nT // lnc  # nT is a multiple of LNC (checked on entry)
     where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
-    part = nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows")
-    acc = nl.ndarray((TT, D), dtype=F32, buffer=nl.sbuf, name="combine_acc")
+    ones = nl.ndarray((TT, TT), dtype=slots.dtype, buffer=nl.sbuf, name="ones")
+    nisa.memset(dst=ones, value=1.0)
+    ident = nl.ndarray((TT, TT), dtype=slots.dtype, buffer=nl.sbuf, name="identity")
+    nisa.affine_select(dst=ident, pattern=[[-1, TT]], on_true_tile=ones, on_false_value=0.0, offset=0,
+                       channel_multiplier=1, cmp_op=nl.equal)  # 1 where partition p == column j
+    parts = []
+    for _ in range(2):  # gather k + 1 while the Tensor Engine adds k
+        parts.append(nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows"))
+    sums = []
+    for _ in range(nc):
+        sums.append(nl.ndarray((TT, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_combine"))
     result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
 
     def token_tile(t):
         nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
                                                            indirect_dim=0))
         for k in range(K):
+            part = parts[k % 2]
             _gather_into(part, slots, where[0:TT, k:k + 1])
-            if k == 0:
-                nisa.tensor_copy(dst=acc, src=part)
-            else:
-                nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-        nisa.tensor_copy(dst=result, src=acc)
+            for c in range(nc):
+                c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+                nisa.nc_matmul(dst=sums[c][0:TT, 0:cl], stationary=ident, moving=part[0:TT, c0:c0 + cl],
+                               accumulate=k > 0)
+        for c in range(nc):
+            c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
+            engine = nisa.engine.scalar if c % 2 == 0 else nisa.engine.vector
+            nisa.tensor_copy(dst=result[0:TT, c0:c0 + cl], src=sums[c][0:TT, 0:cl], engine=engine)
         nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0), src=result)
 
     nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
@@ -872,10 +892,19 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F, per_class)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
     double = None
+    if sets == 2 or per_class:
+        head = nl.ndarray((1, SEG_HEAD + 2 * len(widths)), dtype=I32, buffer=nl.sbuf)  # position 0's row
+        nisa.dma_copy(dst=head, src=seg_table[pid * S:pid * S + 1, 0:SEG_HEAD + 2 * len(widths)])
+    if per_class:
+        # each class's first piece of position 0 into the class's own x tiles. From then on a class loop's last
+        # piece gathers row `end` of its loop, which is the class's first piece at the core's next position (rows
+        # are grouped by class, core, position), and a class that runs no piece leaves those rows in place: so
+        # each position finds its first pieces' rows gathered
+        for k in range(len(widths)):
+            col = SEG_HEAD + 2 * k
+            _first_rows(piece, _register(head[0:1, col:col + 1]), hbm, ws, widths[k])
     if sets == 2:  # position 0's weights into its set here; each position loads the next one's into the other set
         double = _weight_sets(D, F, x_pad.dtype)
-        head = nl.ndarray((1, SEG_HEAD), dtype=I32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=head, src=seg_table[pid * S:pid * S + 1, 0:SEG_HEAD])
         _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
@@ -886,9 +915,6 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
             bounds.append((_register(row[0:1, col:col + 1]), _register(row[0:1, col + 1:col + 2])))
         for c in range(_ntiles(F, FC)):  # one chunk (all of F) unless the matrices do not fit SBUF
             f0 = c * FC
-            if per_class:  # each class's first piece's rows into the class's own x tiles, before the weights
-                for k in range(len(widths)):
-                    _first_rows(piece, bounds[k][0], hbm, ws, widths[k])
             fetch = None
             if double is None:
                 w = _forward_weights(hbm_w, row[0:1, 0:1], f0, _width(F, FC, c))
@@ -906,9 +932,10 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
 
 
 def _first_rows(piece, begin, hbm, ws, B):
-    """The forward's software-pipeline prologue of one class loop: the rows of its first piece (`piece` row
-    `begin`) into the class's x tiles; each piece then gathers the next one's. A class that runs no piece reads a
-    valid row all the same (row `begin` exists: another class's, position's or core's, or the padding row)."""
+    """The forward's software-pipeline prologue of one class loop (with x tiles per class: of the core's first
+    position only): the rows of its first piece (`piece` row `begin`) into the class's x tiles; each piece then
+    gathers the next one's. A class that runs no piece reads a valid row all the same (row `begin` exists: another
+    class's, position's or core's, or the padding row)."""
     _load_block([ws["x"][B]], None, [hbm["x"]], hbm["index"], _load_entry(piece, 0, 0, begin), B)
 
 
