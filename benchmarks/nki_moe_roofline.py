@@ -71,8 +71,10 @@ def plot(data: dict, path: Path) -> None:
     base = {r["block_size"]: r for r in data.get("baseline", [])}
     if base:
         bx = [i for i, r in enumerate(runs) if r["block_size"] in base]
-        ax.plot(bx, [base[runs[i]["block_size"]]["model_ms_overlap"] for i in bx], "X", color="grey", ms=9,
-                label="before this change (the NKI 0.7.0 port's kernels): engines overlapped")
+        dependency = all("model_ms" in base[runs[i]["block_size"]] for i in bx)  # older reports: the bracket only
+        key, what = ("model_ms", "dependency model") if dependency else ("model_ms_overlap", "engines overlapped")
+        ax.plot(bx, [base[runs[i]["block_size"]][key] for i in bx], "X", color="grey", ms=9,
+                label=f"earlier kernels (the --baseline reports): {what}")
     for engine, style in zip(ENGINES, ("s:", "^:", "v:", "D:"), strict=True):
         ax.plot(x, [r["model_ms_engines"][engine] for r in runs], style, lw=1, ms=4, alpha=0.8,
                 label=f"engine busy: {engine}")
