@@ -405,7 +405,8 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
         of the position (s % 2) and of the next (1 - s % 2); per class the position's
         [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
         [lnc * S * J, 5 + 2L] (write row, add row, cont, resident tiles, load: 1 on the position's last sub-segment,
-        which loads the next expert's weights after its pieces; per class [begin, end) piece rows), int32.
+        which loads the next expert's weights during its weight-gradient phase; per class [begin, end) piece rows),
+        int32.
     """
     live, own, S, J = cores.live, cores.own, cores.S, subs.J
     lnc, dev = live.shape[0], live.device
@@ -549,8 +550,8 @@ def neuron_moe_op():
     Tensor = torch.Tensor
 
     def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
-                seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
-                zero_count: Tensor, slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
+                seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor, zero_count: Tensor,
+                slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
                 w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         io = x_pad.dtype  # sub_table, zero_rows, zero_count: taken here only to be saved for the backward
         return nki_moe.moe_blockwise_fwd[lnc](

@@ -63,13 +63,14 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   partitions), so a 9 MiB weight load issued in one piece holds every transfer behind it for ~26 us. The kernels
   spread such loads: the backward's between dW groups, the forward's one matrix per piece (below).
 * **Forward software pipeline and weight double buffer.** Each forward piece gathers the next piece's x rows
-  (`piece` row j + 1) right after its transposes, so the gather overlaps its matmuls; each class loop's first
-  piece is gathered when the position starts (its own x tiles per class where SBUF allows, `forward_layout`). The
-  class loops gather one piece each that they do not run (harmless: every row of `piece` is a valid piece, and
-  `piece` ends with a padding row). When F is one chunk and SBUF allows (`forward_layout`), the weights are double
-  buffered (`InSet`: set s % 2 of position s, picked at run time from `seg_table`): the position's pieces load
-  the next position's gate, up and down matrices into the other set, one matrix on each of three pieces spread
-  over the position (`piece` columns 5-7).
+  (`piece` row j + 1) right after its transposes, so the gather overlaps its matmuls. With x tiles per class (where
+  SBUF allows, `forward_layout`) this runs across positions: a class loop's last piece gathers the class's first
+  piece at the core's next position, so only position 0's are gathered before the segment loop; with one shared set,
+  each class loop's first piece just before the loop. A class loop may gather a piece it does not run (harmless:
+  every row of `piece` is a valid piece, and `piece` ends with a padding row). When F is one chunk and SBUF allows
+  (`forward_layout`), the weights are double buffered (`InSet`: set s % 2 of position s, picked at run time from
+  `seg_table`): the position's pieces load the next position's gate, up and down matrices into the other set, one
+  matrix on each of three pieces spread over the position (`piece` columns 5-7).
 * **Backward software pipeline.** In a class loop over resident main tiles, the first piece gathers its own x and
   dy rows and each piece gathers the next one's into that piece's tiles (`piece` columns 3-4, 0/1-trip loops), so
   the gather chain (table row -> index column -> row gather) overlaps a piece instead of opening it.
@@ -206,6 +207,13 @@ def _matrix_rows(w, parts, j0, n, C):
         return t.ap(pattern=[[t.shape[1] * t.shape[2], parts], [C, n], [1, C]], offset=j0 * C, scalar_offset=w.pick,
                     indirect_dim=1)
     return w[0:parts, j0:j0 + n, 0:C]
+
+
+def _whole_matrix_copies(w, e, tile, per):
+    """`_matrix_copies` of all of expert e's [E, R, C] matrix w (one F chunk: either layout) into `tile`, `per`
+    row tiles per DMA (None: all in one)."""
+    R, C = w.shape[1], w.shape[2]
+    return _matrix_copies(w, e, 0, R, 0, C, tile, per or R)
 
 
 def _columns(w):
@@ -613,8 +621,7 @@ def _affinities(slot_weight, grp, B):
 
 def _project(out, w_res, xT, B, D, n_out, ps):
     """out ([min(P, n_out), n_tiles, B]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out] (or an
-    InSet of them). Evicted
-    from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
+    InSet of them). Evicted from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
         fl = _width(n_out, P, i)
         acc = _psum(ps, "acc")[0:fl, 0:B]
@@ -864,19 +871,8 @@ def _fetch_matrices(rows, fetch):
     7 of the piece's row in `rows`, 0 or 1), that matrix of expert `fetch[1]` from the HBM weights `fetch[0]` into
     the weight set `fetch[2]` (InSets of `_weight_sets`)."""
     hbm_w, e, into = fetch
-    F = _columns(into.gate)
-    nl.fori_loop(0, _register(rows[0:1, 5:6]), _matrix_loader(_f_columns, hbm_w.gate, e, F, into.gate))
-    nl.fori_loop(0, _register(rows[0:1, 6:7]), _matrix_loader(_f_columns, hbm_w.up, e, F, into.up))
-    nl.fori_loop(0, _register(rows[0:1, 7:8]), _matrix_loader(_f_rows, hbm_w.down, e, F, into.down))
-
-
-def _matrix_loader(layout, w, e, F, into):
-    """A loop body loading expert e's matrix w (all of F, `layout` `_f_columns` or `_f_rows`) into `into`."""
-
-    def body(i):
-        layout(w, e, 0, F, into)
-
-    return body
+    for m in range(3):
+        _copy_times(_whole_matrix_copies(hbm_w[m], e, into[m], None), _register(rows[0:1, 5 + m:6 + m]))
 
 
 def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
@@ -1096,9 +1092,9 @@ def _weight_parts(hbm_w, e, into):
     """The DMAs of `_backward_weights(hbm_w, e, 0, F, into)` (down, gate, up) as (dst, src) pairs of about
     WEIGHT_PART_BYTES per partition each."""
     pairs = []
-    for w, tile in ((hbm_w.down, into.down), (hbm_w.gate, into.gate), (hbm_w.up, into.up)):
-        R, C = w.shape[1], w.shape[2]  # one F chunk: the whole matrix, in either layout
-        pairs += _matrix_copies(w, e, 0, R, 0, C, tile, max(1, _ntiles(WEIGHT_PART_BYTES, C * w.dtype.itemsize)))
+    for m in (DOWN, GATE, UP):
+        w = hbm_w[m]
+        pairs += _whole_matrix_copies(w, e, into[m], max(1, _ntiles(WEIGHT_PART_BYTES, w.shape[2] * w.dtype.itemsize)))
     return pairs
 
 
@@ -1359,14 +1355,15 @@ def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, c
         if fetch is not None:  # the parts due after this group
             for i in range(len(fetch[0])):
                 if i * len(groups) // len(fetch[0]) == g:
-                    _copy_times(fetch[0][i], fetch[1])
+                    _copy_times([fetch[0][i]], fetch[1])
 
 
-def _copy_times(pair, times):
-    """`times` (a 0/1 register) times: the DMA dst <- src of `pair`."""
+def _copy_times(pairs, times):
+    """`times` (a 0/1 register) times: the DMAs dst <- src of the (dst, src) `pairs`."""
 
     def body(i):
-        nisa.dma_copy(dst=pair[0], src=pair[1])
+        for pair in pairs:
+            nisa.dma_copy(dst=pair[0], src=pair[1])
 
     nl.fori_loop(0, times, body)
 
