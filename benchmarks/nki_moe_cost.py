@@ -113,7 +113,7 @@ def measure(args):
     run = run_layer(T, E, K, D, F, args.lnc, bs, dtype=getattr(torch, args.dtype), seed=args.seed)
     ids, cf, cb = run.topk_ids, run.forward, run.backward
     dtype = getattr(torch, args.dtype)
-    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc, tiles_per_sub(kernel_block_size(bs), D, F, dtype))
+    plan, kplan = KernelPlan.build(ids, E, bs, args.lnc, *tiles_per_sub(kernel_block_size(bs), D, F, dtype))
     kb = kplan.kb
     pieces = kplan.pieces()
     slots_run = sum(w for _, w, _ in pieces)

@@ -184,14 +184,16 @@ def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
                  outputs_and_grads(blockwise_moe, case, block_size=bs), rtol=1e-5)
 
 
-@pytest.mark.parametrize("bs,tiles,lnc", [(128, 1, 1), (128, 1, 2), (256, 3, 2)])
-def test_nki_kernels_sub_segments_match_reference_fp32(bs, tiles, lnc, monkeypatch):
+@pytest.mark.parametrize("bs,tiles,lnc,halves", [(128, 1, 1, True), (128, 1, 2, False), (128, 1, 2, True),
+                                                 (256, 3, 2, True)])
+def test_nki_kernels_sub_segments_match_reference_fp32(bs, tiles, lnc, halves, monkeypatch):
     """Experts with more resident tiles than the backward holds run as sub-segments (forced here by capping the
     tiles per sub-segment): the first writes dW[e], the later ones add into it with dma_compute, the other core
-    runs no-op sub-segments into its dummy row. All five grads within 1e-5 of the reference."""
+    runs no-op sub-segments into its dummy row; with `halves` they alternate between two halves of the resident
+    tiles, each gathering the next one's first block early. All five grads within 1e-5 of the reference."""
     from workbench.kernels import autograd
 
-    monkeypatch.setattr(autograd, "tiles_per_sub", lambda *args: tiles)
+    monkeypatch.setattr(autograd, "tiles_per_sub", lambda *args: (tiles, halves))
     T = 300 if bs == 128 else 540
     ids = [[0, 1 + t % 3] for t in range(T)]  # expert 0: T slots (2 full blocks + a tail), 1..3: T / 3 each
     case = make_case(T, 2, 4, 16, 24, ids=ids)
@@ -240,16 +242,20 @@ def test_emulator_counts_padding_slots_computed(lnc, monkeypatch):
     assert (cb.gathered_rows["arg1"], cb.padding_rows["arg1"]) == (8, 3)
 
 
-@pytest.mark.parametrize("bs,lnc,tiles", [(128, 2, None), (256, 2, None), (128, 1, None), (8, 2, None),
-                                          (256, 2, 3), (128, 2, 2), (128, 1, 1)])
-def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
+@pytest.mark.parametrize("bs,lnc,tiles,halves", [(128, 2, None, False), (256, 2, None, False), (128, 1, None, False),
+                                                 (8, 2, None, False), (256, 2, 3, False), (128, 2, 2, False),
+                                                 (128, 1, 1, False), (128, 2, 2, True), (256, 2, 3, True),
+                                                 (128, 1, 1, True)])
+def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
     """Each non-empty expert is one segment on one core (one dW writer); its slots, padded to the 32-slot granule
     and to one resident tile, are covered exactly once by full KB blocks plus at most one tail piece of each of
     KB/2 .. 32 slots. An expert with more resident tiles than `tiles` runs as several sub-segments, the first
     writing dW[e], the later ones adding into it. Every core runs the same number of segment positions, of
     sub-segments per position and, per sub-segment and width class, of pieces: the extra ones are no-op pieces
     inside that core's own no-op area and no-op sub-segments writing its dummy dW row. Sorting experts by size keeps
-    them few; the cores' real slot groups balance to within one segment."""
+    them few; the cores' real slot groups balance to within one segment. With `halves`, the sub-segments a core
+    runs alternate between main tiles [0, tiles) and [tiles, 2 * tiles), and each gathers the next one's first full
+    block (when it has one) early: that piece does not gather its own rows."""
     from workbench.kernels import nki_moe
     from workbench.kernels.autograd import KernelPlan
 
@@ -258,7 +264,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
     ids[:, 0] = 5  # uneven experts: 5 gets > 512 slots (several sub-segments under a tile cap), ...
     ids = torch.where(ids == 7, 6, ids)  # ... 7 none (an empty expert), ...
     ids[0, 3] = 7 if bs == 8 else ids[0, 3]  # ... or, at bs 8, one token (padded to one whole resident tile)
-    plan, kp = KernelPlan.build(ids, E, bs, lnc, tiles)
+    plan, kp = KernelPlan.build(ids, E, bs, lnc, tiles, halves)
     G, ng = plan.block_size, plan.max_blocks
     r = kp.kb // G
     ts = nki_moe.tile_slots(kp.kb)
@@ -272,6 +278,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
     assert positions == -(-int((counts_E > 0).sum()) // lnc)
     seen = torch.zeros(ng * G, dtype=torch.long)
     real_groups, noop_pieces, writers, adders, subs_of = [0] * lnc, 0, {}, {}, {}
+    order = [[] for _ in range(lnc)]  # per core, its sub-segments in run order: (sub row, first full block's row)
     for s in range(positions):
         seg = [kp.seg_table[c * S + s] for c in range(lnc)]
         assert len({int(row[2] - row[1]) for row in seg}) == 1  # the same number of sub-segments on every core
@@ -292,14 +299,19 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
                 sub = kp.sub_table[j]
                 others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
                 H = nki_moe.SUB_HEAD
-                assert len({(int(o[2]), int(o[3]), int(o[4])) + tuple(int(o[H + 1 + 2 * k] - o[H + 2 * k])
-                                                                      for k in range(L))
-                            for o in others}) == 1  # cont, tiles, load and pieces per class: the same on every core
-                write, add, cont, n_tiles, load = (int(v) for v in sub[:H])
+                assert len({tuple(int(v) for v in o[2:8]) + tuple(int(o[H + 1 + 2 * k] - o[H + 2 * k])
+                                                                  for k in range(L))
+                            for o in others}) == 1  # cont, tiles, load, early, pieces per class: the same on each core
+                write, add, cont, t0, t_begin, t_end, load = (int(v) for v in sub[:7])
+                n_tiles = t_end - t0
+                assert t_begin == t0 + 1 and t0 == (tiles * (len(order[c]) % 2) if halves else 0)
                 assert cont == (j > int(row[1])) and (tiles is None or n_tiles <= tiles)
                 assert load == (j == int(row[2]) - 1)  # the position's last sub-segment loads the next weights
+                has_block = int(sub[H + 1]) > int(sub[H])
+                order[c].append((sub, int(sub[H]) if has_block else None))
+                gathered = halves and len(order[c]) > 1 and has_block
                 real = False
-                tile_next = 0
+                tile_next = t0
                 for k in range(L):
                     begin, end = int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])
                     for q in range(begin, end):
@@ -311,7 +323,8 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
                             tile_next += width // ts
                         # the backward's gathers: the loop's first piece its own rows, each piece the next one's
                         # while the next row is in the loop (main tiles only: a tail class gathers its own)
-                        assert (own, nxt) == ((q == begin, q + 1 < end) if width >= ts else (0, 0))
+                        early = gathered and k == 0
+                        assert (own, nxt) == ((q == begin and not early, q + 1 < end) if width >= ts else (0, 0))
                         if g >= ng:  # a no-op piece: this core's own area
                             assert g == ng + c * r
                             noop_pieces += 1
@@ -320,11 +333,20 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles):
                         assert (plan.block_to_expert_B[g:g + width // G] == e).all()
                         seen[r0:r0 + width] += 1
                         real_groups[c] += width // G
-                assert tile_next == n_tiles >= 1
+                assert tile_next == t_end and n_tiles >= 1
                 if real:
                     subs_of.setdefault(e, []).append((c, write, add))
                 else:  # a no-op or spare sub-segment: its dW goes to the core's dummy row
                     assert write == add == E + c
+    for c in range(lnc):  # the early gathers: each sub-segment the next one's first full block, into its tiles
+        for i in range(len(order[c])):
+            sub, nxt = order[c][i][0], order[c][i + 1] if i + 1 < len(order[c]) else (None, None)
+            early = halves and nxt[1] is not None
+            assert int(sub[7]) == early
+            if early:
+                assert (int(sub[8]), int(sub[9])) == (int(kp.piece[nxt[1], 0]), int(nxt[0][3]))
+    if halves:
+        assert sum(int(sub[7]) for c in range(lnc) for sub, _ in order[c]) >= 2
     for e, subs in subs_of.items():  # one core; the first sub-segment writes dW[e], the later ones add into it
         assert len({c for c, _, _ in subs}) == 1
         c = subs[0][0]

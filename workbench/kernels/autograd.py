@@ -42,11 +42,17 @@ def slot_granule(kb: int) -> int:
     return kb
 
 
-def tiles_per_sub(kb: int, hidden: int, ffn: int, dtype: torch.dtype) -> int:
-    """Resident 128-slot tiles the backward can hold for one expert sub-segment at these shapes
-    (`nki_moe.backward_layout`); the plan splits experts with more."""
+def tiles_per_sub(kb: int, hidden: int, ffn: int, dtype: torch.dtype) -> tuple[int, bool]:
+    """(tiles, halves): the resident 128-slot tiles one expert sub-segment may fill at these shapes (the plan splits
+    experts with more), and whether sub-segments alternate between two halves of the NT tiles the backward holds
+    (`nki_moe.backward_layout`): then each sub-segment gathers the next one's first block into the other half before
+    its weight-gradient phase. Halves when F is one chunk and half the tiles still hold one full block and the
+    main tail classes; else (tiles, halves) = (NT, False)."""
     widths = nki_moe.piece_widths(kb, (kb // slot_granule(kb)).bit_length())
-    return nki_moe.backward_layout(hidden, ffn, dtype, widths)[1]
+    FC, NT = nki_moe.backward_layout(hidden, ffn, dtype, widths)
+    if FC == ffn and NT // 2 >= nki_moe.tiles_needed(widths):
+        return NT // 2, True
+    return NT, False
 
 
 def saved_for_backward(tokens: int, top_k: int, experts: int, ffn: int, block_size: int, lnc: int,
@@ -101,8 +107,8 @@ class KernelPlan:
     #                          next weight set, [begin, end)
     #                          piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
-    sub_table: torch.Tensor  # [lnc * S * J, 5 + 2L]: write row, add row, cont, tiles, load, [begin, end) piece
-    #                          rows/class
+    sub_table: torch.Tensor  # [lnc * S * J, 10 + 2L]: write row, add row, cont, main tiles (first, first + 1,
+    #                          end), load, early, its group and tile, [begin, end) piece rows/class
     zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
     zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
     slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
@@ -113,17 +119,17 @@ class KernelPlan:
 
     @classmethod
     def build(cls, topk_ids_TK: torch.Tensor, num_experts: int, block_size: int, lnc: int,
-              tiles: int | None = None):
+              tiles: int | None = None, halves: bool = False):
         """(slot plan at granule G, kernel plan) for the model's `block_size` (kernel block `kernel_block_size`);
-        `tiles`: resident tiles per sub-segment (`tiles_per_sub`; None: one sub-segment per expert)."""
+        `tiles`, `halves`: as `tiles_per_sub` gives them (tiles None: one sub-segment per expert)."""
         kb = kernel_block_size(block_size)
         G = slot_granule(kb)
         plan = plan_blocks(topk_ids_TK, num_experts, G, min_blocks=nki_moe.tile_slots(kb) // G)
-        return plan, cls.from_plan(plan, num_experts, lnc, kb, tiles)
+        return plan, cls.from_plan(plan, num_experts, lnc, kb, tiles, halves)
 
     @classmethod
     def from_plan(cls, plan: BlockPlan, num_experts: int, lnc: int, kb: int | None = None,
-                  tiles: int | None = None) -> "KernelPlan":
+                  tiles: int | None = None, halves: bool = False) -> "KernelPlan":
         """The kernels' tables for a slot plan at granule G (`plan.block_size`).
 
         Args:
@@ -133,10 +139,12 @@ class KernelPlan:
             kb: KB, slots of a full kernel block: G times a power of two (None: G).
             tiles: resident tiles the backward holds per sub-segment (`tiles_per_sub`; None: one sub-segment per
                 expert).
+            halves: sub-segments alternate between main tiles [0, tiles) and [tiles, 2 * tiles) (the backward
+                holds both), each gathering the next one's first full block before its weight-gradient phase.
 
         Raises:
-            ValueError: KB is not G times a power of two, fewer experts than cores, or `tiles` cannot hold one
-                full block and the tails.
+            ValueError: KB is not G times a power of two, fewer experts than cores, `tiles` cannot hold one
+                full block and the tails, or halves without `tiles`.
         """
         G = plan.block_size
         kb = G if kb is None else kb
@@ -157,12 +165,15 @@ class KernelPlan:
         if blocks_per_sub < 1:
             raise ValueError(f"{tiles} resident tiles per sub-segment cannot hold one {kb}-slot block and the tails: "
                              "use a smaller model.moe_block_size")
+        if halves and tiles is None:
+            raise ValueError("halves needs the resident tiles per sub-segment (`tiles_per_sub`)")
         experts = _pieces_per_expert(plan, E, per_block, L)
         cores = _deal_to_cores(experts.groups_E, lnc)
         subs = _sub_segments(experts, cores, blocks_per_sub, max(1, NG // per_block), tiles_k)
+        runs = _run_order(cores, subs, tiles if halves else 0)
         noop_group = NG + per_block * torch.arange(lnc, device=cores.own.device)  # each core's KB-slot no-op area
-        piece, sub_cols = _piece_table(experts, cores, subs, tiles_k, noop_group, NG, per_block, G)
-        seg_table, sub_table = _segment_tables(E, cores, subs, sub_cols, L)
+        piece, sub_cols, next_group = _piece_table(experts, cores, subs, runs, tiles_k, noop_group, NG, per_block, G)
+        seg_table, sub_table = _segment_tables(E, cores, subs, runs, sub_cols, next_group, L)
         piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, -(-cores.nseg // lnc), lnc, L)], 1)
         zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
         T = plan.slot_of_assignment_TK.shape[0]
@@ -248,6 +259,38 @@ class _SubSegments(NamedTuple):
     m: list  # per class k: [S, J] pieces every core runs (real ones, then no-ops)
     ntiles_sj: torch.Tensor  # [S, J] resident main tiles each sub-segment fills
     tile0_k: list  # per class k: [S, J] first main tile of the class inside its sub-segment
+
+
+class _RunOrder(NamedTuple):
+    """The sub-segments in the order every core runs them (`_run_order`), indexed (position, sub-segment) flat."""
+
+    base: torch.Tensor  # [S * J] its first resident main tile: 0, or `half` on every other sub-segment run
+    gathered: torch.Tensor  # [S * J] bool: its first full block's rows are gathered by the sub-segment run before it
+    early: torch.Tensor  # [S * J] bool: it gathers the first full block of the sub-segment run after it
+    next_sj: torch.Tensor  # [S * J] the sub-segment run after it (meaningful where `early`)
+
+
+def _run_order(cores: _Positions, subs: _SubSegments, half: int) -> _RunOrder:
+    """Where each sub-segment's main tiles start and which sub-segment gathers whose first block.
+
+    With `half` > 0 the sub-segments run alternate between resident main tiles [0, half) and [half, 2 * half): the
+    weight-gradient phase of one reads only its own half, so the one before it gathers the next sub-segment's first
+    full block (when it has one) into the other half first, and that gather overlaps the phase instead of opening
+    the next sub-segment (`nki_moe._sub_segments`). `half` 0: every sub-segment from tile 0, no early gathers.
+    """
+    S, J = subs.m[0].shape
+    dev = subs.nsub_s.device
+    positions = -(-cores.nseg // cores.live.shape[0])
+    run = ((torch.arange(J, device=dev)[None, :] < subs.nsub_s[:, None])
+           & (torch.arange(S, device=dev)[:, None] < positions)).reshape(-1)
+    r = run.long().cumsum(0) - 1  # run ordinal
+    sj = torch.arange(S * J, device=dev)
+    later = torch.where(run, sj, S * J).flip(0).cummin(0).values.flip(0)  # the first run one at or after sj
+    next_sj = torch.cat([later[1:], later.new_full((1,), S * J)])
+    has_next = next_sj < S * J
+    next_sj = next_sj.clamp(max=S * J - 1)
+    gathered = run & (r >= 1) & (subs.m[0].reshape(-1) >= 1) & (half > 0)
+    return _RunOrder((r.clamp(min=0) % 2) * half, gathered, run & has_next & gathered[next_sj], next_sj)
 
 
 def _pieces_per_expert(plan: BlockPlan, E: int, per_block: int, L: int) -> _Experts:
@@ -336,14 +379,14 @@ def _sub_segments(experts: _Experts, cores: _Positions, blocks_per_sub: int, max
     return _SubSegments(J, blocks_per_sub, nsub_cs, nsub_cs.max(0).values.clamp(min=1), runs, m, ntiles_sj, tile0_k)
 
 
-def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles_k: list, noop_group: torch.Tensor,
-                 NG: int, per_block: int, G: int) -> tuple[torch.Tensor, list]:
+def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, runs: _RunOrder, tiles_k: list,
+                 noop_group: torch.Tensor, NG: int, per_block: int, G: int) -> tuple[torch.Tensor, list, torch.Tensor]:
     """The `piece` table: per class k, per core, one row per piece slot of a static bound (class 0: the most full
     blocks an expert can have; a tail class: one per sub-segment a core can run), in run order (position,
     sub-segment). A row past a sub-segment's real pieces is a no-op piece in the core's own no-op area.
 
     Args:
-        experts, cores, subs: the pieces, the positions, the sub-segments.
+        experts, cores, subs, runs: the pieces, the positions, the sub-segments and their run order.
         tiles_k: resident main tiles per piece of each class.
         noop_group: [lnc] the first slot group of each core's KB-slot no-op area.
         NG: the plan's slot groups; per_block: KB / G; G: the slot granule.
@@ -352,8 +395,9 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
         piece [M + 1, 5] int32 (first slot group, first slot row, first resident tile, own: 1 where the backward
         piece gathers its own rows (the first of a main-tile class loop), next: 1 where the next row is in the same
         main-tile class loop (the backward piece gathers its rows); the last row a padding row in core 0's no-op
-        area: the forward gathers the rows of `piece` row j + 1 while it computes row j) and, per
-        class, two [lnc, S * J] columns: each sub-segment's [begin, end) rows of `piece`.
+        area: the forward gathers the rows of `piece` row j + 1 while it computes row j), per
+        class, two [lnc, S * J] columns: each sub-segment's [begin, end) rows of `piece`, and [lnc, S * J] the slot
+        group of the first full block of the sub-segment run after each (what an early gather reads).
     """
     lnc, S, J = cores.live.shape[0], cores.S, subs.J
     dev = noop_group.device
@@ -373,12 +417,18 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
             is_real = cores.live[c, s_q] & (t_q < subs.runs[k][c, s_q, j_q])
             offset = per_block * (j_q * subs.blocks_per_sub + t_q) if k == 0 else 0
             groups.append(torch.where(is_real, experts.first_kE[k][e_q] + offset, noop_group[c]))
-            tile_col.append(subs.tile0_k[k].reshape(-1)[sj] + t_q * tiles_k[k] if tiles_k[k] else torch.zeros_like(q))
+            tile_col.append(subs.tile0_k[k].reshape(-1)[sj] + runs.base[sj] + t_q * tiles_k[k] if tiles_k[k]
+                            else torch.zeros_like(q))
             # the backward's software pipeline over a main-tile class loop (one sub-segment's pieces of the class):
-            # its first piece gathers its own rows, each piece the next one's while it computes
+            # its first piece gathers its own rows (unless the sub-segment before gathered a full block's early),
+            # each piece the next one's while it computes
             main = tiles_k[k] > 0
-            first_col.append(((q == beg_q[sj]) & (q < end_q[sj]) & main).long())
+            early = runs.gathered[sj] if k == 0 else torch.zeros_like(q, dtype=torch.bool)
+            first_col.append(((q == beg_q[sj]) & (q < end_q[sj]) & main & ~early).long())
             next_col.append(((q + 1 < end_q[sj]) & main).long())
+        if k == 0:  # the first full block of the sub-segment run after each, per core
+            first_of = beg_q[runs.next_sj].clamp(max=rows_k[0] - 1)
+            next_group = torch.stack([groups[c][first_of] for c in range(lnc)])
         cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
         sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]
         base += lnc * rows_k[k]
@@ -386,17 +436,18 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, tiles
     for col in (tile_col, first_col, next_col):
         col.append(torch.zeros(1, dtype=col[0].dtype, device=dev))
     columns = [group, group * G, torch.cat(tile_col), torch.cat(first_col), torch.cat(next_col)]
-    return torch.stack(columns, 1).to(torch.int32), sub_cols
+    return torch.stack(columns, 1).to(torch.int32), sub_cols, next_group
 
 
-def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: list,
-                    L: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, runs: _RunOrder, sub_cols: list,
+                    next_group: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`seg_table` and `sub_table`. A sub-segment writes dW of its expert (the first) or adds into it (the later
     ones, `cont` 1); a no-op or spare sub-segment writes and adds into its core's dummy row E + core.
 
     Args:
-        E: experts; cores, subs: the positions and sub-segments.
+        E: experts; cores, subs, runs: the positions, the sub-segments and their run order.
         sub_cols: per class the [begin, end) `piece` rows of each sub-segment (`_piece_table`).
+        next_group: [lnc, S * J] the slot group of the next run sub-segment's first full block (`_piece_table`).
         L: piece classes.
 
     Returns:
@@ -404,9 +455,10 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
         prefetch during the position: the core's next position's, its own at the last; the forward's weight set
         of the position (s % 2) and of the next (1 - s % 2); per class the position's
         [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
-        [lnc * S * J, 5 + 2L] (write row, add row, cont, resident tiles, load: 1 on the position's last sub-segment,
-        which loads the next expert's weights during its weight-gradient phase; per class [begin, end) piece rows),
-        int32.
+        [lnc * S * J, 10 + 2L] (write row, add row, cont, resident main tiles [first, end) as first, first + 1,
+        end, load: 1 on the position's last sub-segment, which loads the next expert's weights during its
+        weight-gradient phase; early: 1 where it gathers the next run sub-segment's first full block, that block's
+        slot group and first tile (`_run_order`); per class [begin, end) piece rows), int32.
     """
     live, own, S, J = cores.live, cores.own, cores.S, subs.J
     lnc, dev = live.shape[0], live.device
@@ -416,9 +468,12 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, sub_cols: lis
     cont_sub = live[..., None] & (j_J >= 1) & (j_J < subs.nsub_cs[..., None])
     own3 = own[..., None].expand(lnc, S, J)
     load = (j_J == (subs.nsub_s - 1)[:, None]).long()  # [S, J]: the position's last sub-segment (every core's)
+    base = runs.base.view(1, S, J).expand(lnc, S, J)
+    per_sj = [runs.early.long(), runs.base[runs.next_sj]]  # the early gather: flag, first tile (its group per core)
     sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
-                (j_J >= 1).long().expand(lnc, S, J), subs.ntiles_sj[None].expand(lnc, S, J),
-                load[None].expand(lnc, S, J)]
+                (j_J >= 1).long().expand(lnc, S, J), base, base + 1, base + subs.ntiles_sj[None],
+                load[None].expand(lnc, S, J), per_sj[0].view(1, S, J).expand(lnc, S, J), next_group.view(lnc, S, J),
+                per_sj[1].view(1, S, J).expand(lnc, S, J)]
     sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
     sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
     last_sub = (subs.nsub_s - 1)[None, :, None].expand(lnc, S, 1)
@@ -622,8 +677,8 @@ def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, 
     """`blockwise_moe` computed by the NKI kernels (natively on Neuron, else through the CPU emulator), launched on
     the configured logical NeuronCore count (`core.neuron_env.logical_nc_config()`, the compiler's LNC)."""
     _, _, E, F_, D = check_moe_args(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-    tiles = tiles_per_sub(kernel_block_size(block_size), D, F_, x_TD.dtype)
-    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config(), tiles)
+    tiles, halves = tiles_per_sub(kernel_block_size(block_size), D, F_, x_TD.dtype)
+    plan, kplan = KernelPlan.build(topk_ids_TK, E, block_size, logical_nc_config(), tiles, halves)
     slot_w = kplan.slot_weights(slot_weights(topk_weights_TK, plan))
     if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
         out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,

@@ -49,8 +49,8 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
 * **Weight gradients in PSUM (backward).** A piece's token-major operands go to resident SBUF tiles (NT tiles of
   TS slots for full blocks and the TS-slot tail, one buffer per smaller tail class) at the tile index the host
   wrote into `piece`. After the segment's pieces, each group of `DW_GROUP_BANKS` output bands [<=128, <=512] of
-  dW_gate, dW_up, dW_down accumulates over all of the expert's tiles in PSUM (tile 0 opens the group, a compiled
-  loop adds tiles 1..n-1, 0/1-trip loops the tail buffers; `DW_SETS` groups in rotation), is evicted once (Scalar
+  dW_gate, dW_up, dW_down accumulates over all of the expert's tiles in PSUM (its first tile opens the group, a
+  compiled loop adds the others, 0/1-trip loops the tail buffers; `DW_SETS` groups in rotation), is evicted once (Scalar
   and Vector Engines, a bank each) and written once to dW[e] in the io dtype: no
   fp32 read-modify-write of dW and no zero fill of it (only of empty experts). An expert with more tiles than fit
   SBUF is split by the host into *sub-segments* run one after the other by the same core; sub-segments after the
@@ -73,7 +73,16 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   matrix on each of three pieces spread over the position (`piece` columns 5-7).
 * **Backward software pipeline.** In a class loop over resident main tiles, the first piece gathers its own x and
   dy rows and each piece gathers the next one's into that piece's tiles (`piece` columns 3-4, 0/1-trip loops), so
-  the gather chain (table row -> index column -> row gather) overlaps a piece instead of opening it.
+  the gather chain (table row -> index column -> row gather) overlaps a piece instead of opening it. Across
+  sub-segments (when F is one chunk and half the resident tiles hold a sub-segment, `autograd.tiles_per_sub`), the
+  sub-segments alternate between two halves of the tiles, and each gathers the next one's first full block into the
+  other half after its pieces, before its weight-gradient phase floods the DMA queues (`early` in `sub_table`); the
+  dW phase's DMAs read their table entries from a tile of their own (`dw_ids`), so the next rows of the tables load
+  while those DMAs are in flight.
+* **Transposes.** The Tensor Engine transposes (x -> xT, dy -> dyT, dg/du/h back to token-major) go side by side
+  into half a PSUM bank (4 bf16 [128, 128]) and leave it in one copy, the Vector and Scalar Engines in turn
+  (`_transposes_into`): the eviction's fixed cost is paid once per 4 transposes, and the Tensor Engine fills one
+  half while the other is evicted.
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
@@ -134,7 +143,10 @@ DW_STAGE_BYTES = 12 * 1024
 # seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert, its weight set, the
 # next position's weight set (the forward's double buffer)
 SEG_HEAD = 6
-SUB_HEAD = 5  # sub_table columns before the piece bounds: write row, add row, cont, tiles, load
+# sub_table columns before the piece bounds: write row, add row, cont, the sub-segment's main tiles (first, loop
+# begin, loop end: [first, end) with begin = first + 1), load, early (the next sub-segment's first main piece
+# gathered here: 0 or 1), its slot group and first tile
+SUB_HEAD = 10
 DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segments of this many banks (1024 columns)
 
 
@@ -362,6 +374,7 @@ def _bwd_workspace_shapes(KB, D, FC, io_dtype, slot_dtype, chunked, stage_sets=D
         "aff_row": ((1, KB), io_dtype),  # the piece's slot weights, one row
         "out_rows": ((P, D), slot_dtype), "ones": ((P, P), io_dtype),
         "stage": ((P, stage_sets * DW_GROUP_BANKS * MOVING_FMAX), io_dtype),  # dW bands on their way to HBM
+        "dw_ids": ((1, 5), I32),  # the dW phase's table entries and prefetched expert (`_sub_segments`)
     }
     if chunked:  # F chunked: later chunks add to the partial sums already in the slot scratch
         shapes["partial"] = ((P, D), F32)
@@ -430,16 +443,16 @@ def backward_layout(D, F, io_dtype, widths):
 # plus one block inside SBUF, and the PSUM tiles inside the 8 banks.
 def _psum_pool(io_dtype, banks):
     """The pieces' PSUM tiles: banks["t"] transpose staging banks, banks["acc"] accumulators (each a whole 2 KiB
-    bank), the affinity-gradient row; `_psum` hands them out in turn. A transpose staging bank holds 2 KiB / (128 x
-    itemsize) [128, 128] transposes side by side (8 in bf16), each its own staging slot: the Tensor Engine writes
-    the next slot while the previous one is evicted, instead of waiting for the eviction of the one tile."""
-    pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0},
+    bank), the affinity-gradient row; `_psum` hands them out in turn. A transpose staging bank is two regions of
+    1 KiB per partition (4 bf16 [128, 128] transposes side by side, `_transposes_into`): the Tensor Engine fills
+    one region while the other is evicted."""
+    cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
+    pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0}, "t_cols": cols,
             "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad")}
-    slots = MOVING_FMAX * F32.itemsize // (P * io_dtype.itemsize)  # [P, P] transposes per 2 KiB bank
     for _ in range(banks["t"]):
-        bank = nl.ndarray((P, slots * P), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
-        for k in range(slots):
-            pool["t"].append(bank[0:P, k * P:(k + 1) * P])
+        bank = nl.ndarray((P, 2 * cols), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
+        for k in range(2):
+            pool["t"].append(bank[0:P, k * cols:(k + 1) * cols])
     for _ in range(banks["acc"]):
         pool["acc"].append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"))
     return pool
@@ -568,30 +581,56 @@ def _tok(tiles, tile, s, parts, c0, cols):
 
 
 # -- layout changes (Tensor Engine transposes through PSUM) ------------------------------------------------------------
-def _transpose_into(dst, src, ps):
-    """SBUF dst [f, p] <- SBUF src [p, f]; p, f <= 128."""
-    p, f = src.shape
-    staged = _psum(ps, "t")[0:f, 0:p]
-    nisa.nc_transpose(dst=staged, data=src)
-    nisa.tensor_copy(dst=dst, src=staged)
+def _transposes_into(dst, srcs, ps, engine):
+    """dst <- the transposes of `srcs` (SBUF [p_i, f] each) side by side, [f, sum p_i] (dst: any SBUF view with f
+    partitions and that many elements each, in that order): staged in one PSUM transpose region (`_psum_pool`) and
+    evicted by one copy on `engine`, so the eviction's fixed cost is paid once per region, not per transpose."""
+    f = srcs[0].shape[1]
+    engine = nisa.engine.vector if ps["turn"]["t"] % 2 == 0 else nisa.engine.scalar
+    region = _psum(ps, "t")
+    c = 0
+    for src in srcs:
+        p = src.shape[0]
+        nisa.nc_transpose(dst=region[0:f, c:c + p], data=src)
+        c += p
+    nisa.tensor_copy(dst=dst, src=region[0:f, 0:c], engine=engine)
+
+
+def _batches(n_full, rem, per):
+    """(first, count) runs of at most `per` consecutive 128-wide tiles out of n_full whole ones, then (n_full, 1) for
+    a partial last tile (`rem` > 0)."""
+    runs = []
+    for j0 in range(0, n_full, per):
+        runs.append((j0, min(per, n_full - j0)))
+    if rem > 0:
+        runs.append((n_full, 1))
+    return runs
 
 
 def _feature_major(out, tok, tile, B, width, ps):
-    """out [min(P, width), n_tiles, B] <- the block's token-major tiles (`_tok`), features on partitions."""
-    for j in range(_ntiles(width, P)):
-        fl = _width(width, P, j)
-        for s in range(_ntiles(B, P)):
-            sl = _width(B, P, s)
-            _transpose_into(out[0:fl, j, s * P:s * P + sl], _tok(tok, tile, s, sl, j * P, fl), ps)
+    """out [min(P, width), n_tiles, B] <- the block's token-major tiles (`_tok`), features on partitions; the
+    transposes of one 128-slot sub-tile go side by side in a PSUM region, several feature tiles per eviction."""
+    for s in range(_ntiles(B, P)):
+        sl = _width(B, P, s)
+        for j0, n in _batches(width // P, width % P, ps["t_cols"] // sl):
+            fl = _width(width, P, j0)
+            srcs = []
+            for j in range(j0, j0 + n):
+                srcs.append(_tok(tok, tile, s, sl, j * P, fl))
+            _transposes_into(out[0:fl, j0:j0 + n, s * P:s * P + sl], srcs, ps, nisa.engine.vector)
 
 
 def _token_major(tok, tile, feature, B, width, ps):
-    """Inverse of `_feature_major`: fill the block's token-major tiles from a feature-major one."""
+    """Inverse of `_feature_major`: fill the block's token-major tiles from a feature-major one (consecutive feature
+    tiles are consecutive columns of a token-major tile: one eviction per PSUM region)."""
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
-        for j in range(_ntiles(width, P)):
-            fl = _width(width, P, j)
-            _transpose_into(_tok(tok, tile, s, sl, j * P, fl), feature[0:fl, j, s * P:s * P + sl], ps)
+        for j0, n in _batches(width // P, width % P, ps["t_cols"] // P):
+            cols = min(width, (j0 + n) * P) - j0 * P
+            srcs = []
+            for j in range(j0, j0 + n):
+                srcs.append(feature[0:_width(width, P, j), j, s * P:s * P + sl])
+            _transposes_into(_tok(tok, tile, s, sl, j0 * P, cols), srcs, ps, nisa.engine.vector)
 
 
 # -- expert MLP pieces -------------------------------------------------------------------------------------------------
@@ -1215,10 +1254,10 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     D, FC = hbm["x"].shape[1], w.down.shape[2]
 
     def own_rows(i):
-        _load_block([res["x"], res["dy"]], tile, [hbm["x"], hbm["dout"]], hbm["index"], grp, B)
+        _load_block([res["dy"], res["x"]], tile, [hbm["dout"], hbm["x"]], hbm["index"], grp, B)  # dy: first used
 
     def next_rows(i):
-        _load_block([res["x"], res["dy"]], gathers[3], [hbm["x"], hbm["dout"]], hbm["index"], gathers[2], B)
+        _load_block([res["dy"], res["x"]], gathers[3], [hbm["dout"], hbm["x"]], hbm["index"], gathers[2], B)
 
     if gathers is None:
         own_rows(0)
@@ -1319,9 +1358,10 @@ def _dw_window(grads, e, row, f0):
     return _expert_window(grads[row.grad], e, f0 + row.row, row.rows, row.col, row.width)
 
 
-def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0, FC, fetch=None):
+def _weight_grads(grads, res, tails, tail_bounds, tiles, write_row, acc_row, cont, ws, ps_dw, f0, FC, fetch=None):
     """dW of the sub-segment's expert over the F chunk [f0, f0 + FC): per group of rows (<= DW_BANKS PSUM banks),
-    main tile 0 opens the PSUM accumulation, a compiled loop adds tiles 1 .. n_tiles - 1, a 0/1-trip loop each tail
+    its first main tile opens the PSUM accumulation (`tiles`: that tile, an int32 SBUF [1, 1] tile, and registers
+    [begin, end) of the others), a compiled loop adds the others, a 0/1-trip loop each tail
     buffer (the sub-segment's tail pieces); then each row is evicted once (Scalar Engine), written to dW[write_row]
     in one DMA and, in a continuation sub-segment (`cont` 1), added into dW[acc_row] by the DMA engines (the host
     points unused rows at this core's dummy). `fetch` ((dst, src) DMA pairs, a 0/1 register): the next expert's
@@ -1336,8 +1376,8 @@ def _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, c
         group, first = groups[g], (g % DW_SETS) * DW_GROUP_BANKS  # this group's banks
         stage = (g % sets) * DW_GROUP_BANKS - first  # its stage columns: bank + stage (in 512s)
         banks = ps_dw[first:first + DW_GROUP_BANKS]
-        _contract(group, res, None, banks, False)
-        _contract_loop(group, res, True, 1, n_tiles, banks)
+        _contract(group, res, tiles[0], banks, False)
+        _contract_loop(group, res, True, tiles[1], tiles[2], banks)
         for k in range(len(tails)):
             _contract_loop(group, tails[k], False, tail_bounds[k][0], tail_bounds[k][1], banks)
         bank = first
@@ -1402,8 +1442,8 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
 
     def sub(j):
         row = _row(sub_table, 0, j)  # the sub-segment's entries in one DMA
-        write_row, acc_row = row[0:1, 0:1], row[0:1, 1:2]
-        cont, n_tiles = _register(row[0:1, 2:3]), _register(row[0:1, 3:4])
+        cont = _register(row[0:1, 2:3])
+        tile_begin, tile_end = _register(row[0:1, 4:5]), _register(row[0:1, 5:6])
         tail_bounds = []
         for k in range(len(widths)):  # full KB blocks, then the tail's KB/2, ..., G pieces (0 or 1 each)
             col = SUB_HEAD + 2 * k
@@ -1414,11 +1454,24 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
                     first)
+
+        # the dW phase's DMAs read their expert rows (and the prefetch its expert) from a tile of their own, so the
+        # next sub-segment's table rows load while those DMAs are still in flight
+        ids = ws["dw_ids"]  # write row, add row, cont, first tile; the prefetched expert
+        nisa.tensor_copy(dst=ids[0:1, 0:4], src=row[0:1, 0:4], engine=nisa.engine.gpsimd)
+        if prefetch is not None:
+            nisa.tensor_copy(dst=ids[0:1, 4:5], src=nxt, engine=nisa.engine.gpsimd)
+
+        def early(i):  # the other half of the resident tiles is free: the weight-gradient phase reads this half
+            _load_block([res["dy"], res["x"]], row[0:1, 9:10], [hbm["dout"], hbm["x"]], hbm["index"], row[0:1, 8:9],
+                        widths[0])
+
+        nl.fori_loop(0, _register(row[0:1, 7:8]), early)
         fetch = None
         if prefetch is not None:  # the next position's weights, in parts, during the weight-gradient phase
-            fetch = (_weight_parts(prefetch, nxt, w), _register(row[0:1, 4:5]))
-        _weight_grads(grads, res, tails, tail_bounds, n_tiles, write_row, acc_row, cont, ws, ps_dw, f0,
-                      w.down.shape[2], fetch)
+            fetch = (_weight_parts(prefetch, ids[0:1, 4:5], w), _register(row[0:1, 6:7]))
+        _weight_grads(grads, res, tails, tail_bounds, (ids[0:1, 3:4], tile_begin, tile_end), ids[0:1, 0:1],
+                      ids[0:1, 1:2], cont, ws, ps_dw, f0, w.down.shape[2], fetch)
 
     nl.fori_loop(begin, end, sub)
 
@@ -1512,12 +1565,15 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
         token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
-        sub_table: [LNC * S * J, 5 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
+        sub_table: [LNC * S * J, 10 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
             core's dummy E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment,
             else the dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its
-            resident tile count (the same on both cores), load (1 on the position's last sub-segment, which loads
-            the position's next expert after its pieces; the same on both cores; used when F is one chunk), then
-            per piece class the [begin, end) rows of `piece`.
+            resident main tiles as first, first + 1, end (the count the same on both cores; the first 0, or the
+            other half's on every other sub-segment when the host alternates halves: `autograd.tiles_per_sub`),
+            load (1 on the position's last sub-segment, which loads the position's next expert after its pieces;
+            the same on both cores; used when F is one chunk), early (1: gather the first full block of the core's
+            next sub-segment into its tiles before the weight-gradient phase; the same on both cores), that
+            block's slot group and first tile, then per piece class the [begin, end) rows of `piece`.
         zero_rows: [LNC * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
         zero_count: [1, 1] int32, rows zero-filled per core (the same on every core).
         g_saved, u_saved: [F, NS] from `moe_blockwise_fwd`; io dtype.
@@ -1533,7 +1589,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
     L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
-    _expect(sub_table, "sub_table", "[LNC * S * J, 5 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
+    _expect(sub_table, "sub_table", "[LNC * S * J, 10 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
     _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
     _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
     E, F = w_gate.shape[0], w_gate.shape[1]

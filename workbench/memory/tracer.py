@@ -260,10 +260,11 @@ def _kernel_plan_by_shape(build):
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    def by_shape(topk_ids_TK, num_experts: int, block_size: int, lnc: int, tiles: int | None = None):
+    def by_shape(topk_ids_TK, num_experts: int, block_size: int, lnc: int, tiles: int | None = None,
+                 halves: bool = False):
         with unset_fake_temporarily():
             plan, kplan = build(torch.zeros(topk_ids_TK.shape, dtype=topk_ids_TK.dtype), num_experts, block_size, lnc,
-                                tiles)
+                                tiles, halves)
         return _fake_like(plan), _fake_like(kplan)
 
     return by_shape
