@@ -612,7 +612,8 @@ def _feature_major(out, tok, tile, B, width, ps):
     transposes of one 128-slot sub-tile go side by side in a PSUM region, several feature tiles per eviction."""
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
-        for j0, n in _batches(width // P, width % P, ps["t_cols"] // sl):
+        for run in _batches(width // P, width % P, ps["t_cols"] // sl):
+            j0, n = run
             fl = _width(width, P, j0)
             srcs = []
             for j in range(j0, j0 + n):
@@ -625,7 +626,8 @@ def _token_major(tok, tile, feature, B, width, ps):
     tiles are consecutive columns of a token-major tile: one eviction per PSUM region)."""
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
-        for j0, n in _batches(width // P, width % P, ps["t_cols"] // P):
+        for run in _batches(width // P, width % P, ps["t_cols"] // P):
+            j0, n = run
             cols = min(width, (j0 + n) * P) - j0 * P
             srcs = []
             for j in range(j0, j0 + n):
@@ -867,6 +869,10 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
     _save_feature_major(hbm["g_saved"], ws["g"], f0, FC, row0, B)  # for the backward: no recompute there
     _save_feature_major(hbm["u_saved"], ws["u"], f0, FC, row0, B)
     _swiglu(ws, FC, B)
+    if B < P:  # a narrow piece: the weights stationary, B moving columns
+        _down_narrow(ws, w.down, affinity[0], B, D, FC, ps)
+        _write_rows(hbm["slots"], ws, row0, 0, B, first)
+        return
     for s in range(len(ws["x"])):
         sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
@@ -878,6 +884,37 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
                                moving=_matrix(w.down, fl, i, c0, cl), accumulate=i > 0)
             _evict_rows(ws, acc, affinity[s], sl, c0, cl)
         _write_rows(hbm["slots"], ws, row0, s * P, sl, first)
+
+
+def _narrow_batches(D, B):
+    """(first, count) runs of D's 128-row tiles whose [<=128, B] fp32 results share one PSUM bank (a piece of B < 128
+    slots with the weights stationary: `_down_narrow`, `_dx_tile`)."""
+    return _batches(D // P, D % P, MOVING_FMAX // B)
+
+
+def _down_narrow(ws, w_down, affinity, B, D, FC, ps):
+    """ws["out_rows"][0:B, 0:D] = affinity * (h @ W_down^T) for a piece of B < 128 slots. With hT as the stationary
+    (as the 128-slot pieces run it) only B of the Tensor Engine's 128 columns would work, for 512 moving columns
+    per matmul; here the weights are stationary ([128, 128] tiles of W_down^T) and hT moves (B columns, at least
+    the 64-cycle minimum): yT [D, B], a D tile per region of an accumulator bank, evicted into ws["xT"] (dead after
+    the gate and up projections), then transposed back to token-major and scaled by the slots' affinity.
+
+    Dimensions:
+        B: the piece's slots (< 128); D: hidden size; FC: the chunk's width (ws["h"] [min(P, FC), FC/128, B]).
+    """
+    for run in _narrow_batches(D, B):
+        j0, n = run
+        dl = _width(D, P, j0)
+        bank = _psum(ps, "acc")
+        for k in range(n):
+            for i in range(_ntiles(FC, P)):
+                fl = _width(FC, P, i)
+                nisa.nc_matmul(dst=bank[0:dl, k * B:(k + 1) * B], stationary=_matrix(w_down, fl, i, (j0 + k) * P, dl),
+                               moving=ws["h"][0:fl, i, 0:B], accumulate=i > 0)
+        nisa.tensor_copy(dst=ws["xT"][0:dl, j0:j0 + n, 0:B], src=bank[0:dl, 0:n * B], engine=nisa.engine.scalar)
+    _token_major([ws["out_rows"]], None, ws["xT"], B, D, ps)
+    rows = ws["out_rows"][0:B, 0:D]
+    nisa.tensor_scalar(dst=rows, data=rows, op0=nl.multiply, operand0=affinity)
 
 
 def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None):
@@ -1203,15 +1240,30 @@ def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
 
 
 def dx_in_dw_banks(B, D):
-    """Whether a B-slot piece's dx accumulates in the weight-gradient banks (idle while pieces run): one bank per
-    128 slots x 512 columns of dx, all live at once (`_dx_tile`)."""
+    """Whether a B-slot piece's dx accumulates in the weight-gradient banks (idle while pieces run), all live at
+    once (`_dx_tile`): one bank per 128 slots x 512 columns of dx, or for B < 128 one per `_narrow_batches` run."""
+    if B < P:
+        return len(_narrow_batches(D, B)) <= DW_BANKS
     return _ntiles(B, P) * _ntiles(D, MOVING_FMAX) <= DW_BANKS
 
 
 def _dx_tile(ws, w, banks, i, fl, B):
     """dx of the piece += dg[f-tile i] @ W_gate[i] + du[f-tile i] @ W_up[i]: every (128-slot, 512-column) block of dx
-    in its own PSUM bank of `banks` (f-tile 0 opens them)."""
+    in its own PSUM bank of `banks` (f-tile 0 opens them). A piece of B < 128 slots runs with the weights stationary
+    (as `_down_narrow`): dxT [D, B], each D tile a region of its `_narrow_batches` run's bank."""
     D = w.gate.shape[2]
+    if B < P:
+        runs = _narrow_batches(D, B)
+        for b in range(len(runs)):
+            j0, n = runs[b]
+            dl = _width(D, P, j0)
+            for k in range(n):
+                acc, c0 = banks[b][0:dl, k * B:(k + 1) * B], (j0 + k) * P
+                nisa.nc_matmul(dst=acc, stationary=w.gate[0:fl, i, c0:c0 + dl], moving=ws["dg"][0:fl, i, 0:B],
+                               accumulate=i > 0)
+                nisa.nc_matmul(dst=acc, stationary=w.up[0:fl, i, c0:c0 + dl], moving=ws["du"][0:fl, i, 0:B],
+                               accumulate=True)
+        return
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
@@ -1223,9 +1275,20 @@ def _dx_tile(ws, w, banks, i, fl, B):
                            moving=w.up[0:fl, i, c0:c0 + cl], accumulate=True)
 
 
-def _dx_rows(dx_slots, ws, banks, row0, B, D, first):
+def _dx_rows(dx_slots, ws, banks, row0, B, D, first, ps):
     """The piece's dx rows from `banks` (`_dx_tile`) to the slot scratch: evicted by the Scalar and Vector Engines in
-    turn, one DMA per 128 slots."""
+    turn, one DMA per 128 slots (B < 128: dxT evicted into ws["dyT"], dead after the dh projection, and transposed
+    back to token-major)."""
+    if B < P:
+        runs = _narrow_batches(D, B)
+        for b in range(len(runs)):
+            j0, n = runs[b]
+            dl = _width(D, P, j0)
+            engine = nisa.engine.scalar if b % 2 == 0 else nisa.engine.vector
+            nisa.tensor_copy(dst=ws["dyT"][0:dl, j0:j0 + n, 0:B], src=banks[b][0:dl, 0:n * B], engine=engine)
+        _token_major([ws["out_rows"]], None, ws["dyT"], B, D, ps)
+        _write_rows(dx_slots, ws, row0, 0, B, first)
+        return
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
         for c in range(_ntiles(D, MOVING_FMAX)):
@@ -1273,7 +1336,7 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
-        _dx_rows(hbm["slots"], ws, ps["dw"], row0, B, D, first)
+        _dx_rows(hbm["slots"], ws, ps["dw"], row0, B, D, first, ps)
     else:
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
         _dx_block(hbm["slots"], ws, w, row0, B, D, ps, first)
