@@ -100,9 +100,9 @@ class KernelPlan:
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M + 1, 8]: first slot group, first slot row, first resident tile, own, next (the
+    piece: torch.Tensor  # [M + 2, 8]: first slot group, first slot row, first resident tile, own, next (the
     #                      backward's row gathers), gate / up / down (the forward's weight prefetch); per class, core,
-    #                      position; then a padding row
+    #                      position; then two padding rows
     seg_table: torch.Tensor  # [lnc * S, 6 + 2L]: expert, [begin, end) sub_table rows, next expert, weight set,
     #                          next weight set, [begin, end)
     #                          piece rows/class
@@ -392,10 +392,11 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, runs:
         NG: the plan's slot groups; per_block: KB / G; G: the slot granule.
 
     Returns:
-        piece [M + 1, 5] int32 (first slot group, first slot row, first resident tile, own: 1 where the backward
+        piece [M + 2, 5] int32 (first slot group, first slot row, first resident tile, own: 1 where the backward
         piece gathers its own rows (the first of a main-tile class loop), next: 1 where the next row is in the same
-        main-tile class loop (the backward piece gathers its rows); the last row a padding row in core 0's no-op
-        area: the forward gathers the rows of `piece` row j + 1 while it computes row j), per
+        main-tile class loop (the backward piece gathers its rows); the last two rows padding rows in core 0's
+        no-op area: the forward gathers the rows of `piece` row j + 1 while it computes row j, and each piece loads
+        rows j + 1, j + 2 ahead), per
         class, two [lnc, S * J] columns: each sub-segment's [begin, end) rows of `piece`, and [lnc, S * J] the slot
         group of the first full block of the sub-segment run after each (what an early gather reads).
     """
@@ -432,9 +433,9 @@ def _piece_table(experts: _Experts, cores: _Positions, subs: _SubSegments, runs:
         cbase = base + rows_k[k] * torch.arange(lnc, device=dev)[:, None]
         sub_cols += [cbase + beg_q[None, :], cbase + end_q[None, :]]
         base += lnc * rows_k[k]
-    group = torch.cat(groups + [noop_group[:1]])  # + the padding row the last row's prefetch reads
+    group = torch.cat(groups + [noop_group[:1]] * 2)  # + the padding rows the last rows' prefetches read
     for col in (tile_col, first_col, next_col):
-        col.append(torch.zeros(1, dtype=col[0].dtype, device=dev))
+        col.append(torch.zeros(2, dtype=col[0].dtype, device=dev))
     columns = [group, group * G, torch.cat(tile_col), torch.cat(first_col), torch.cat(next_col)]
     return torch.stack(columns, 1).to(torch.int32), sub_cols, next_group
 

@@ -67,7 +67,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   SBUF allows, `forward_layout`) this runs across positions: a class loop's last piece gathers the class's first
   piece at the core's next position, so only position 0's are gathered before the segment loop; with one shared set,
   each class loop's first piece just before the loop. A class loop may gather a piece it does not run (harmless:
-  every row of `piece` is a valid piece, and `piece` ends with a padding row). When F is one chunk and SBUF allows
+  every row of `piece` is a valid piece, and `piece` ends with two padding rows). When F is one chunk and SBUF allows
   (`forward_layout`), the weights are double buffered (`InSet`: set s % 2 of position s, picked at run time from
   `seg_table`): the position's pieces load the next position's gate, up and down matrices into the other set, one
   matrix on each of three pieces spread over the position (`piece` columns 5-7).
@@ -924,9 +924,17 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     of `piece`; else a tail class's one-tile buffer)."""
 
     C = piece.shape[1]
+    # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
+    # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
+    # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA)
+    rows, ahead = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf), nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ahead, src=piece.ap(pattern=[[C, 1], [1, 2 * C]], offset=0, scalar_offset=begin,
+                                          indirect_dim=0))
 
     def body(j):
-        rows = _row(piece, 0, j, 2)  # this piece's row and the next one's (whose rows the piece gathers)
+        nisa.tensor_copy(dst=rows, src=ahead, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=ahead, src=piece.ap(pattern=[[C, 1], [1, 2 * C]], offset=C, scalar_offset=j,
+                                              indirect_dim=0))  # rows j + 1, j + 2 (`piece` ends with two pads)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
@@ -1093,12 +1101,12 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M + 1, 8] int32, per piece its first slot group, first slot row (group * G) and, for the
+        piece: [M + 2, 8] int32, per piece its first slot group, first slot row (group * G) and, for the
             backward, its first resident tile, own (1: the first piece of a main-tile class loop, which gathers its
             own rows) and next (1: the next row is in the same loop, whose rows the piece gathers); for the forward,
             gate, up, down (1: the piece loads that matrix of the next position's expert into the other weight
-            set); rows grouped by class; the last row a padding row (any valid piece: the forward gathers row
-            j + 1's rows while it computes row j).
+            set); rows grouped by class; the last two rows padding rows (any valid piece: the forward gathers
+            row j + 1's rows while it computes row j, and each piece loads rows j + 1, j + 2 ahead: `_pieces`).
         seg_table: [LNC * S, 6 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
@@ -1330,8 +1338,8 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     affinity = _affinities(hbm["weight"], grp, B)
     _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
     _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
-    _swiglu(ws, FC, B)
     _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
+    _swiglu(ws, FC, B)  # after the transposes' evictions in the Scalar / Vector queues: it waits for the gT, uT loads
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
