@@ -83,6 +83,12 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   into half a PSUM bank (4 bf16 [128, 128]) and leave it in one copy, the Vector and Scalar Engines in turn
   (`_transposes_into`): the eviction's fixed cost is paid once per 4 transposes, and the Tensor Engine fills one
   half while the other is evicted.
+* **Narrow pieces.** A piece of B < 128 slots computes y and dx with the weights as the stationary and its B slots
+  moving (yT, dxT; `_down_narrow`, `_dx_tile`), then transposes them back: with B slots as the stationary only B of
+  the Tensor Engine's 128 columns would work over 512 moving columns per matmul.
+* **Table rows.** Each piece copies its two `piece` rows from a tile the previous piece of its class loop loaded
+  and loads the next piece's into it (`_pieces`), so a piece's start does not wait for a DMA of its rows behind the
+  previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA completes).
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
