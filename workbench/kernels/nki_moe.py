@@ -174,12 +174,13 @@ def _load_entry(table, row0, col, reg):
     return tile
 
 
-def _row(table, row0, reg, rows=1):
+def _row(table, row0, reg, rows=1, tile=None):
     """int32 SBUF [1, rows * C] <- rows row0 + reg .. row0 + reg + rows - 1 of an [R, C] int32 HBM table (reg: a loop
-    register), in one DMA: entry (r, c) at column r * C + c (a [1, 1] slice is a scalar offset or a register's
-    source)."""
+    register), in one DMA (into `tile` when given, else a new tile): entry (r, c) at column r * C + c (a [1, 1] slice
+    is a scalar offset or a register's source)."""
     C = table.shape[1]
-    tile = nl.ndarray((1, rows * C), dtype=I32, buffer=nl.sbuf)
+    if tile is None:
+        tile = nl.ndarray((1, rows * C), dtype=I32, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=table.ap(pattern=[[C, 1], [1, rows * C]], offset=row0 * C, scalar_offset=reg,
                                          indirect_dim=0))
     return tile
@@ -587,10 +588,11 @@ def _tok(tiles, tile, s, parts, c0, cols):
 
 
 # -- layout changes (Tensor Engine transposes through PSUM) ------------------------------------------------------------
-def _transposes_into(dst, srcs, ps, engine):
+def _transposes_into(dst, srcs, ps):
     """dst <- the transposes of `srcs` (SBUF [p_i, f] each) side by side, [f, sum p_i] (dst: any SBUF view with f
     partitions and that many elements each, in that order): staged in one PSUM transpose region (`_psum_pool`) and
-    evicted by one copy on `engine`, so the eviction's fixed cost is paid once per region, not per transpose."""
+    evicted by one copy, so the eviction's fixed cost is paid once per region, not per transpose; the Vector Engine
+    evicts the even regions of the rotation, the Scalar Engine the odd ones."""
     f = srcs[0].shape[1]
     engine = nisa.engine.vector if ps["turn"]["t"] % 2 == 0 else nisa.engine.scalar
     region = _psum(ps, "t")
@@ -624,7 +626,7 @@ def _feature_major(out, tok, tile, B, width, ps):
             srcs = []
             for j in range(j0, j0 + n):
                 srcs.append(_tok(tok, tile, s, sl, j * P, fl))
-            _transposes_into(out[0:fl, j0:j0 + n, s * P:s * P + sl], srcs, ps, nisa.engine.vector)
+            _transposes_into(out[0:fl, j0:j0 + n, s * P:s * P + sl], srcs, ps)
 
 
 def _token_major(tok, tile, feature, B, width, ps):
@@ -638,7 +640,7 @@ def _token_major(tok, tile, feature, B, width, ps):
             srcs = []
             for j in range(j0, j0 + n):
                 srcs.append(feature[0:_width(width, P, j), j, s * P:s * P + sl])
-            _transposes_into(_tok(tok, tile, s, sl, j0 * P, cols), srcs, ps, nisa.engine.vector)
+            _transposes_into(_tok(tok, tile, s, sl, j0 * P, cols), srcs, ps)
 
 
 # -- expert MLP pieces -------------------------------------------------------------------------------------------------
@@ -933,14 +935,11 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
     # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA)
-    rows, ahead = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf), nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ahead, src=piece.ap(pattern=[[C, 1], [1, 2 * C]], offset=0, scalar_offset=begin,
-                                          indirect_dim=0))
+    rows, ahead = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf), _row(piece, 0, begin, 2)
 
     def body(j):
         nisa.tensor_copy(dst=rows, src=ahead, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=ahead, src=piece.ap(pattern=[[C, 1], [1, 2 * C]], offset=C, scalar_offset=j,
-                                              indirect_dim=0))  # rows j + 1, j + 2 (`piece` ends with two pads)
+        _row(piece, 1, j, 2, ahead)  # rows j + 1, j + 2 (`piece` ends with two padding rows)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
