@@ -51,7 +51,7 @@ WRONG = [
     ("fwd", "piece", lambda t: t[:, :2].contiguous(), r"piece must be \[M, 8\] torch.int32, got \(\d+, 2\)"),
     ("bwd", "dout_pad", lambda t: t[:, :-1].contiguous(), r"dout_pad must be \[T\+1, D\] \(x_pad's shape"),
     ("bwd", "w_gate", lambda t: t[:, :, :-1].contiguous(), r"w_gate must be \[E, F, D\] \(D of x_pad"),
-    ("bwd", "sub_table", lambda t: t[:, :-1].contiguous(), r"sub_table must be \[LNC \* S \* J, 10 \+ 2L\]"),
+    ("bwd", "sub_table", lambda t: t[:, :-1].contiguous(), r"sub_table must be \[LNC \* S \* J, 11 \+ 2L\]"),
     ("bwd", "g_saved", lambda t: t.to(torch.bfloat16), r"g_saved must be \[F, NS\] torch.float32"),
     ("bwd", "zero_count", lambda t: t.view(1, 1, 1), r"zero_count must be \[1, 1\] torch.int32"),
 ]

@@ -289,6 +289,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
             # forward into the other of its two weight sets
             assert int(row[3]) == int(kp.seg_table[c * S + min(s + 1, S - 1), 0])
             assert (int(row[4]), int(row[5])) == (s % 2, 1 - s % 2)
+            assert int(row[6]) == c * S + min(s + 1, S - 1)  # the row the backward loads ahead
             run = [q for k in range(L) for q in range(int(row[nki_moe.SEG_HEAD + 2 * k]),
                                                         int(row[nki_moe.SEG_HEAD + 1 + 2 * k]))]
             loads = kp.piece[run, 5:8].long()  # the forward's gate / up / down loads, spread over the pieces
@@ -308,7 +309,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                 assert cont == (j > int(row[1])) and (tiles is None or n_tiles <= tiles)
                 assert load == (j == int(row[2]) - 1)  # the position's last sub-segment loads the next weights
                 has_block = int(sub[H + 1]) > int(sub[H])
-                order[c].append((sub, int(sub[H]) if has_block else None))
+                order[c].append((sub, int(sub[H]) if has_block else None, j))
                 gathered = halves and len(order[c]) > 1 and has_block
                 real = False
                 tile_next = t0
@@ -340,13 +341,15 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                     assert write == add == E + c
     for c in range(lnc):  # the early gathers: each sub-segment the next one's first full block, into its tiles
         for i in range(len(order[c])):
-            sub, nxt = order[c][i][0], order[c][i + 1] if i + 1 < len(order[c]) else (None, None)
+            sub, nxt = order[c][i][0], order[c][i + 1] if i + 1 < len(order[c]) else (None, None, None)
+            # the row it loads ahead: the core's next run sub-segment's (after the last, some valid row)
+            assert int(sub[10]) == nxt[2] if nxt[2] is not None else 0 <= int(sub[10]) < kp.sub_table.shape[0]
             early = halves and nxt[1] is not None
             assert int(sub[7]) == early
             if early:
                 assert (int(sub[8]), int(sub[9])) == (int(kp.piece[nxt[1], 0]), int(nxt[0][3]))
     if halves:
-        assert sum(int(sub[7]) for c in range(lnc) for sub, _ in order[c]) >= 2
+        assert sum(int(sub[7]) for c in range(lnc) for sub, *_ in order[c]) >= 2
     for e, subs in subs_of.items():  # one core; the first sub-segment writes dW[e], the later ones add into it
         assert len({c for c, _, _ in subs}) == 1
         c = subs[0][0]

@@ -103,12 +103,12 @@ class KernelPlan:
     piece: torch.Tensor  # [M + 2, 8]: first slot group, first slot row, first resident tile, own, next (the
     #                      backward's row gathers), gate / up / down (the forward's weight prefetch); per class, core,
     #                      position; then two padding rows
-    seg_table: torch.Tensor  # [lnc * S, 6 + 2L]: expert, [begin, end) sub_table rows, next expert, weight set,
-    #                          next weight set, [begin, end)
-    #                          piece rows/class
+    seg_table: torch.Tensor  # [lnc * S, 7 + 2L]: expert, [begin, end) sub_table rows, next expert, weight set,
+    #                          next weight set, the core's next position's row, [begin, end) piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
-    sub_table: torch.Tensor  # [lnc * S * J, 10 + 2L]: write row, add row, cont, main tiles (first, first + 1,
-    #                          end), load, early, its group and tile, [begin, end) piece rows/class
+    sub_table: torch.Tensor  # [lnc * S * J, 11 + 2L]: write row, add row, cont, main tiles (first, first + 1,
+    #                          end), load, early, its group and tile, the core's next run sub-segment's row,
+    #                          [begin, end) piece rows/class
     zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
     zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
     slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
@@ -452,18 +452,21 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, runs: _RunOrd
         L: piece classes.
 
     Returns:
-        seg_table [lnc * S, 6 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights both kernels
+        seg_table [lnc * S, 7 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights both kernels
         prefetch during the position: the core's next position's, its own at the last; the forward's weight set
-        of the position (s % 2) and of the next (1 - s % 2); per class the position's
+        of the position (s % 2) and of the next (1 - s % 2); the row of the core's next position (its last
+        position's own: a valid row the backward loads ahead and never runs); per class the position's
         [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
-        [lnc * S * J, 10 + 2L] (write row, add row, cont, resident main tiles [first, end) as first, first + 1,
+        [lnc * S * J, 11 + 2L] (write row, add row, cont, resident main tiles [first, end) as first, first + 1,
         end, load: 1 on the position's last sub-segment, which loads the next expert's weights during its
         weight-gradient phase; early: 1 where it gathers the next run sub-segment's first full block, that block's
-        slot group and first tile (`_run_order`); per class [begin, end) piece rows), int32.
+        slot group and first tile (`_run_order`); the row of the core's next run sub-segment (after the core's
+        last, some valid row: the backward loads the next row ahead); per class [begin, end) piece rows), int32.
     """
     live, own, S, J = cores.live, cores.own, cores.S, subs.J
     lnc, dev = live.shape[0], live.device
     dummy = E + torch.arange(lnc, device=dev)[:, None, None]
+    core_S = (torch.arange(lnc, device=dev) * S)[:, None]  # each core's first seg_table row
     j_J = torch.arange(J, device=dev)
     first_sub = live[..., None] & (j_J == 0)
     cont_sub = live[..., None] & (j_J >= 1) & (j_J < subs.nsub_cs[..., None])
@@ -474,13 +477,15 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, runs: _RunOrd
     sub_head = [torch.where(first_sub, own3, dummy), torch.where(cont_sub, own3, dummy),
                 (j_J >= 1).long().expand(lnc, S, J), base, base + 1, base + subs.ntiles_sj[None],
                 load[None].expand(lnc, S, J), per_sj[0].view(1, S, J).expand(lnc, S, J), next_group.view(lnc, S, J),
-                per_sj[1].view(1, S, J).expand(lnc, S, J)]
+                per_sj[1].view(1, S, J).expand(lnc, S, J),
+                core_S[..., None] * J + runs.next_sj.view(1, S, J)]  # the core's next run sub-segment's row
     sub_table = torch.stack(sub_head + [col.view(lnc, S, J) for col in sub_cols], 3)
     sub_begin = (torch.arange(lnc * S, device=dev) * J).view(lnc, S)
     last_sub = (subs.nsub_s - 1)[None, :, None].expand(lnc, S, 1)
     nxt = torch.cat([cores.expert[:, 1:], cores.expert[:, -1:]], 1)  # the core's next position's expert
     pick = (torch.arange(S, device=dev) % 2)[None].expand(lnc, S)  # the forward's weight set, alternating
-    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :], nxt, pick, 1 - pick]
+    next_pos = core_S + (torch.arange(S, device=dev) + 1).clamp(max=S - 1)[None]  # the core's next position's row
+    seg_cols = [cores.expert, sub_begin, sub_begin + subs.nsub_s[None, :], nxt, pick, 1 - pick, next_pos]
     seg_cols += [col.view(lnc, S, J)[:, :, 0] if i % 2 == 0 else col.view(lnc, S, J).gather(2, last_sub)[..., 0]
                  for i, col in enumerate(sub_cols)]
     return (torch.stack(seg_cols, 2).reshape(lnc * S, nki_moe.SEG_HEAD + 2 * L).to(torch.int32),

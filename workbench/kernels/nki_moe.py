@@ -147,12 +147,13 @@ DW_BANKS = DW_GROUP_BANKS * DW_SETS
 # instead of 2). They never take SBUF from the resident tiles (`fit_backward` sizes those with DW_SETS).
 DW_STAGE_BYTES = 12 * 1024
 # seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert, its weight set, the
-# next position's weight set (the forward's double buffer)
-SEG_HEAD = 6
+# next position's weight set (the forward's double buffer), the core's next position's row (the backward loads it
+# ahead)
+SEG_HEAD = 7
 # sub_table columns before the piece bounds: write row, add row, cont, the sub-segment's main tiles (first, loop
 # begin, loop end: [first, end) with begin = first + 1), load, early (the next sub-segment's first main piece
-# gathered here: 0 or 1), its slot group and first tile
-SUB_HEAD = 10
+# gathered here: 0 or 1), its slot group and first tile, the core's next run sub-segment's row (loaded ahead)
+SUB_HEAD = 11
 DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segments of this many banks (1024 columns)
 
 
@@ -192,10 +193,12 @@ def _register(tile):
     return reg
 
 
-def _block_column(table, grp, s0, sl, dtype):
-    """SBUF [sl, 1] <- slots s0 .. s0 + sl of a piece starting at slot group grp, from an [NG, G] HBM slot table
-    (read on across the following groups: a piece's B / G groups are consecutive rows); one value per partition."""
-    tile = nl.ndarray((sl, 1), dtype=dtype, buffer=nl.sbuf)
+def _block_column(table, grp, s0, sl, dtype, tile=None):
+    """SBUF [sl, 1] (`tile` when given, else a new tile) <- slots s0 .. s0 + sl of a piece starting at slot group
+    grp, from an [NG, G] HBM slot table (read on across the following groups: a piece's B / G groups are
+    consecutive rows); one value per partition."""
+    if tile is None:
+        tile = nl.ndarray((sl, 1), dtype=dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=tile, src=table.ap(pattern=[[1, sl], [1, 1]], offset=s0, scalar_offset=grp, indirect_dim=0))
     return tile
 
@@ -509,11 +512,14 @@ def _fwd_workspace(widths, D, FC, io_dtype, slot_dtype, chunked, per_class):
     one set all classes share (see `forward_layout`)."""
     KB = widths[0]
     dp, fp, nD, nF = min(P, D), min(P, FC), _ntiles(D, P), _ntiles(FC, P)
-    x, shared = {}, None if per_class else _block_tiles(KB, D, io_dtype, "x_tok")
+    x, aff = {}, {}
+    shared = None if per_class else (_block_tiles(KB, D, io_dtype, "x_tok"), _block_tiles(KB, 1, F32, "aff_next"))
     for B in widths:
-        x[B] = _block_tiles(B, D, io_dtype, "x_tok") if per_class else shared
+        x[B] = _block_tiles(B, D, io_dtype, "x_tok") if per_class else shared[0]
+        aff[B] = _block_tiles(B, 1, F32, "aff_next") if per_class else shared[1]
     ws = {
         "x": x,
+        "aff": aff,  # the slot weights of the piece whose rows are in "x", gathered with them
         "xT": nl.ndarray((dp, nD, KB), dtype=io_dtype, buffer=nl.sbuf, name="xT"),
         "g": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="gT"),
         "u": nl.ndarray((fp, nF, KB), dtype=io_dtype, buffer=nl.sbuf, name="uT"),
@@ -661,10 +667,13 @@ def _load_block(dsts, tile, srcs, token_index, grp, B):
             _gather_into(_tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], index)
 
 
-def _affinities(slot_weight, grp, B):
+def _affinities(slot_weight, grp, B, into=None):
+    """The slot weights of a piece (slot group grp), one fp32 [sl, 1] column per 128-slot sub-tile: into the tiles
+    `into` (a list), else new ones."""
     out = []
     for s in range(_ntiles(B, P)):
-        out.append(_block_column(slot_weight, grp, s * P, _width(B, P, s), F32))
+        sl = _width(B, P, s)
+        out.append(_block_column(slot_weight, grp, s * P, sl, F32, None if into is None else into[s][0:sl, 0:1]))
     return out
 
 
@@ -869,9 +878,13 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, D), D/128, FC]).
     """
     D, FC = hbm["x"].shape[1], _columns(w.gate)
-    affinity = _affinities(hbm["weight"], grp, B)
+    affinity = []  # its slot weights, gathered with its x rows: copied out before the next piece's overwrite them
+    for s in range(_ntiles(B, P)):
+        affinity.append(nl.ndarray((_width(B, P, s), 1), dtype=F32, buffer=nl.sbuf))
+        nisa.tensor_copy(dst=affinity[s], src=ws["aff"][s], engine=nisa.engine.vector)
     _feature_major(ws["xT"], ws["x"], None, B, D, ps)
     _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], nxt, B)  # the next piece's rows (software pipeline)
+    _affinities(hbm["weight"], nxt, B, ws["aff"])
     _project(ws["g"], w.gate, ws["xT"], B, D, FC, ps)
     _project(ws["u"], w.up, ws["xT"], B, D, FC, ps)
     _save_feature_major(hbm["g_saved"], ws["g"], f0, FC, row0, B)  # for the backward: no recompute there
@@ -925,17 +938,20 @@ def _down_narrow(ws, w_down, affinity, B, D, FC, ps):
     nisa.tensor_scalar(dst=rows, data=rows, op0=nl.multiply, operand0=affinity)
 
 
-def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None):
+def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None):
     """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
     the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
-    of `piece`; else a tail class's one-tile buffer)."""
+    of `piece`; else a tail class's one-tile buffer). `ahead`: rows begin, begin + 1, already loaded (else loaded
+    here)."""
 
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
     # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA)
-    rows, ahead = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf), _row(piece, 0, begin, 2)
+    rows = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf)
+    if ahead is None:
+        ahead = _row(piece, 0, begin, 2)
 
     def body(j):
         nisa.tensor_copy(dst=rows, src=ahead, engine=nisa.engine.gpsimd)
@@ -977,9 +993,10 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F, per_class)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
     double = None
-    if sets == 2 or per_class:
-        head = nl.ndarray((1, SEG_HEAD + 2 * len(widths)), dtype=I32, buffer=nl.sbuf)  # position 0's row
-        nisa.dma_copy(dst=head, src=seg_table[pid * S:pid * S + 1, 0:SEG_HEAD + 2 * len(widths)])
+    # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
+    # (loaded at its own start, behind the previous position's weight loads, it would hold up its first piece)
+    head = nl.ndarray((1, SEG_HEAD + 2 * len(widths)), dtype=I32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=head, src=seg_table[pid * S:pid * S + 1, 0:SEG_HEAD + 2 * len(widths)])
     if per_class:
         # each class's first piece of position 0 into the class's own x tiles. From then on a class loop's last
         # piece gathers row `end` of its loop, which is the class's first piece at the core's next position (rows
@@ -993,7 +1010,9 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
         _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
-        row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
+        row = nl.ndarray(head.shape, dtype=I32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=row, src=head, engine=nisa.engine.gpsimd)
+        _row(seg_table, 0, row[0:1, 6:7], 1, head)  # the core's next position's
         bounds = []
         for k in range(len(widths)):
             col = SEG_HEAD + 2 * k
@@ -1021,7 +1040,9 @@ def _first_rows(piece, begin, hbm, ws, B):
     position only): the rows of its first piece (`piece` row `begin`) into the class's x tiles; each piece then
     gathers the next one's. A class that runs no piece reads a valid row all the same (row `begin` exists: another
     class's, position's or core's, or the padding row)."""
-    _load_block([ws["x"][B]], None, [hbm["x"]], hbm["index"], _load_entry(piece, 0, 0, begin), B)
+    grp = _load_entry(piece, 0, 0, begin)
+    _load_block([ws["x"][B]], None, [hbm["x"]], hbm["index"], grp, B)
+    _affinities(hbm["weight"], grp, B, ws["aff"][B])
 
 
 def _zero_saved(saved, first, pid, lnc):
@@ -1066,10 +1087,10 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
     _expect(piece, "piece", "[M, 8]", (None, 8), I32)
-    _expect(seg_table, "seg_table", "[LNC * S, 6 + 2L]", (None, None), I32)
+    _expect(seg_table, "seg_table", "[LNC * S, 7 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - SEG_HEAD) // 2
     check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
-                   f"seg_table must be [LNC * S, 6 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
+                   f"seg_table must be [LNC * S, 7 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
     _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
     check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
@@ -1112,10 +1133,11 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
             gate, up, down (1: the piece loads that matrix of the next position's expert into the other weight
             set); rows grouped by class; the last two rows padding rows (any valid piece: the forward gathers
             row j + 1's rows while it computes row j, and each piece loads rows j + 1, j + 2 ahead: `_pieces`).
-        seg_table: [LNC * S, 6 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
+        seg_table: [LNC * S, 7 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
-            forward's double buffer), then per piece class k (KB >> k slots) the [begin, end) rows of `piece` (the
+            forward's double buffer), the row of the core's next position (c * S + min(s + 1, S - 1): the backward
+            loads it ahead), then per piece class k (KB >> k slots) the [begin, end) rows of `piece` (the
             same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
@@ -1509,15 +1531,26 @@ def _add_into(grads, group, acc_row, cont, ws, f0, first):
 
 
 def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first,
-                  prefetch, nxt):
+                  prefetch, nxt, ahead=None):
     """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
     its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase. `prefetch`
     (the HBM weights, when F is one chunk): the position's last sub-segment (`load` 1 in sub_table) loads the next
-    position's expert `nxt` into `w` in parts spread over its weight-gradient phase, which does not read `w`."""
+    position's expert `nxt` into `w` in parts spread over its weight-gradient phase, which does not read `w`.
+
+    `ahead` (when F is one chunk: int32 SBUF tiles (sub row, class-0 piece rows)): the sub-segment's `sub_table` row
+    and its first two class-0 `piece` rows, loaded by the core's previous sub-segment (the first by the caller).
+    Each sub-segment loads the next run one's row (`sub_table` column 10) at its start and, after its pieces, that
+    one's class-0 rows, before its weight-gradient phase: issued after the phase's stores, whose descriptors wait
+    for their evictions, they would wait for the whole phase."""
     TS = tile_slots(widths[0])
 
     def sub(j):
-        row = _row(sub_table, 0, j)  # the sub-segment's entries in one DMA
+        if ahead is None:
+            row = _row(sub_table, 0, j)  # the sub-segment's entries in one DMA
+        else:
+            row = nl.ndarray(ahead[0].shape, dtype=I32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=row, src=ahead[0], engine=nisa.engine.gpsimd)
+            _row(sub_table, 0, row[0:1, 10:11], 1, ahead[0])  # the next run sub-segment's
         cont = _register(row[0:1, 2:3])
         tile_begin, tile_end = _register(row[0:1, 4:5]), _register(row[0:1, 5:6])
         tail_bounds = []
@@ -1529,7 +1562,9 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
-                    first)
+                    first, None, ahead[1] if ahead is not None and k == 0 else None)
+        if ahead is not None:  # the next run sub-segment's first class-0 rows (its row is in ahead[0] by now)
+            _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
         # the dW phase's DMAs read their expert rows (and the prefetch its expert) from a tile of their own, so the
         # next sub-segment's table rows load while those DMAs are still in flight
@@ -1572,19 +1607,30 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
         ps_dw.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_dw"))
     ps["dw"] = ps_dw  # the pieces' dx accumulates there too (`dx_in_dw_banks`): the banks are idle while pieces run
 
-    resident = None
-    if FC == F:  # one chunk: position 0's weights here, each later position's prefetched by the one before it
-        first_expert = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=first_expert, src=seg_table[pid * S:pid * S + 1, 0:1])
-        resident = _backward_weights(hbm_w, first_expert, 0, F)
+    resident, ahead = None, None
+    if FC == F:
+        # one chunk: position 0's weights here, each later position's prefetched by the one before it; the table
+        # rows run ahead: position 0's seg_table row, its first sub_table row and that one's first class-0 piece
+        # rows here, each later one's by the position / sub-segment before it (`_sub_segments`)
+        seg_ahead = nl.ndarray((1, seg_table.shape[1]), dtype=I32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=seg_ahead, src=seg_table[pid * S:pid * S + 1, 0:seg_table.shape[1]])
+        resident = _backward_weights(hbm_w, seg_ahead[0:1, 0:1], 0, F)
+        ahead = (_row(sub_table, 0, seg_ahead[0:1, 1:2]), nl.ndarray((1, 2 * piece.shape[1]), dtype=I32,
+                                                                      buffer=nl.sbuf))
+        _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
     def segment(s):
-        row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
+        if FC == F:
+            row = nl.ndarray(seg_ahead.shape, dtype=I32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=row, src=seg_ahead, engine=nisa.engine.gpsimd)
+            _row(seg_table, 0, row[0:1, 6:7], 1, seg_ahead)  # the core's next position's
+        else:
+            row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
         e = row[0:1, 0:1]
         sub_begin, sub_end = _register(row[0:1, 1:2]), _register(row[0:1, 2:3])
         if FC == F:
             _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, resident, ws, res, tails, ps, ps_dw, grads,
-                          widths, 0, True, hbm_w, row[0:1, 3:4])
+                          widths, 0, True, hbm_w, row[0:1, 3:4], ahead)
         for c in range(_ntiles(F, FC) if FC < F else 0):  # F chunked: each chunk's weights, then its sub-segments
             f0 = c * FC
             w = _backward_weights(hbm_w, e, f0, _width(F, FC, c))
@@ -1641,7 +1687,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
         token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
-        sub_table: [LNC * S * J, 10 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
+        sub_table: [LNC * S * J, 11 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
             core's dummy E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment,
             else the dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its
             resident main tiles as first, first + 1, end (the count the same on both cores; the first 0, or the
@@ -1649,7 +1695,8 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
             load (1 on the position's last sub-segment, which loads the position's next expert after its pieces;
             the same on both cores; used when F is one chunk), early (1: gather the first full block of the core's
             next sub-segment into its tiles before the weight-gradient phase; the same on both cores), that
-            block's slot group and first tile, then per piece class the [begin, end) rows of `piece`.
+            block's slot group and first tile, the row of the core's next run sub-segment (any valid row after its
+            last: loaded ahead, never run), then per piece class the [begin, end) rows of `piece`.
         zero_rows: [LNC * Z, 1] int32, per core the dW rows it zero-fills (empty experts, its dummy).
         zero_count: [1, 1] int32, rows zero-filled per core (the same on every core).
         g_saved, u_saved: [F, NS] from `moe_blockwise_fwd`; io dtype.
@@ -1665,7 +1712,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
     L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
-    _expect(sub_table, "sub_table", "[LNC * S * J, 10 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
+    _expect(sub_table, "sub_table", "[LNC * S * J, 11 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
     _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
     _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
     E, F = w_gate.shape[0], w_gate.shape[1]
