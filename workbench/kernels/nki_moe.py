@@ -1366,8 +1366,11 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
     _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
     _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
-    _swiglu(ws, FC, B)  # after the transposes' evictions in the Scalar / Vector queues: it waits for the gT, uT loads
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
+    # the SwiGLU after the dh projection: its Scalar activations wait for the gT, uT loads (at a position's start
+    # behind the weight-gradient phase's transfers), and ahead of the projection's evictions in the Scalar queue
+    # they held the Tensor Engine
+    _swiglu(ws, FC, B)
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
