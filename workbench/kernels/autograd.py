@@ -454,8 +454,8 @@ def _segment_tables(E: int, cores: _Positions, subs: _SubSegments, runs: _RunOrd
     Returns:
         seg_table [lnc * S, 7 + 2L] (expert, [begin, end) sub_table rows, the expert whose weights both kernels
         prefetch during the position: the core's next position's, its own at the last; the forward's weight set
-        of the position (s % 2) and of the next (1 - s % 2); the row of the core's next position (its last
-        position's own: a valid row the backward loads ahead and never runs); per class the position's
+        of the position (s % 2) and of the next (1 - s % 2); the row of the core's next position (both kernels
+        load it ahead; at the core's last position a valid row never run); per class the position's
         [begin, end) piece rows: from its first sub-segment's begin to its last one's end) and sub_table
         [lnc * S * J, 11 + 2L] (write row, add row, cont, resident main tiles [first, end) as first, first + 1,
         end, load: 1 on the position's last sub-segment, which loads the next expert's weights during its

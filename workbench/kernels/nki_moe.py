@@ -88,7 +88,13 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   the Tensor Engine's 128 columns would work over 512 moving columns per matmul.
 * **Table rows.** Each piece copies its two `piece` rows from a tile the previous piece of its class loop loaded
   and loads the next piece's into it (`_pieces`), so a piece's start does not wait for a DMA of its rows behind the
-  previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA completes).
+  previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA completes). The
+  same one level up: a position loads the core's next position's `seg_table` row at its start (column 6; both
+  kernels), and, when F is one chunk, a backward sub-segment loads the core's next run sub-segment's `sub_table`
+  row at its start (column 10) and that one's first two class-0 `piece` rows after its pieces: issued after the
+  weight-gradient phase, whose stores wait for their evictions on the in-order descriptor queues, they would wait
+  for the whole phase (~9 us per position at 30B-A3B). The forward gathers a piece's slot weights with its x rows
+  (into `ws["aff"]`, copied out by the piece), so they do not queue behind the weight prefetch of its piece.
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
@@ -147,8 +153,7 @@ DW_BANKS = DW_GROUP_BANKS * DW_SETS
 # instead of 2). They never take SBUF from the resident tiles (`fit_backward` sizes those with DW_SETS).
 DW_STAGE_BYTES = 12 * 1024
 # seg_table columns before the piece bounds: expert, [begin, end) sub_table rows, next expert, its weight set, the
-# next position's weight set (the forward's double buffer), the core's next position's row (the backward loads it
-# ahead)
+# next position's weight set (the forward's double buffer), the core's next position's row (loaded ahead)
 SEG_HEAD = 7
 # sub_table columns before the piece bounds: write row, add row, cont, the sub-segment's main tiles (first, loop
 # begin, loop end: [first, end) with begin = first + 1), load, early (the next sub-segment's first main piece
@@ -938,12 +943,12 @@ def _down_narrow(ws, w_down, affinity, B, D, FC, ps):
     nisa.tensor_scalar(dst=rows, data=rows, op0=nl.multiply, operand0=affinity)
 
 
-def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None):
+def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None, halves=False):
     """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
     the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
     of `piece`; else a tail class's one-tile buffer). `ahead`: rows begin, begin + 1, already loaded (else loaded
-    here)."""
+    here). `halves`: the backward's sub-segments alternate tile halves (`_backward_block`)."""
 
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
@@ -964,9 +969,9 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
         elif indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
             gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
                        rows[0:1, C + 2:C + 3])
-            _backward_block(grp, row0, rows[0:1, 2:3], gathers, hbm, w, ws, res, ps, B, f0, first)
+            _backward_block(grp, row0, rows[0:1, 2:3], gathers, hbm, w, ws, res, ps, B, f0, first, halves)
         else:
-            _backward_block(grp, row0, None, None, hbm, w, ws, res, ps, B, f0, first)
+            _backward_block(grp, row0, None, None, hbm, w, ws, res, ps, B, f0, first, halves)
 
     nl.fori_loop(begin, end, body)
 
@@ -1136,9 +1141,9 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         seg_table: [LNC * S, 7 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
-            forward's double buffer), the row of the core's next position (c * S + min(s + 1, S - 1): the backward
-            loads it ahead), then per piece class k (KB >> k slots) the [begin, end) rows of `piece` (the
-            same count on every core).
+            forward's double buffer), the row of the core's next position (c * S + min(s + 1, S - 1): each
+            position loads the next one's row ahead), then per piece class k (KB >> k slots) the [begin, end) rows
+            of `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
         slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
             LNC (padded tokens point at any real slot; the host drops their rows).
@@ -1334,7 +1339,7 @@ def _dx_rows(dx_slots, ws, banks, row0, B, D, first, ps):
         _write_rows(dx_slots, ws, row0, s * P, sl, first)
 
 
-def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first):
+def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves=False):
     """One B-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + FC) of the segment's expert
     (w: that chunk, resident as `_backward_weights` lays it out). Leaves x, affinity * dy and the token-major dg,
     du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them).
@@ -1344,7 +1349,8 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     class loop (`own` 1); it gathers the next piece's rows into that piece's tiles (another tile index: no hazard)
     when the next row of `piece` is in the same loop (`next` 1), first thing, so the gather overlaps this piece's
     work instead of opening the next piece. A tail class (`gathers` None, one-tile buffer, 0/1 trips) gathers its
-    own rows.
+    own rows. `halves`: the sub-segments alternate tile halves, each gathering the next one's first block early
+    (`autograd.tiles_per_sub`).
 
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.down [min(P, D), D/128, FC]).
@@ -1366,11 +1372,16 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first)
     _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
     _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
     _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
+    # The SwiGLU's Scalar activations wait for the gT, uT loads, which at a sub-segment's start queue behind the
+    # previous weight-gradient phase's transfers. With `halves` the first piece's x and dy rows were gathered before
+    # that phase, so its transposes and dh projection can run first: the SwiGLU goes after the projection, whose
+    # evictions it would otherwise hold in the Scalar queue (30B-A3B block 128: backward 7.41 -> 7.31 ms). Without,
+    # that piece gathers its own rows, and the SwiGLU first is faster (block 256: 7.95 vs 8.17 ms).
+    if not halves:
+        _swiglu(ws, FC, B)
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
-    # the SwiGLU after the dh projection: its Scalar activations wait for the gT, uT loads (at a position's start
-    # behind the weight-gradient phase's transfers), and ahead of the projection's evictions in the Scalar queue
-    # they held the Tensor Engine
-    _swiglu(ws, FC, B)
+    if halves:
+        _swiglu(ws, FC, B)
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
@@ -1534,7 +1545,7 @@ def _add_into(grads, group, acc_row, cont, ws, f0, first):
 
 
 def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_dw, grads, widths, f0, first,
-                  prefetch, nxt, ahead=None):
+                  prefetch, nxt, ahead=None, halves=False):
     """The segment's sub-segments (rows [begin, end) of `sub_table`) against one resident F chunk `w`: each runs
     its pieces class by class (compiled loops over rows of `piece`), then its weight-gradient phase. `prefetch`
     (the HBM weights, when F is one chunk): the position's last sub-segment (`load` 1 in sub_table) loads the next
@@ -1544,7 +1555,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
     and its first two class-0 `piece` rows, loaded by the core's previous sub-segment (the first by the caller).
     Each sub-segment loads the next run one's row (`sub_table` column 10) at its start and, after its pieces, that
     one's class-0 rows, before its weight-gradient phase: issued after the phase's stores, whose descriptors wait
-    for their evictions, they would wait for the whole phase."""
+    for their evictions, they would wait for the whole phase. `halves`: as in `_backward_block`."""
     TS = tile_slots(widths[0])
 
     def sub(j):
@@ -1565,7 +1576,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
-                    first, None, ahead[1] if ahead is not None and k == 0 else None)
+                    first, None, ahead[1] if ahead is not None and k == 0 else None, halves)
         if ahead is not None:  # the next run sub-segment's first class-0 rows (its row is in ahead[0] by now)
             _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
@@ -1633,7 +1644,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
         sub_begin, sub_end = _register(row[0:1, 1:2]), _register(row[0:1, 2:3])
         if FC == F:
             _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, resident, ws, res, tails, ps, ps_dw, grads,
-                          widths, 0, True, hbm_w, row[0:1, 3:4], ahead)
+                          widths, 0, True, hbm_w, row[0:1, 3:4], ahead, NT // 2 >= tiles_needed(widths))
         for c in range(_ntiles(F, FC) if FC < F else 0):  # F chunked: each chunk's weights, then its sub-segments
             f0 = c * FC
             w = _backward_weights(hbm_w, e, f0, _width(F, FC, c))
