@@ -50,7 +50,7 @@ def tiles_per_sub(kb: int, hidden: int, ffn: int, dtype: torch.dtype) -> tuple[i
     main tail classes; else (tiles, halves) = (NT, False)."""
     widths = nki_moe.piece_widths(kb, (kb // slot_granule(kb)).bit_length())
     FC, NT = nki_moe.backward_layout(hidden, ffn, dtype, widths)
-    if FC == ffn and NT // 2 >= nki_moe.tiles_needed(widths):
+    if nki_moe.alternates_halves(ffn, FC, NT, widths):
         return NT // 2, True
     return NT, False
 
@@ -267,7 +267,7 @@ class _RunOrder(NamedTuple):
     base: torch.Tensor  # [S * J] its first resident main tile: 0, or `half` on every other sub-segment run
     gathered: torch.Tensor  # [S * J] bool: its first full block's rows are gathered by the sub-segment run before it
     early: torch.Tensor  # [S * J] bool: it gathers the first full block of the sub-segment run after it
-    next_sj: torch.Tensor  # [S * J] the sub-segment run after it (meaningful where `early`)
+    next_sj: torch.Tensor  # [S * J] the sub-segment run after it (after the last run one: S * J - 1, a valid row)
 
 
 def _run_order(cores: _Positions, subs: _SubSegments, half: int) -> _RunOrder:

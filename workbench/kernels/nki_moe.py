@@ -87,7 +87,7 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
   moving (yT, dxT; `_down_narrow`, `_dx_tile`), then transposes them back: with B slots as the stationary only B of
   the Tensor Engine's 128 columns would work over 512 moving columns per matmul.
 * **Table rows.** Each piece copies its two `piece` rows from a tile the previous piece of its class loop loaded
-  and loads the next piece's into it (`_pieces`), so a piece's start does not wait for a DMA of its rows behind the
+  and loads the next piece's into it (`_pieces`, `_take_ahead`), so a piece's start does not wait for a DMA of its rows behind the
   previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA completes). The
   same one level up: a position loads the core's next position's `seg_table` row at its start (column 6; both
   kernels), and, when F is one chunk, a backward sub-segment loads the core's next run sub-segment's `sub_table`
@@ -190,6 +190,18 @@ def _row(table, row0, reg, rows=1, tile=None):
     nisa.dma_copy(dst=tile, src=table.ap(pattern=[[C, 1], [1, rows * C]], offset=row0 * C, scalar_offset=reg,
                                          indirect_dim=0))
     return tile
+
+
+def _take_ahead(ahead, table, rows=1, row0=0, reg=None, col=None):
+    """Table rows loaded one step ahead: returns a copy of `ahead` (the rows the previous step loaded into it,
+    copied by GpSimd into a tile of the step's own), then loads the next step's `rows` rows of `table` into `ahead`
+    (`_row`), from row row0 + `reg` (a loop register) or row0 + the entry in column `col` of the copy. A step's
+    rows then never wait for a DMA behind its predecessor's transfers: `ahead` is free to reload once copied, and
+    the copy stays in use as long as the step's DMAs read it as offsets."""
+    taken = nl.ndarray(ahead.shape, dtype=I32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=taken, src=ahead, engine=nisa.engine.gpsimd)
+    _row(table, row0, reg if col is None else taken[0:1, col:col + 1], rows, ahead)
+    return taken
 
 
 def _register(tile):
@@ -365,6 +377,14 @@ def tiles_needed(widths):
         if B >= TS:
             n += B // TS
     return n
+
+
+def alternates_halves(F, FC, NT, widths):
+    """Whether the backward's sub-segments alternate between two halves of its NT resident main tiles, each
+    gathering the next one's first full block into the other half before its weight-gradient phase: when F is one
+    chunk (FC == F) and half the tiles still hold a sub-segment (`tiles_needed`). The host plans the tables by it
+    (`autograd.tiles_per_sub`), the kernel orders a piece's work by it (`_backward_block`)."""
+    return FC == F and NT // 2 >= tiles_needed(widths)
 
 
 def _res_tile_bytes(D, FC, itemsize):
@@ -954,13 +974,11 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
     # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA)
-    rows = nl.ndarray((1, 2 * C), dtype=I32, buffer=nl.sbuf)
     if ahead is None:
         ahead = _row(piece, 0, begin, 2)
 
     def body(j):
-        nisa.tensor_copy(dst=rows, src=ahead, engine=nisa.engine.gpsimd)
-        _row(piece, 1, j, 2, ahead)  # rows j + 1, j + 2 (`piece` ends with two padding rows)
+        rows = _take_ahead(ahead, piece, 2, 1, j)  # then rows j + 1, j + 2 (`piece` ends with two padding rows)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
@@ -1015,9 +1033,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
         _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
-        row = nl.ndarray(head.shape, dtype=I32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=row, src=head, engine=nisa.engine.gpsimd)
-        _row(seg_table, 0, row[0:1, 6:7], 1, head)  # the core's next position's
+        row = _take_ahead(head, seg_table, col=6)  # then the core's next position's
         bounds = []
         for k in range(len(widths)):
             col = SEG_HEAD + 2 * k
@@ -1562,9 +1578,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
         if ahead is None:
             row = _row(sub_table, 0, j)  # the sub-segment's entries in one DMA
         else:
-            row = nl.ndarray(ahead[0].shape, dtype=I32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=row, src=ahead[0], engine=nisa.engine.gpsimd)
-            _row(sub_table, 0, row[0:1, 10:11], 1, ahead[0])  # the next run sub-segment's
+            row = _take_ahead(ahead[0], sub_table, col=10)  # then the core's next run sub-segment's
         cont = _register(row[0:1, 2:3])
         tile_begin, tile_end = _register(row[0:1, 4:5]), _register(row[0:1, 5:6])
         tail_bounds = []
@@ -1635,16 +1649,14 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
 
     def segment(s):
         if FC == F:
-            row = nl.ndarray(seg_ahead.shape, dtype=I32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=row, src=seg_ahead, engine=nisa.engine.gpsimd)
-            _row(seg_table, 0, row[0:1, 6:7], 1, seg_ahead)  # the core's next position's
+            row = _take_ahead(seg_ahead, seg_table, col=6)  # then the core's next position's
         else:
             row = _row(seg_table, pid * S, s)  # the position's entries in one DMA
         e = row[0:1, 0:1]
         sub_begin, sub_end = _register(row[0:1, 1:2]), _register(row[0:1, 2:3])
         if FC == F:
             _sub_segments(sub_begin, sub_end, sub_table, piece, hbm, resident, ws, res, tails, ps, ps_dw, grads,
-                          widths, 0, True, hbm_w, row[0:1, 3:4], ahead, NT // 2 >= tiles_needed(widths))
+                          widths, 0, True, hbm_w, row[0:1, 3:4], ahead, alternates_halves(F, FC, NT, widths))
         for c in range(_ntiles(F, FC) if FC < F else 0):  # F chunked: each chunk's weights, then its sub-segments
             f0 = c * FC
             w = _backward_weights(hbm_w, e, f0, _width(F, FC, c))
