@@ -86,15 +86,15 @@ How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33
 * **Narrow pieces.** A piece of B < 128 slots computes y and dx with the weights as the stationary and its B slots
   moving (yT, dxT; `_down_narrow`, `_dx_tile`), then transposes them back: with B slots as the stationary only B of
   the Tensor Engine's 128 columns would work over 512 moving columns per matmul.
-* **Table rows.** Each piece copies its two `piece` rows from a tile the previous piece of its class loop loaded
-  and loads the next piece's into it (`_pieces`, `_take_ahead`), so a piece's start does not wait for a DMA of its rows behind the
-  previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA completes). The
-  same one level up: a position loads the core's next position's `seg_table` row at its start (column 6; both
-  kernels), and, when F is one chunk, a backward sub-segment loads the core's next run sub-segment's `sub_table`
-  row at its start (column 10) and that one's first two class-0 `piece` rows after its pieces: issued after the
-  weight-gradient phase, whose stores wait for their evictions on the in-order descriptor queues, they would wait
-  for the whole phase (~9 us per position at 30B-A3B). The forward gathers a piece's slot weights with its x rows
-  (into `ws["aff"]`, copied out by the piece), so they do not queue behind the weight prefetch of its piece.
+* **Table rows** (`_take_ahead`). Each piece copies its two `piece` rows from a tile the previous piece of its
+  class loop loaded and loads the next piece's into it (`_pieces`), so a piece's start does not wait for a DMA of
+  its rows behind the previous piece's transfers (a tile read as a DMA's runtime offset stays in use until that DMA
+  completes). The same one level up: a position loads the core's next position's `seg_table` row at its start
+  (column 6; both kernels), and, when F is one chunk, a backward sub-segment loads the core's next run
+  sub-segment's `sub_table` row at its start (column 10) and that one's first two class-0 `piece` rows after its
+  pieces: issued after the weight-gradient phase, whose stores wait for their evictions on the in-order descriptor
+  queues, they would wait for the whole phase (~9 us per position at 30B-A3B). The forward gathers a piece's slot
+  weights with its x rows (`ws["aff"]`, copied out by the piece): they do not queue behind its weight prefetch.
 * **F chunks.** When an expert's resident matrices (and, backward, the resident tiles) do not fit SBUF (D = 4096),
   the weights are kept resident one F chunk of FC at a time (chunk loop between the segment and piece loops); y,
   dx and d_affinity accumulate their partial sums over chunks in fp32 slot scratch, dW rows/columns of a chunk are
