@@ -45,9 +45,9 @@ def test_listed_allocations_equal_the_emulators(monkeypatch, T, K, E, D, F, dtyp
     listed = [a for call in calls for a in call]
     assert listed == c.hbm_allocations
     assert len(calls) == c.launches == 2
-    slots = {a.name: a for a in listed if a.output is None}
-    assert set(slots) == {"y_slots", "dx_slots"}
-    assert all(a.dtype == (torch.float32 if chunked else dtype) for a in slots.values())
+    scratch = {a.name: a for a in listed if a.output is None}
+    assert set(scratch) == {"y_rows", "dx_rows"}
+    assert all(a.dtype == (torch.float32 if chunked else dtype) for a in scratch.values())
     # the backward's weight gradients in the io dtype, one dummy expert row per core: 3 x (E + lnc) x F x D
     assert sum(a.nbytes for a in calls[1] if a.output in (2, 3, 4)) == 3 * (E + lnc) * F * D * dtype.itemsize
     # the forward's saved gT, uT (outputs 1, 2): [F, slots] each, live until the backward

@@ -26,18 +26,18 @@ def kernel_args(lnc):
     kp = KernelPlan.from_plan(plan, E, lnc)
     weight = kp.slot_weights(slot_weights(weights, plan)).float().view(kp.token_index.shape)
     x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    fwd = [x_pad, kp.token_index, weight, *kp.forward_tables(), kp.slot_of_assignment,
+    fwd = [x_pad, kp.token_index, weight, *kp.forward_tables(), kp.row_of_slot, kp.top_k,
            w_gate.transpose(1, 2).contiguous(), w_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()]
     _, g_saved, u_saved = nki_moe.moe_blockwise_fwd[lnc](*fwd)
-    bwd = [x_pad, torch.randn_like(x_pad), kp.token_index, weight, *kp.backward_tables(), kp.slot_of_assignment,
+    bwd = [x_pad, torch.randn_like(x_pad), kp.token_index, weight, *kp.backward_tables(), kp.row_of_slot, kp.top_k,
            g_saved, u_saved, w_down, w_gate, w_up]
     return fwd, bwd
 
 
-FWD = ("x_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "slot_of_assignment", "w_gate_t",
-       "w_up_t", "w_down_t")
+FWD = ("x_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "row_of_slot", "top_k",
+       "w_gate_t", "w_up_t", "w_down_t")
 BWD = ("x_pad", "dout_pad", "token_index", "slot_weight", "piece", "seg_table", "seg_count", "sub_table",
-       "zero_rows", "zero_count", "slot_of_assignment", "g_saved", "u_saved", "w_down", "w_gate", "w_up")
+       "zero_rows", "zero_count", "row_of_slot", "top_k", "g_saved", "u_saved", "w_down", "w_gate", "w_up")
 
 # (kernel, argument, how it is made wrong, the message). LNC 1 except where the check is about the LNC: at LNC 2 a
 # launch that fails on core 0 waits 5 s for the emulator's other core thread.
@@ -54,10 +54,10 @@ WRONG = [
     ("bwd", "sub_table", lambda t: t[:, :-1].contiguous(), r"sub_table must be \[LNC \* S \* J, 11 \+ 2L\]"),
     ("bwd", "g_saved", lambda t: t.to(torch.bfloat16), r"g_saved must be \[F, NS\] torch.float32"),
     ("bwd", "zero_count", lambda t: t.view(1, 1, 1), r"zero_count must be \[1, 1\] torch.int32"),
+    ("fwd", "row_of_slot", lambda t: t[:-1].contiguous(), r"row_of_slot must be \[NG, G\] \(token_index's shape\)"),
+    ("bwd", "top_k", lambda k: 10 ** 6, r"top_k must be an int K >= 1 with T \* K <= NS"),
 ]
 WRONG_AT_LNC2 = [
-    ("fwd", "slot_of_assignment", lambda t: t[:1].contiguous(), r"slot_of_assignment must be \[nT, TT, K\] with nT "
-                                                                r"a multiple of LNC 2"),
     ("bwd", "zero_rows", lambda t: t[:-1].contiguous(), r"zero_rows must be \[LNC \* n, 1\] at LNC 2"),
 ]
 

@@ -373,7 +373,18 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
     # the forward zero-fills the saved gT/uT from group ceil(T * K / G) on (known when traced): every group before
     # it holds real slots, whatever the routing
     assert real_slots >= -(-T * K // G) * G
-    assert kp.slot_of_assignment.shape[0] % lnc == 0  # the combine's token tiles split evenly
+    # the token-major scratch rows: each slot's own row, t * K + k for a real slot, past the token tiles' rows for a
+    # padding or no-op slot; no row twice (no two DMAs, of one core or of two, write one row)
+    nT, TT = nki_moe.token_tiles(T, lnc)
+    assert nT % lnc == 0 and nT * TT >= T  # the combine's token tiles split evenly
+    rows = kp.row_of_slot.reshape(-1).long()
+    assert kp.row_of_slot.shape == kp.token_index.shape and kp.top_k == K
+    assert rows.unique().numel() == rows.numel() and int(rows.max()) < nki_moe.assignment_rows(T, K, rows.numel(), lnc)
+    real = plan.slot_of_assignment_TK.reshape(-1)
+    assert torch.equal(rows[real], torch.arange(T * K))
+    spare = torch.ones(rows.numel(), dtype=torch.bool)
+    spare[real] = False
+    assert (rows[spare] >= nT * TT * K).all()
 
 
 def test_backward_layout_and_tile_cap_refusals():
@@ -491,9 +502,10 @@ def test_kernels_under_real_nki_simulate():
     kp = KernelPlan.from_plan(plan, 4, lnc=1)
     weight = kp.slot_weights(slot_weights(w, plan)).float().view(kp.token_index.shape)
     x_pad = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    args = [x_pad, kp.token_index, weight, *kp.forward_tables(), kp.slot_of_assignment, wg.transpose(1, 2),
+    args = [x_pad, kp.token_index, weight, *kp.forward_tables(), kp.row_of_slot, kp.top_k, wg.transpose(1, 2),
             wu.transpose(1, 2), wd.transpose(1, 2)]
-    out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) for a in args))[0]
+    out = nki.simulate(nki_moe.moe_blockwise_fwd[1])(*(np.ascontiguousarray(a.numpy()) if isinstance(a, torch.Tensor)
+                                                       else a for a in args))[0]
     np.testing.assert_allclose(out.reshape(-1, 136)[:9], blockwise_moe(x, ids, w, wg, wu, wd, block_size=8).numpy(),
                                rtol=1e-4, atol=1e-5)
 

@@ -111,7 +111,8 @@ class KernelPlan:
     #                          [begin, end) piece rows/class
     zero_rows: torch.Tensor  # [lnc * Z, 1]: dW rows each core zero-fills (its dummy E + core, its empty experts)
     zero_count: torch.Tensor  # [1, 1]: rows zero-filled per core, the same on every core
-    slot_of_assignment: torch.Tensor  # [nT, TT, K], nT a multiple of lnc
+    row_of_slot: torch.Tensor  # [NG + lnc * KB/G, G]: the token-major scratch row each slot writes (`_row_table`)
+    top_k: int
     num_tokens: int
     num_experts: int
     lnc: int
@@ -186,7 +187,8 @@ class KernelPlan:
             sub_table=sub_table,
             zero_rows=zero_rows,
             zero_count=zero_count,
-            slot_of_assignment=_combine_table(plan.slot_of_assignment_TK, lnc),
+            row_of_slot=_row_table(plan, lnc, per_block),
+            top_k=plan.slot_of_assignment_TK.shape[1],
             num_tokens=T,
             num_experts=E,
             lnc=lnc,
@@ -530,13 +532,18 @@ def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Te
     return zero_rows.view(lnc * Z, 1).to(torch.int32), zero_count.view(1, 1).to(torch.int32)
 
 
-def _combine_table(slot_of_assignment_TK: torch.Tensor, lnc: int) -> torch.Tensor:
-    """slot_of_assignment as [nT, TT, K] int32 token tiles, nT a multiple of lnc (the same tile count per core in
-    the combine); padded tokens read slot 0, always real."""
-    T, K = slot_of_assignment_TK.shape
-    TT = min(T, nki_moe.P)
-    nT = -(-T // (TT * lnc)) * lnc
-    return F.pad(slot_of_assignment_TK, (0, 0, 0, nT * TT - T)).to(torch.int32).view(nT, TT, K)
+def _row_table(plan: BlockPlan, lnc: int, per_block: int) -> torch.Tensor:
+    """row_of_slot [NG + lnc * KB/G, G] int32: the token-major scratch row of each slot (`nki_moe.assignment_rows`):
+    t * K + k for the slot of assignment (t, k); past the nT * TT * K rows of the token tiles, one row each for the
+    padding slots and then the cores' no-op areas, in slot order (every row at most once: no two DMAs of the two
+    cores write one row)."""
+    T, K = plan.slot_of_assignment_TK.shape
+    nT, TT = nki_moe.token_tiles(T, lnc)
+    G = plan.block_size
+    a = F.pad(plan.assignment_of_slot_N, (0, lnc * per_block * G), value=T * K)  # + the no-op areas
+    spare = a == T * K
+    rows = torch.where(spare, nT * TT * K + torch.cumsum(spare, 0) - 1, a)
+    return rows.view(-1, G).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -558,7 +565,7 @@ class BlockwiseMoEFunction(torch.autograd.Function):
         x_pad = F.pad(x_TD.contiguous(), (0, 0, 0, 1))
         weight = slot_weight_N.detach().float().view(kplan.token_index.shape)
         out, g_saved, u_saved = kernels.forward(
-            kplan.lnc, x_pad, kplan.token_index, weight, *kplan.forward_tables(), kplan.slot_of_assignment,
+            kplan.lnc, x_pad, kplan.token_index, weight, *kplan.forward_tables(), kplan.row_of_slot, kplan.top_k,
             _transposed(w_gate_EFD, io), _transposed(w_up_EFD, io), _transposed(w_down_EDF, io))
         ctx.save_for_backward(x_pad, weight, w_gate_EFD, w_up_EFD, w_down_EDF, g_saved, u_saved)
         ctx.kplan, ctx.kernels, ctx.slot_dtype = kplan, kernels, slot_weight_N.dtype
@@ -571,7 +578,7 @@ class BlockwiseMoEFunction(torch.autograd.Function):
         dout_pad = F.pad(dout_TD.to(io).contiguous(), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = ctx.kernels.backward(
             kplan.lnc, x_pad, dout_pad, kplan.token_index, weight, *kplan.backward_tables(),
-            kplan.slot_of_assignment, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
+            kplan.row_of_slot, kplan.top_k, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
             w_up.to(io).contiguous())
         return (kplan.tokens(dx), d_slot.reshape(-1).to(ctx.slot_dtype), dw_gate[:E].to(w_gate.dtype),
                 dw_up[:E].to(w_up.dtype), dw_down[:E].to(w_down.dtype), None, None)
@@ -612,11 +619,11 @@ def neuron_moe_op():
 
     def moe_fwd(lnc: int, x_pad: Tensor, token_index: Tensor, slot_weight: Tensor, piece: Tensor, seg_table: Tensor,
                 seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor, zero_count: Tensor,
-                slot_of_assignment: Tensor, w_gate: Tensor, w_up: Tensor,
+                row_of_slot: Tensor, top_k: int, w_gate: Tensor, w_up: Tensor,
                 w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         io = x_pad.dtype  # sub_table, zero_rows, zero_count: taken here only to be saved for the backward
         return nki_moe.moe_blockwise_fwd[lnc](
-            x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment,
+            x_pad, token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k,
             _transposed(w_gate, io), _transposed(w_up, io), _transposed(w_down, io))
 
     input_names = tuple(inspect.signature(moe_fwd).parameters)  # the backward returns a gradient per input, in order
@@ -625,27 +632,30 @@ def neuron_moe_op():
     @nki_op("workbench::moe_blockwise_bwd", mutates_args={})
     def moe_bwd(lnc: int, x_pad: Tensor, dout_pad: Tensor, token_index: Tensor, slot_weight: Tensor,
                 piece: Tensor, seg_table: Tensor, seg_count: Tensor, sub_table: Tensor, zero_rows: Tensor,
-                zero_count: Tensor, slot_of_assignment: Tensor, g_saved: Tensor, u_saved: Tensor, w_gate: Tensor,
+                zero_count: Tensor, row_of_slot: Tensor, top_k: int, g_saved: Tensor, u_saved: Tensor, w_gate: Tensor,
                 w_up: Tensor, w_down: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         io = x_pad.dtype
         return nki_moe.moe_blockwise_bwd[lnc](
             x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows, zero_count,
-            slot_of_assignment, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
+            row_of_slot, top_k, g_saved, u_saved, w_down.to(io).contiguous(), w_gate.to(io).contiguous(),
             w_up.to(io).contiguous())
 
+    tensor_names = tuple(n for n in input_names[1:] if n != "top_k")
+
     def setup_context(ctx, inputs, output):
-        ctx.lnc = inputs[0]
-        ctx.save_for_backward(*inputs[1:], output[1], output[2])  # + the forward's saved gT, uT
+        args = dict(zip(input_names, inputs, strict=True))
+        ctx.lnc, ctx.top_k = args["lnc"], args["top_k"]
+        ctx.save_for_backward(*(args[n] for n in tensor_names), output[1], output[2])  # + the forward's gT, uT
 
     def backward(ctx, dout, *_):  # no gradient flows into the saved gT, uT outputs
-        saved = dict(zip(input_names[1:] + ("g_saved", "u_saved"), ctx.saved_tensors, strict=True))
+        saved = dict(zip(tensor_names + ("g_saved", "u_saved"), ctx.saved_tensors, strict=True))
         x_pad, w_gate, w_up, w_down = saved["x_pad"], saved["w_gate"], saved["w_up"], saved["w_down"]
         T, E = x_pad.shape[0] - 1, w_gate.shape[0]  # rows past T of out are padded tokens: their grads are dropped
         dout_pad = F.pad(dout.reshape(-1, dout.shape[-1])[:T].to(x_pad.dtype), (0, 0, 0, 1))
         dx, d_slot, dw_gate, dw_up, dw_down = moe_bwd(
             ctx.lnc, x_pad, dout_pad, saved["token_index"], saved["slot_weight"], saved["piece"],
             saved["seg_table"], saved["seg_count"], saved["sub_table"], saved["zero_rows"], saved["zero_count"],
-            saved["slot_of_assignment"], saved["g_saved"], saved["u_saved"], w_gate, w_up, w_down)
+            saved["row_of_slot"], ctx.top_k, saved["g_saved"], saved["u_saved"], w_gate, w_up, w_down)
         grads = dict.fromkeys(input_names)  # None: no gradient for that input
         grads["x_pad"] = F.pad(dx.reshape(-1, dx.shape[-1])[:T], (0, 0, 0, 1))
         grads["slot_weight"] = d_slot
@@ -662,13 +672,15 @@ def _on_host(kernel) -> Callable:
 
     def run(lnc, *args):
         device = args[0].device
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]  # the rest: Python ints (top_k)
         if REAL_NKI:
-            if any(a.dtype == torch.bfloat16 for a in args):
+            if any(a.dtype == torch.bfloat16 for a in tensors):
                 raise NotImplementedError("nki.simulate from this wrapper takes fp32 inputs (numpy has no bf16)")
-            outs = nki.simulate(kernel[lnc])(*(a.detach().cpu().numpy() for a in args))
+            outs = nki.simulate(kernel[lnc])(*(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else a
+                                               for a in args))
             outs = tuple(torch.from_numpy(o) for o in (outs if isinstance(outs, tuple) else (outs,)))
         else:
-            outs = kernel[lnc](*(a.detach().cpu() for a in args))
+            outs = kernel[lnc](*(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args))
             outs = outs if isinstance(outs, tuple) else (outs,)
         outs = tuple(o.to(device) for o in outs)
         return outs if len(outs) > 1 else outs[0]
@@ -689,7 +701,7 @@ def blockwise_moe_nki(x_TD, topk_ids_TK, topk_weights_TK, w_gate_EFD, w_up_EFD, 
     if nki_on_device(x_TD):  # one custom op with registered autograd: traceable by torch.compile
         out = neuron_moe_op()(kplan.lnc, F.pad(x_TD, (0, 0, 0, 1)), kplan.token_index,
                               slot_w.float().view(kplan.token_index.shape), *kplan.tables(),
-                              kplan.slot_of_assignment, w_gate_EFD, w_up_EFD, w_down_EDF)[0]
+                              kplan.row_of_slot, kplan.top_k, w_gate_EFD, w_up_EFD, w_down_EDF)[0]
         return kplan.tokens(out).to(x_TD.dtype)
     return BlockwiseMoEFunction.apply(x_TD, slot_w, w_gate_EFD, w_up_EFD, w_down_EDF, kplan, HOST_KERNELS)
 

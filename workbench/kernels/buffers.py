@@ -18,32 +18,36 @@ from workbench.kernels.nki_emulator import HbmAllocation
 SHARED = "shared_hbm"
 
 
-def _forward(lnc, x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+def _forward(lnc, x_pad, token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k, w_gate_t,
              w_up_t, w_down_t) -> list[HbmAllocation]:
-    """`moe_blockwise_fwd`: the y_slots scratch (fp32 when F is split into chunks: partial sums over chunks), the
-    saved gT and uT (outputs 1, 2: live until the backward), then `out`."""
+    """`moe_blockwise_fwd`: the token-major y_rows scratch (fp32 when F is split into chunks: partial sums over
+    chunks), the saved gT and uT (outputs 1, 2: live until the backward), then `out`."""
     ng, G = token_index.shape
-    D, io = x_pad.shape[1], x_pad.dtype
+    T, D, io = x_pad.shape[0] - 1, x_pad.shape[1], x_pad.dtype
     F = w_gate_t.shape[2]
-    nT, TT = slot_of_assignment.shape[:2]
+    nT, TT = nki_moe.token_tiles(T, lnc)
+    R = nki_moe.assignment_rows(T, top_k, ng * G, lnc)
     chunked = nki_moe.f_chunk(D, F, torch.empty((), dtype=io).element_size(), 3) < F
-    return [HbmAllocation("y_slots", (ng * G, D), torch.float32 if chunked else io, SHARED, None),
+    return [HbmAllocation("y_rows", (R, D), torch.float32 if chunked else io, SHARED, None),
             HbmAllocation("g_saved", (F, ng * G), io, SHARED, 1),
             HbmAllocation("u_saved", (F, ng * G), io, SHARED, 2),
             HbmAllocation("", (nT, TT, D), io, SHARED, 0)]
 
 
 def _backward(lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows,
-              zero_count, slot_of_assignment, g_saved, u_saved, w_down, w_gate, w_up) -> list[HbmAllocation]:
-    """`moe_blockwise_bwd`: the dx_slots scratch, d_slot_weight (fp32), the three weight gradients in the io dtype
-    with one dummy expert row per core (E + lnc rows: the host drops them), then `dx` (which it returns first)."""
+              zero_count, row_of_slot, top_k, g_saved, u_saved, w_down, w_gate, w_up) -> list[HbmAllocation]:
+    """`moe_blockwise_bwd`: the token-major dx_rows scratch, d_slot_weight (fp32), the three weight gradients in the
+    io dtype with one dummy expert row per core (E + lnc rows: the host drops them), then `dx` (which it returns
+    first)."""
     ng, G = token_index.shape
     D, io = x_pad.shape[1], x_pad.dtype
     E, F = w_gate.shape[0], w_gate.shape[1]
-    nT, TT = slot_of_assignment.shape[:2]
+    T = x_pad.shape[0] - 1
+    nT, TT = nki_moe.token_tiles(T, lnc)
     L = (seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
     fc = nki_moe.fit_backward(D, F, io, nki_moe.piece_widths(G * 2 ** (L - 1), L))[0]
-    return [HbmAllocation("dx_slots", (ng * G, D), torch.float32 if fc < F else io, SHARED, None),
+    return [HbmAllocation("dx_rows", (nki_moe.assignment_rows(T, top_k, ng * G, lnc), D),
+                          torch.float32 if fc < F else io, SHARED, None),
             HbmAllocation("", (ng, G), torch.float32, SHARED, 1),
             HbmAllocation("", (E + lnc, F, D), io, SHARED, 2),
             HbmAllocation("", (E + lnc, F, D), io, SHARED, 3),

@@ -21,13 +21,13 @@ Per piece of B slots of one expert:
 
     forward   gather x rows -> xT (features on partitions) -> gT, uT = W_gate/up[e] @ xT   (fp32 PSUM)
               gT, uT saved to HBM (io dtype) for the backward
-              hT = silu(gT) * uT -> y = h @ W_down[e]^T -> y * affinity -> y_slots rows
-              then out[t] = sum_k y_slots[slot_of_assignment[t, k]]
+              hT = silu(gT) * uT -> y = h @ W_down[e]^T -> y * affinity -> scattered to y_rows[t * K + k]
+              then out[t] = sum_k y_rows[t * K + k] (contiguous loads: `_combine`)
     backward  load the saved gT, uT; hT = silu(gT) * uT; dh = (dy @ W_down[e])^T; d_affinity = sum_f h * dh;
-              dh *= affinity; du = dh * silu(g); dg = dh * u * silu'(g); dx_slots = dg @ W_gate[e] + du @ W_up[e];
+              dh *= affinity; du = dh * silu(g); dg = dh * u * silu'(g); dx_rows = dg @ W_gate[e] + du @ W_up[e];
               x, affinity * dy and the token-major dg, du, h stay resident in SBUF, one TS-slot tile each;
               after the expert's last piece: dW[e] = sum over its tiles of (per-slot grads)^T @ (inputs),
-              accumulated in PSUM and written once (io dtype); then dx[t] = sum_k dx_slots[slot_of_assignment[t, k]]
+              accumulated in PSUM and written once (io dtype); then dx[t] = sum_k dx_rows[t * K + k]
 
 How the work is laid out (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.1/nki/get-started/about/lnc.html,
 .../nki/deep-dives/nki-loops.html), NKI 0.7.0 (Neuron SDK 2.33):
@@ -192,14 +192,14 @@ def _row(table, row0, reg, rows=1, tile=None):
     return tile
 
 
-def _take_ahead(ahead, table, rows=1, row0=0, reg=None, col=None):
+def _take_ahead(ahead, table, rows=1, row0=0, reg=None, col=None, engine=nisa.engine.gpsimd):
     """Table rows loaded one step ahead: returns a copy of `ahead` (the rows the previous step loaded into it,
-    copied by GpSimd into a tile of the step's own), then loads the next step's `rows` rows of `table` into `ahead`
+    copied by `engine` into a tile of the step's own), then loads the next step's `rows` rows of `table` into `ahead`
     (`_row`), from row row0 + `reg` (a loop register) or row0 + the entry in column `col` of the copy. A step's
     rows then never wait for a DMA behind its predecessor's transfers: `ahead` is free to reload once copied, and
     the copy stays in use as long as the step's DMAs read it as offsets."""
     taken = nl.ndarray(ahead.shape, dtype=I32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=taken, src=ahead, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=taken, src=ahead, engine=engine)
     _row(table, row0, reg if col is None else taken[0:1, col:col + 1], rows, ahead)
     return taken
 
@@ -345,6 +345,22 @@ def f_chunk(D, F, itemsize, n_mats):
         if _resident_bytes(D, n * P, itemsize, n_mats) <= RESIDENT_WEIGHT_BYTES:
             FC = n * P
     return FC
+
+
+def token_tiles(T, lnc):
+    """(nT, TT): the combine's token tiles and tokens per tile, TT = min(T, 128), nT a multiple of the LNC (the same
+    trip count on every core; the host drops the padded tokens' rows)."""
+    TT = min(T, P)
+    return _ntiles(T, TT * lnc) * lnc, TT
+
+
+def assignment_rows(T, K, NS, lnc):
+    """R, the rows of the kernels' token-major scratch (`y_rows`, `dx_rows`; `row_of_slot` says which slot writes
+    which): row t * K + k for assignment (t, k) of every token tile (nT * TT * K rows, the padded tokens' rows
+    zero-filled), then one row per padding or no-op slot (NS - T * K of them), rounded up to whole token tiles of
+    TT * K rows (the combine reads tile t at `scalar_offset=t`)."""
+    nT, TT = token_tiles(T, lnc)
+    return _ntiles(nT * TT * K + NS - T * K, TT * K) * TT * K
 
 
 def tile_slots(KB):
@@ -762,46 +778,48 @@ def _load_feature_major(tiles, saved, f0, FC, row0, B):
         nisa.dma_copy(dst=pair[1], src=pair[0])
 
 
-def _combine(out, slots, slot_of_assignment, pid, lnc):
-    """out[t] = sum_k slots[slot_of_assignment[t, k]]: K row gathers per token tile, summed in fp32 PSUM by the
-    Tensor Engine (identity^T @ rows accumulates each token's K rows in order, as K fp32 adds would; the Vector
-    Engine's fp32 adds took ~4 us per [128, 2048] row block, ~1 ms of each kernel at 30B-A3B). One caveat of the
-    matmul: an inf in a gathered row meets the identity's zeros, so its whole column of the tile becomes NaN
+def _combine(out, rows, K, pid, lnc):
+    """out[t] = sum_k rows[t * K + k]: per token tile, K loads of its tokens' k-th rows (the pieces scattered them
+    token-major: `_write_rows`), each one hardware-DGE DMA of TT rows at stride K rows (an indirect gather would
+    have GpSimd generate a descriptor per row, ~2.3 us per 128 rows against ~1.4 us of HBM), summed in fp32 PSUM
+    by the Tensor Engine (identity^T @ rows accumulates each token's K rows in order, as K fp32 adds would; the
+    Vector Engine's fp32 adds took ~4 us per [128, 2048] row block, ~1 ms of each kernel at 30B-A3B). One caveat
+    of the matmul: an inf in a loaded row meets the identity's zeros, so its whole column of the tile becomes NaN
     instead of one token's inf (either way the step has overflowed).
 
-    Token tiles are split across the cores, the same number per core (the host pads the tile count to a multiple
-    of the LNC: one trip count for both cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
+    Token tiles are split across the cores, the same number per core (`token_tiles`: one trip count for both
+    cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
 
     Dimensions:
-        nT, TT, K: token tiles, tokens per tile, experts per token (`slot_of_assignment` [nT, TT, K]);
-        NS, D: slots and hidden size (`slots` [NS, D]; D <= 8 PSUM banks of 512 columns).
+        nT, TT, K: token tiles, tokens per tile, experts per token;
+        R, D: scratch rows (`assignment_rows`, whole tiles of TT * K) and hidden size (D <= 8 PSUM banks of 512
+        columns).
     """
-    nT, TT, K = slot_of_assignment.shape
-    D = slots.shape[1]
+    nT, TT = out.shape[0], out.shape[1]
+    R, D = rows.shape
     nc = _ntiles(D, MOVING_FMAX)
-    check_argument(nc <= 8, "slots", f"the combine sums a token tile's {D} columns in 8 PSUM banks of "
+    check_argument(nc <= 8, "rows", f"the combine sums a token tile's {D} columns in 8 PSUM banks of "
                    f"{MOVING_FMAX}: D must be <= {8 * MOVING_FMAX}")
-    per = nT // lnc  # nT is a multiple of LNC (checked on entry)
-    where = nl.ndarray((TT, K), dtype=I32, buffer=nl.sbuf, name="slot_of_assignment")
-    ones = nl.ndarray((TT, TT), dtype=slots.dtype, buffer=nl.sbuf, name="ones")
+    tiles = rows.reshape((R // (TT * K), TT * K * D))  # tile t of the scratch at scalar_offset=t
+    per = nT // lnc  # nT is a multiple of LNC (`token_tiles`)
+    ones = nl.ndarray((TT, TT), dtype=rows.dtype, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=ones, value=1.0)
-    ident = nl.ndarray((TT, TT), dtype=slots.dtype, buffer=nl.sbuf, name="identity")
+    ident = nl.ndarray((TT, TT), dtype=rows.dtype, buffer=nl.sbuf, name="identity")
     nisa.affine_select(dst=ident, pattern=[[-1, TT]], on_true_tile=ones, on_false_value=0.0, offset=0,
                        channel_multiplier=1, cmp_op=nl.equal)  # 1 where partition p == column j
     parts = []
-    for _ in range(2):  # gather k + 1 while the Tensor Engine adds k
-        parts.append(nl.ndarray((TT, D), dtype=slots.dtype, buffer=nl.sbuf, name="slot_rows"))
+    for _ in range(2):  # load k + 1 while the Tensor Engine adds k
+        parts.append(nl.ndarray((TT, D), dtype=rows.dtype, buffer=nl.sbuf, name="assignment_rows"))
     sums = []
     for _ in range(nc):
         sums.append(nl.ndarray((TT, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_combine"))
     result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
 
     def token_tile(t):
-        nisa.dma_copy(dst=where, src=slot_of_assignment.ap(pattern=[[K, TT], [1, K]], offset=0, scalar_offset=t,
-                                                           indirect_dim=0))
         for k in range(K):
             part = parts[k % 2]
-            _gather_into(part, slots, where[0:TT, k:k + 1])
+            nisa.dma_copy(dst=part, src=tiles.ap(pattern=[[K * D, TT], [1, D]], offset=k * D, scalar_offset=t,
+                                                 indirect_dim=0))
             for c in range(nc):
                 c0, cl = c * MOVING_FMAX, _width(D, MOVING_FMAX, c)
                 nisa.nc_matmul(dst=sums[c][0:TT, 0:cl], stationary=ident, moving=part[0:TT, c0:c0 + cl],
@@ -814,6 +832,20 @@ def _combine(out, slots, slot_of_assignment, pid, lnc):
 
     nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
 
+
+def _zero_padded_tokens(rows, first, last, pid, lnc):
+    """Zero the scratch rows [first, last) of the padded tokens (no piece writes them; the combine reads them),
+    each core a contiguous share, before the combine's barrier."""
+    D = rows.shape[1]
+    per = _ntiles(last - first, lnc)
+    lo = min(last, first + pid * per)
+    hi = min(last, lo + per)
+    if hi > lo:
+        zeros = nl.ndarray((P, D), dtype=rows.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=zeros, value=0.0)
+        for r0 in range(lo, hi, P):
+            rl = min(P, hi - r0)
+            nisa.dma_copy(dst=rows[r0:r0 + rl, 0:D], src=zeros[0:rl, 0:D])
 
 def _count(count):
     """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
@@ -833,12 +865,6 @@ def _listed(table, count, pid, body):
     nl.fori_loop(0, _count(count), each)
 
 
-def _slot_window(slots, row0, s0, sl, c0, cl):
-    """HBM view slots[row0 + s0 : row0 + s0 + sl, c0 : c0 + cl] (row0 an int32 SBUF [1, 1] tile)."""
-    D = slots.shape[1]
-    return slots.ap(pattern=[[D, sl], [1, cl]], offset=s0 * D + c0, scalar_offset=row0, indirect_dim=0)
-
-
 def _evict_rows(ws, acc, scale, sl, c0, cl):
     """ws["out_rows"][0:sl, c0:c0 + cl] = acc * scale (scale None: acc), evicted from PSUM by the Scalar Engine."""
     rows = ws["out_rows"][0:sl, c0:c0 + cl]
@@ -848,16 +874,21 @@ def _evict_rows(ws, acc, scale, sl, c0, cl):
         nisa.tensor_scalar(dst=rows, data=acc, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
 
 
-def _write_rows(dst_slots, ws, row0, s0, sl, first):
-    """Slot rows [s0, s0 + sl) of the piece <- ws["out_rows"][0:sl, :] in one DMA for the first F chunk; later
-    chunks add to the partial sums (read-modify-write of the fp32 scratch; the rows belong to this core's piece)."""
-    D = dst_slots.shape[1]
+def _write_rows(dest, ws, s0, sl, first):
+    """The scratch rows of the piece's slots [s0, s0 + sl) <- ws["out_rows"][0:sl, :], scattered token-major in one
+    DMA (`dest` (scratch, row_of_slot, grp): each slot's row t * K + k, so the combine reads a token tile's rows
+    contiguously) for the first F chunk; later chunks add to the partial sums (read-modify-write of the fp32
+    scratch; the rows belong to this core's piece)."""
+    scratch, row_of_slot, grp = dest
+    D = scratch.shape[1]
+    where = _block_column(row_of_slot, grp, s0, sl, I32)
+    window = scratch.ap(pattern=[[D, sl], [1, D]], offset=0, vector_offset=where, indirect_dim=0)
     rows = ws["out_rows"][0:sl, 0:D]
     if not first:
         partial = ws["partial"][0:sl, 0:D]
-        nisa.dma_copy(dst=partial, src=_slot_window(dst_slots, row0, s0, sl, 0, D))
+        nisa.dma_copy(dst=partial, src=window)
         nisa.tensor_tensor(dst=rows, data1=rows, data2=partial, op=nl.add)
-    nisa.dma_copy(dst=_slot_window(dst_slots, row0, s0, sl, 0, D), src=rows)
+    nisa.dma_copy(dst=window, src=rows)
 
 
 def _piece_classes(token_index, seg_table, first_class_col):
@@ -917,7 +948,7 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
     _swiglu(ws, FC, B)
     if B < P:  # a narrow piece: the weights stationary, B moving columns
         _down_narrow(ws, w.down, affinity[0], B, D, FC, ps)
-        _write_rows(hbm["slots"], ws, row0, 0, B, first)
+        _write_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, 0, B, first)
         return
     for s in range(len(ws["x"])):
         sl = _width(B, P, s)
@@ -929,7 +960,7 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
                 nisa.nc_matmul(dst=acc, stationary=ws["h"][0:fl, i, s * P:s * P + sl],
                                moving=_matrix(w.down, fl, i, c0, cl), accumulate=i > 0)
             _evict_rows(ws, acc, affinity[s], sl, c0, cl)
-        _write_rows(hbm["slots"], ws, row0, s * P, sl, first)
+        _write_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, s * P, sl, first)
 
 
 def _narrow_batches(D, B):
@@ -973,12 +1004,15 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
-    # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA)
+    # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA). The
+    # forward copies on the Vector Engine: GpSimd's in-order queue holds the previous piece's row scatter (software
+    # DGE), which waits for that piece's last eviction
     if ahead is None:
         ahead = _row(piece, 0, begin, 2)
+    copier = nisa.engine.vector if res is None else nisa.engine.gpsimd
 
     def body(j):
-        rows = _take_ahead(ahead, piece, 2, 1, j)  # then rows j + 1, j + 2 (`piece` ends with two padding rows)
+        rows = _take_ahead(ahead, piece, 2, 1, j, engine=copier)  # then rows j + 1, j + 2 (`piece`: 2 padding rows)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
@@ -1013,7 +1047,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     widths = _piece_classes(hbm["index"], seg_table, SEG_HEAD)
     FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
     sets, per_class = forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
-    ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["slots"].dtype, FC < F, per_class)
+    ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["rows"].dtype, FC < F, per_class)
     ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
     double = None
     # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
@@ -1033,7 +1067,8 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
         _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
-        row = _take_ahead(head, seg_table, col=6)  # then the core's next position's
+        row = _take_ahead(head, seg_table, col=6, engine=nisa.engine.vector)  # then the next position's (Vector:
+        # GpSimd's queue holds the last piece's row scatter, and the position's weight set is picked by this row)
         bounds = []
         for k in range(len(widths)):
             col = SEG_HEAD + 2 * k
@@ -1103,7 +1138,7 @@ def _expect(t, name, dims, shape, dtype):
                    "autograd.KernelPlan and the weights in the layouts the kernel's docstring gives")
 
 
-def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc):
+def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k, T, lnc):
     """Entry checks of the host tables both kernels take (`autograd.KernelPlan`); returns L, the piece classes."""
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
@@ -1113,10 +1148,10 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_
     check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
                    f"seg_table must be [LNC * S, 7 + 2L] with L >= 1 at LNC {lnc}, got {tuple(seg_table.shape)}")
     _expect(seg_count, "seg_count", "[1, 1]", (1, 1), I32)
-    _expect(slot_of_assignment, "slot_of_assignment", "[nT, TT, K]", (None, None, None), I32)
-    check_argument(slot_of_assignment.shape[0] % lnc == 0 and slot_of_assignment.shape[1] <= P, "slot_of_assignment",
-                   f"slot_of_assignment must be [nT, TT, K] with nT a multiple of LNC {lnc} and TT <= {P}, got "
-                   f"{tuple(slot_of_assignment.shape)}: the host pads the token tiles")
+    _expect(row_of_slot, "row_of_slot", "[NG, G] (token_index's shape)", token_index.shape, I32)
+    NS = token_index.shape[0] * token_index.shape[1]
+    check_argument(isinstance(top_k, int) and 1 <= top_k and T * top_k <= NS, "top_k",
+                   f"top_k must be an int K >= 1 with T * K <= NS ({T} tokens, {NS} slots), got {top_k!r}")
     return L
 
 
@@ -1129,7 +1164,7 @@ def _expect_per_core(rows, count, names, lnc):
 
 
 @nki.jit
-def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, w_gate_t,
+def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k, w_gate_t,
                       w_up_t, w_down_t):
     """Blockwise expert MLP forward; launch as `moe_blockwise_fwd[lnc](...)`.
 
@@ -1161,8 +1196,10 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
             position loads the next one's row ahead), then per piece class k (KB >> k slots) the [begin, end) rows
             of `piece` (the same count on every core).
         seg_count: [1, 1] int32, segment positions run (the same on every core).
-        slot_of_assignment: [nT, TT, K] int32 slot of each (token, k), tokens in tiles of TT, nT a multiple of the
-            LNC (padded tokens point at any real slot; the host drops their rows).
+        row_of_slot: [NG, G] int32, the row of the token-major scratch each slot's output goes to: t * K + k for
+            the slot of assignment (t, k), a row of its own past the token tiles' rows for a padding or no-op slot
+            (`assignment_rows`; every row at most once).
+        top_k: K, an int.
         w_gate_t, w_up_t: [E, D, F] (gate/up weights transposed); w_down_t: [E, F, D] (down transposed); io dtype.
 
     Returns:
@@ -1175,28 +1212,31 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     lnc = nl.num_programs(0)
     _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
     io, D = x_pad.dtype, x_pad.shape[1]
-    _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
+    T = x_pad.shape[0] - 1
+    _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k, T, lnc)
     _expect(w_gate_t, "w_gate_t", "[E, D, F] (D of x_pad, io dtype)", (None, D, None), io)
     E, F = w_gate_t.shape[0], w_gate_t.shape[2]
     _expect(w_up_t, "w_up_t", "[E, D, F] (w_gate_t's shape)", (E, D, F), io)
     _expect(w_down_t, "w_down_t", "[E, F, D]", (E, F, D), io)
     ng, G = token_index.shape
     S = seg_table.shape[0] // lnc
-    nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
+    nT, TT = token_tiles(T, lnc)
     chunked = f_chunk(D, F, io.itemsize, 3) < F
-    y_slots = nl.ndarray((ng * G, D), dtype=F32 if chunked else io, buffer=nl.shared_hbm, name="y_slots")
+    y_rows = nl.ndarray((assignment_rows(T, top_k, ng * G, lnc), D), dtype=F32 if chunked else io,
+                        buffer=nl.shared_hbm, name="y_rows")
     g_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="g_saved")
     u_saved = nl.ndarray((F, ng * G), dtype=io, buffer=nl.shared_hbm, name="u_saved")
-    hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "slots": y_slots, "g_saved": g_saved,
-           "u_saved": u_saved}
-    _zero_saved((g_saved, u_saved), G * _ntiles((x_pad.shape[0] - 1) * slot_of_assignment.shape[2], G), pid, lnc)
+    hbm = {"x": x_pad, "index": token_index, "weight": slot_weight, "rows": y_rows, "row_of_slot": row_of_slot,
+           "g_saved": g_saved, "u_saved": u_saved}
+    _zero_saved((g_saved, u_saved), G * _ntiles(T * top_k, G), pid, lnc)
     if lnc > 1:
         nisa.core_barrier(data=g_saved, cores=(0, 1))  # the zeros land before any piece's columns
     _forward_segments(pid, S, hbm, piece, seg_table, seg_count, ExpertWeights(w_gate_t, w_up_t, w_down_t))
+    _zero_padded_tokens(y_rows, T * top_k, nT * TT * top_k, pid, lnc)
     if lnc > 1:
-        nisa.core_barrier(data=y_slots, cores=(0, 1))  # the combine reads rows the other core wrote
+        nisa.core_barrier(data=y_rows, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
-    _combine(out, y_slots, slot_of_assignment, pid, lnc)
+    _combine(out, y_rows, top_k, pid, lnc)
     return out, g_saved, u_saved
 
 
@@ -1273,8 +1313,8 @@ def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None):
                   src=ws["d_aff"])
 
 
-def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
-    """dx_slots rows of the piece = dg @ W_gate[e] + du @ W_up[e] (w: the resident chunk, `_backward_weights`).
+def _dx_block(dest, ws, w, B, D, ps, first):
+    """The dx rows of the piece = dg @ W_gate[e] + du @ W_up[e] (w: the resident chunk, `_backward_weights`).
 
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.gate [min(P, FC), FC/128, D]).
@@ -1292,7 +1332,7 @@ def _dx_block(dx_slots, ws, w, row0, B, D, ps, first):
                 nisa.nc_matmul(dst=acc, stationary=ws["du"][0:fl, i, s * P:s * P + sl],
                                moving=w.up[0:fl, i, c0:c0 + cl], accumulate=True)
             _evict_rows(ws, acc, None, sl, c0, cl)
-        _write_rows(dx_slots, ws, row0, s * P, sl, first)
+        _write_rows(dest, ws, s * P, sl, first)
 
 
 def dx_in_dw_banks(B, D):
@@ -1331,8 +1371,8 @@ def _dx_tile(ws, w, banks, i, fl, B):
                            moving=w.up[0:fl, i, c0:c0 + cl], accumulate=True)
 
 
-def _dx_rows(dx_slots, ws, banks, row0, B, D, first, ps):
-    """The piece's dx rows from `banks` (`_dx_tile`) to the slot scratch: evicted by the Scalar and Vector Engines in
+def _dx_rows(dest, ws, banks, B, D, first, ps):
+    """The piece's dx rows from `banks` (`_dx_tile`) to the scratch: evicted by the Scalar and Vector Engines in
     turn, one DMA per 128 slots (B < 128: dxT evicted into ws["dyT"], dead after the dh projection, and transposed
     back to token-major)."""
     if B < P:
@@ -1343,7 +1383,7 @@ def _dx_rows(dx_slots, ws, banks, row0, B, D, first, ps):
             engine = nisa.engine.scalar if b % 2 == 0 else nisa.engine.vector
             nisa.tensor_copy(dst=ws["dyT"][0:dl, j0:j0 + n, 0:B], src=banks[b][0:dl, 0:n * B], engine=engine)
         _token_major([ws["out_rows"]], None, ws["dyT"], B, D, ps)
-        _write_rows(dx_slots, ws, row0, 0, B, first)
+        _write_rows(dest, ws, 0, B, first)
         return
     for s in range(_ntiles(B, P)):
         sl = _width(B, P, s)
@@ -1352,7 +1392,7 @@ def _dx_rows(dx_slots, ws, banks, row0, B, D, first, ps):
             engine = nisa.engine.scalar if c % 2 == 0 else nisa.engine.vector
             nisa.tensor_copy(dst=ws["out_rows"][0:sl, c0:c0 + cl],
                              src=banks[s * _ntiles(D, MOVING_FMAX) + c][0:sl, 0:cl], engine=engine)
-        _write_rows(dx_slots, ws, row0, s * P, sl, first)
+        _write_rows(dest, ws, s * P, sl, first)
 
 
 def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves=False):
@@ -1401,10 +1441,10 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
-        _dx_rows(hbm["slots"], ws, ps["dw"], row0, B, D, first, ps)
+        _dx_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, ps["dw"], B, D, first, ps)
     else:
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
-        _dx_block(hbm["slots"], ws, w, row0, B, D, ps, first)
+        _dx_block((hbm["rows"], hbm["row_of_slot"], grp), ws, w, B, D, ps, first)
     for s in range(_ntiles(B, P)):  # in place: the resident dy becomes affinity * dy, what dW_down contracts
         dy = _tok(res["dy"], tile, s, _width(B, P, s), 0, D)
         nisa.tensor_scalar(dst=dy, data=dy, op0=nl.multiply, operand0=affinity[s])
@@ -1624,7 +1664,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     widths = _piece_classes(hbm["index"], seg_table, SEG_HEAD)
     FC, NT = fit_backward(D, F, io, widths)
     sets = stage_sets(D, F, FC, NT, io, widths)
-    ws = _bwd_workspace(widths[0], D, FC, io, hbm["slots"].dtype, FC < F, sets)
+    ws = _bwd_workspace(widths[0], D, FC, io, hbm["rows"].dtype, FC < F, sets)
     res = _resident(tile_slots(widths[0]), NT, D, FC, io)
     tails = []
     for B in _tail_widths(widths):
@@ -1701,7 +1741,7 @@ def _zero_experts(grads, zero_rows, zero_count, pid):
 
 @nki.jit
 def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_table, seg_count, sub_table, zero_rows,
-                      zero_count, slot_of_assignment, g_saved, u_saved, w_down, w_gate, w_up):
+                      zero_count, row_of_slot, top_k, g_saved, u_saved, w_down, w_gate, w_up):
     """Blockwise expert MLP backward (from the forward's saved gT, uT: no recompute); launch as `[lnc]`.
 
     Dimensions:
@@ -1712,7 +1752,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
 
     Args:
         x_pad, dout_pad: [T+1, D] inputs and output gradient, row T zeros; io dtype.
-        token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment: as in `moe_blockwise_fwd`.
+        token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k: as in `moe_blockwise_fwd`.
         sub_table: [LNC * S * J, 11 + 2L] int32, one row per sub-segment: dW row it writes (its expert, or the
             core's dummy E + core), dW row it adds into (`dma_compute`; the expert for a continuation sub-segment,
             else the dummy), cont (1: the sub-segment adds into rows written before; the same on both cores), its
@@ -1737,7 +1777,8 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _expect(x_pad, "x_pad", "[T+1, D]", (None, None), x_pad.dtype)
     io, D = x_pad.dtype, x_pad.shape[1]
     _expect(dout_pad, "dout_pad", "[T+1, D] (x_pad's shape and dtype)", x_pad.shape, io)
-    L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, slot_of_assignment, lnc)
+    T = x_pad.shape[0] - 1
+    L = _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, row_of_slot, top_k, T, lnc)
     _expect(sub_table, "sub_table", "[LNC * S * J, 11 + 2L] (L of seg_table)", (None, SUB_HEAD + 2 * L), I32)
     _expect_per_core(zero_rows, zero_count, ("zero_rows", "zero_count"), lnc)
     _expect(w_gate, "w_gate", "[E, F, D] (D of x_pad, io dtype)", (None, None, D), io)
@@ -1748,9 +1789,10 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _expect(g_saved, "g_saved", "[F, NS]", (F, ng * G), io)
     _expect(u_saved, "u_saved", "[F, NS]", (F, ng * G), io)
     S = seg_table.shape[0] // lnc
-    nT, TT = slot_of_assignment.shape[0], slot_of_assignment.shape[1]
+    nT, TT = token_tiles(T, lnc)
     FC = fit_backward(D, F, io, piece_widths(G * 2 ** (L - 1), L))[0]
-    dx_slots = nl.ndarray((ng * G, D), dtype=F32 if FC < F else io, buffer=nl.shared_hbm, name="dx_slots")
+    dx_rows = nl.ndarray((assignment_rows(T, top_k, ng * G, lnc), D), dtype=F32 if FC < F else io,
+                         buffer=nl.shared_hbm, name="dx_rows")
     d_slot = nl.ndarray((ng, G), dtype=F32, buffer=nl.shared_hbm)
     grads = ExpertWeights(gate=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),
                           up=nl.ndarray((E + lnc, F, D), dtype=io, buffer=nl.shared_hbm),
@@ -1762,12 +1804,14 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
     _zero_experts(grads, zero_rows, zero_count, pid)
     if lnc > 1:
         nisa.core_barrier(data=d_slot, cores=(0, 1))
-    hbm = {"x": x_pad, "dout": dout_pad, "index": token_index, "weight": slot_weight, "slots": dx_slots,
+    hbm = {"x": x_pad, "dout": dout_pad, "index": token_index, "weight": slot_weight, "rows": dx_rows,
+           "row_of_slot": row_of_slot,
            "d_slot": d_slot, "g_saved": g_saved, "u_saved": u_saved}
     _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table,
                        ExpertWeights(gate=w_gate, up=w_up, down=w_down), grads)
+    _zero_padded_tokens(dx_rows, T * top_k, nT * TT * top_k, pid, lnc)
     if lnc > 1:
-        nisa.core_barrier(data=dx_slots, cores=(0, 1))
+        nisa.core_barrier(data=dx_rows, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
-    _combine(dx, dx_slots, slot_of_assignment, pid, lnc)
+    _combine(dx, dx_rows, top_k, pid, lnc)
     return dx, d_slot, grads.gate, grads.up, grads.down
