@@ -96,7 +96,7 @@ class KernelPlan:
 
     `from_plan` builds it in parts: full blocks and tail pieces per expert (`_pieces_per_expert`), the experts split
     across the cores (`_deal_to_cores`), sub-segments and their piece counts (`_sub_segments`), then the tables
-    (`_piece_table`, `_segment_tables`, `_zero_fill`, `_combine_table`). Letters as in `nki_moe`.
+    (`_piece_table`, `_segment_tables`, `_zero_fill`, `_row_table`). Letters as in `nki_moe`.
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
