@@ -1005,11 +1005,12 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
     # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA). The
-    # forward copies on the Vector Engine: GpSimd's in-order queue holds the previous piece's row scatter (software
-    # DGE), which waits for that piece's last eviction
+    # forward copies on the Scalar Engine: GpSimd's in-order queue holds the previous piece's row scatter (software
+    # DGE), which waits for that piece's last eviction (at full scale: forward 3.17 ms, 3.18 on Vector, 3.34 on
+    # GpSimd; the backward's best on GpSimd, 7.30 against 7.31 on Vector or Scalar)
     if ahead is None:
         ahead = _row(piece, 0, begin, 2)
-    copier = nisa.engine.vector if res is None else nisa.engine.gpsimd
+    copier = nisa.engine.scalar if res is None else nisa.engine.gpsimd
 
     def body(j):
         rows = _take_ahead(ahead, piece, 2, 1, j, engine=copier)  # then rows j + 1, j + 2 (`piece`: 2 padding rows)
@@ -1067,7 +1068,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
         _forward_weights(hbm_w, head[0:1, 0:1], 0, F, _in_set(double, head[0:1, 4:5], D, F))
 
     def segment(s):
-        row = _take_ahead(head, seg_table, col=6, engine=nisa.engine.vector)  # then the next position's (Vector:
+        row = _take_ahead(head, seg_table, col=6, engine=nisa.engine.scalar)  # then the next position's (Scalar:
         # GpSimd's queue holds the last piece's row scatter, and the position's weight set is picked by this row)
         bounds = []
         for k in range(len(widths)):
