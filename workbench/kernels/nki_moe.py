@@ -718,7 +718,7 @@ def _affinities(slot_weight, grp, B, into=None):
     return out
 
 
-def _project(out, w_res, xT, B, D, n_out, ps):
+def _project(out, w_res, xT, B, D, n_out, ps, swiglu=None):
     """out ([min(P, n_out), n_tiles, B]) = (x @ W^T)^T; w_res: resident W^T tiles [min(P, D), nD, n_out] (or an
     InSet of them). Evicted from PSUM by the Scalar Engine (the Vector Engine has the elementwise math)."""
     for i in range(_ntiles(n_out, P)):
@@ -729,18 +729,24 @@ def _project(out, w_res, xT, B, D, n_out, ps):
             nisa.nc_matmul(dst=acc, stationary=_matrix(w_res, dl, j, i * P, fl), moving=xT[0:dl, j, 0:B],
                            accumulate=j > 0)
         nisa.tensor_copy(dst=out[0:fl, i, 0:B], src=acc, engine=nisa.engine.scalar)
+        if swiglu is not None:  # the SwiGLU of f-tile i right after its eviction, while the PE projects tile i + 1
+            _swiglu_tile(swiglu, i, fl, B)
 
 
 def _swiglu(ws, FC, B):
     """silu = silu(g) (Scalar Engine), hT = silu * u; backward (ws has "dsilu") also silu'(g). All in the io dtype,
     as the torch reference computes them (bf16 operands give the Vector Engine its performance mode)."""
     for i in range(_ntiles(FC, P)):
-        fl = _width(FC, P, i)
-        g, silu = ws["g"][0:fl, i, 0:B], ws["silu"][0:fl, i, 0:B]
-        nisa.activation(dst=silu, op=nl.silu, data=g)
-        if "dsilu" in ws:
-            nisa.activation(dst=ws["dsilu"][0:fl, i, 0:B], op=nl.silu_dx, data=g)
-        nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:B], data1=silu, data2=ws["u"][0:fl, i, 0:B], op=nl.multiply)
+        _swiglu_tile(ws, i, _width(FC, P, i), B)
+
+
+def _swiglu_tile(ws, i, fl, B):
+    """`_swiglu` of f-tile i (fl features)."""
+    g, silu = ws["g"][0:fl, i, 0:B], ws["silu"][0:fl, i, 0:B]
+    nisa.activation(dst=silu, op=nl.silu, data=g)
+    if "dsilu" in ws:
+        nisa.activation(dst=ws["dsilu"][0:fl, i, 0:B], op=nl.silu_dx, data=g)
+    nisa.tensor_tensor(dst=ws["h"][0:fl, i, 0:B], data1=silu, data2=ws["u"][0:fl, i, 0:B], op=nl.multiply)
 
 
 def _saved_columns(saved, f0, fl, row0, B):
@@ -942,10 +948,9 @@ def _forward_block(grp, row0, nxt, hbm, w, ws, ps, B, f0, first):
     _load_block([ws["x"]], None, [hbm["x"]], hbm["index"], nxt, B)  # the next piece's rows (software pipeline)
     _affinities(hbm["weight"], nxt, B, ws["aff"])
     _project(ws["g"], w.gate, ws["xT"], B, D, FC, ps)
-    _project(ws["u"], w.up, ws["xT"], B, D, FC, ps)
+    _project(ws["u"], w.up, ws["xT"], B, D, FC, ps, ws)  # with the SwiGLU of each f-tile
     _save_feature_major(hbm["g_saved"], ws["g"], f0, FC, row0, B)  # for the backward: no recompute there
     _save_feature_major(hbm["u_saved"], ws["u"], f0, FC, row0, B)
-    _swiglu(ws, FC, B)
     if B < P:  # a narrow piece: the weights stationary, B moving columns
         _down_narrow(ws, w.down, affinity[0], B, D, FC, ps)
         _write_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, 0, B, first)
@@ -1281,14 +1286,15 @@ def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
     nisa.tensor_copy(dst=ws["aff_bcast"], src=acc)
 
 
-def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None):
+def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None, forward=False):
     """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads of the piece's
     slots, d_slot from group grp on.
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
     then dh *= affinity (in place), du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's
     silu_dx). `dx`: (w, banks) to issue each f-tile's dx matmuls right after its dg, du (`_dx_tile`), so the
-    Tensor Engine works on f-tile i while the Vector Engine computes f-tile i + 1.
+    Tensor Engine works on f-tile i while the Vector Engine computes f-tile i + 1. `forward`: each f-tile first
+    computes its SwiGLU (`_swiglu_tile`: silu, silu', h), just in time, instead of all f-tiles before the loop.
 
     Dimensions:
         B: the piece's slots; FC: the F chunk's width (the workspace's feature tiles [min(P, FC), FC/128, B]).
@@ -1297,6 +1303,8 @@ def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None):
     for i in range(_ntiles(FC, P)):
         fl = _width(FC, P, i)
         dh, dg, h_dh = ws["dh"][0:fl, i, 0:B], ws["dg"][0:fl, i, 0:B], ws["h_dh"][0:fl, 0:B]
+        if forward:
+            _swiglu_tile(ws, i, fl, B)
         nisa.tensor_tensor(dst=h_dh, data1=ws["h"][0:fl, i, 0:B], data2=dh, op=nl.multiply)
         nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=h_dh, accumulate=i > 0)
         nisa.tensor_tensor(dst=dh, data1=dh, data2=ws["aff_bcast"][0:fl, 0:B], op=nl.multiply)
@@ -1437,14 +1445,12 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
     if not halves:
         _swiglu(ws, FC, B)
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
-    if halves:
-        _swiglu(ws, FC, B)
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
-        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]))
+        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]), halves)
         _dx_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, ps["dw"], B, D, first, ps)
     else:
-        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first)
+        _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, None, halves)
         _dx_block((hbm["rows"], hbm["row_of_slot"], grp), ws, w, B, D, ps, first)
     for s in range(_ntiles(B, P)):  # in place: the resident dy becomes affinity * dy, what dW_down contracts
         dy = _tok(res["dy"], tile, s, _width(B, P, s), 0, D)
