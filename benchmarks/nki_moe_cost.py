@@ -41,6 +41,7 @@ Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -51,15 +52,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from workbench.core.moe_blocks import kernel_block_size  # noqa: E402
-from workbench.kernels import plan_blocks  # noqa: E402
+from workbench.kernels import nki_moe, plan_blocks  # noqa: E402
 from workbench.kernels.autograd import KernelPlan, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
 from workbench.kernels.nki_api import nl  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
-# expert-weight arguments of each kernel (emulator names HBM arguments argN in call order)
-WEIGHT_ARGS = {"fwd": {"arg7", "arg8", "arg9"}, "bwd": {"arg13", "arg14", "arg15"}}
+
+
+def _arg_names(kernel, names):
+    """The emulator's names (argN, N the position in the call) of a kernel's arguments `names`."""
+    params = list(inspect.signature(getattr(kernel, "func", kernel)).parameters)
+    return {f"arg{params.index(n)}" for n in names}
+
+
+# expert-weight arguments of each kernel, found by name (a new argument shifts the positions)
+WEIGHT_ARGS = {"fwd": _arg_names(nki_moe.moe_blockwise_fwd, ("w_gate_t", "w_up_t", "w_down_t")),
+               "bwd": _arg_names(nki_moe.moe_blockwise_bwd, ("w_down", "w_gate", "w_up"))}
 
 
 def add_shape_args(p):

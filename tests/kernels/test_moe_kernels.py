@@ -529,6 +529,9 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
     assert result["padding_fraction"] == round(result["padding_slots_computed"] / result["slots_computed"], 4)
     assert 0 < result["sbuf_peak_bytes"] <= result["sbuf_usable_bytes"] == 212_464
+    # the expert-weight DMAs are found by argument name: each direction loads every expert's three matrices
+    # ([128, 128] fp32 here, 1.5 MiB in all) at least once (the report rounds to 1 MiB steps)
+    assert result["weight_gib"] * 2**30 >= 2 * 3 * 4 * 128 * 128 * 4
     # the trn2 time models: the dependency model (fwd then bwd), its ratio to the roofline, the throughput bracket
     # (at toy scale the DGE / semaphore latencies the bracket leaves out put the dependency model above it)
     assert 0 < result["model_ms_overlap"] <= result["model_ms_serial"] < result["model_ms"]
