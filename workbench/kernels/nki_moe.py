@@ -355,7 +355,7 @@ def token_tiles(T, lnc):
 
 
 def assignment_rows(T, K, NS, lnc):
-    """R, the rows of the kernels' token-major scratch (`y_rows`, `dx_rows`; `row_of_slot` says which slot writes
+    """The rows of the kernels' token-major scratch (`y_rows`, `dx_rows`; `row_of_slot` says which slot writes
     which): row t * K + k for assignment (t, k) of every token tile (nT * TT * K rows, the padded tokens' rows
     zero-filled), then one row per padding or no-op slot (NS - T * K of them), rounded up to whole token tiles of
     TT * K rows (the combine reads tile t at `scalar_offset=t`)."""
@@ -798,15 +798,15 @@ def _combine(out, rows, K, pid, lnc):
 
     Dimensions:
         nT, TT, K: token tiles, tokens per tile, experts per token;
-        R, D: scratch rows (`assignment_rows`, whole tiles of TT * K) and hidden size (D <= 8 PSUM banks of 512
-        columns).
+        D: hidden size (D <= 8 PSUM banks of 512 columns); the scratch `rows` has `assignment_rows` rows, whole
+        tiles of TT * K.
     """
     nT, TT = out.shape[0], out.shape[1]
-    R, D = rows.shape
+    n_rows, D = rows.shape
     nc = _ntiles(D, MOVING_FMAX)
     check_argument(nc <= 8, "rows", f"the combine sums a token tile's {D} columns in 8 PSUM banks of "
                    f"{MOVING_FMAX}: D must be <= {8 * MOVING_FMAX}")
-    tiles = rows.reshape((R // (TT * K), TT * K * D))  # tile t of the scratch at scalar_offset=t
+    tiles = rows.reshape((n_rows // (TT * K), TT * K * D))  # tile t of the scratch at scalar_offset=t
     per = nT // lnc  # nT is a multiple of LNC (`token_tiles`)
     ones = nl.ndarray((TT, TT), dtype=rows.dtype, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=ones, value=1.0)
