@@ -839,19 +839,14 @@ def _combine(out, rows, K, pid, lnc):
     nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
 
 
-def _zero_padded_tokens(rows, first, last, pid, lnc):
-    """Zero the scratch rows [first, last) of the padded tokens (no piece writes them; the combine reads them),
-    each core a contiguous share, before the combine's barrier."""
-    D = rows.shape[1]
-    per = _ntiles(last - first, lnc)
-    lo = min(last, first + pid * per)
-    hi = min(last, lo + per)
-    if hi > lo:
-        zeros = nl.ndarray((P, D), dtype=rows.dtype, buffer=nl.sbuf)
+def _zero_padded_tokens(rows, T, K, pid, lnc):
+    """Zero the scratch rows of the combine's padded tokens, [T * K, nT * TT * K) (no piece writes them; the
+    combine reads them), before the combine's barrier: none when the tokens fill whole tiles."""
+    nT, TT = token_tiles(T, lnc)
+    if nT * TT > T:
+        zeros = nl.ndarray((P, rows.shape[1]), dtype=rows.dtype, buffer=nl.sbuf)
         nisa.memset(dst=zeros, value=0.0)
-        for r0 in range(lo, hi, P):
-            rl = min(P, hi - r0)
-            nisa.dma_copy(dst=rows[r0:r0 + rl, 0:D], src=zeros[0:rl, 0:D])
+        _zero_rows(rows, zeros, pid, lnc, T * K, nT * TT * K)
 
 def _count(count):
     """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
@@ -1238,7 +1233,7 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
     if lnc > 1:
         nisa.core_barrier(data=g_saved, cores=(0, 1))  # the zeros land before any piece's columns
     _forward_segments(pid, S, hbm, piece, seg_table, seg_count, ExpertWeights(w_gate_t, w_up_t, w_down_t))
-    _zero_padded_tokens(y_rows, T * top_k, nT * TT * top_k, pid, lnc)
+    _zero_padded_tokens(y_rows, T, top_k, pid, lnc)
     if lnc > 1:
         nisa.core_barrier(data=y_rows, cores=(0, 1))  # the combine reads rows the other core wrote
     out = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
@@ -1286,14 +1281,14 @@ def _broadcast_row(ws, slot_weight, grp, parts, B, ps):
     nisa.tensor_copy(dst=ws["aff_bcast"], src=acc)
 
 
-def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None, forward=False):
+def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None, swiglu=False):
     """ws["dg"], ws["du"] (feature-major, io dtype) from dhT (ws["dh"]); writes the affinity grads of the piece's
     slots, d_slot from group grp on.
 
     d_affinity = sum_f h * dh (a partition sum: ones^T @ (h * dh) on the PE);
     then dh *= affinity (in place), du = dh * silu(g), dg = dh * u * silu'(g) (silu' from the Scalar Engine's
     silu_dx). `dx`: (w, banks) to issue each f-tile's dx matmuls right after its dg, du (`_dx_tile`), so the
-    Tensor Engine works on f-tile i while the Vector Engine computes f-tile i + 1. `forward`: each f-tile first
+    Tensor Engine works on f-tile i while the Vector Engine computes f-tile i + 1. `swiglu`: each f-tile first
     computes its SwiGLU (`_swiglu_tile`: silu, silu', h), just in time, instead of all f-tiles before the loop.
 
     Dimensions:
@@ -1303,7 +1298,7 @@ def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None, forward=False):
     for i in range(_ntiles(FC, P)):
         fl = _width(FC, P, i)
         dh, dg, h_dh = ws["dh"][0:fl, i, 0:B], ws["dg"][0:fl, i, 0:B], ws["h_dh"][0:fl, 0:B]
-        if forward:
+        if swiglu:
             _swiglu_tile(ws, i, fl, B)
         nisa.tensor_tensor(dst=h_dh, data1=ws["h"][0:fl, i, 0:B], data2=dh, op=nl.multiply)
         nisa.nc_matmul(dst=d_aff, stationary=ws["ones"][0:fl, 0:1], moving=h_dh, accumulate=i > 0)
@@ -1439,9 +1434,10 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
     _feature_major(ws["dyT"], res["dy"], tile, B, D, ps)
     # The SwiGLU's Scalar activations wait for the gT, uT loads, which at a sub-segment's start queue behind the
     # previous weight-gradient phase's transfers. With `halves` the first piece's x and dy rows were gathered before
-    # that phase, so its transposes and dh projection can run first: the SwiGLU goes after the projection, whose
-    # evictions it would otherwise hold in the Scalar queue (30B-A3B block 128: backward 7.41 -> 7.31 ms). Without,
-    # that piece gathers its own rows, and the SwiGLU first is faster (block 256: 7.95 vs 8.17 ms).
+    # that phase, so its transposes and dh projection run first and each f-tile's SwiGLU runs just in time inside
+    # the SwiGLU backward (ahead of the projection it would hold the projection's evictions in the Scalar queue;
+    # 30B-A3B block 128: backward 7.30 -> 7.08 ms against all f-tiles after the projection). Without, that piece
+    # gathers its own rows, and the SwiGLU first is faster (block 256: 8.00 ms against 8.09 just in time).
     if not halves:
         _swiglu(ws, FC, B)
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
@@ -1715,12 +1711,14 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     resident = None  # dead after the last position (the loop body's cell holds it): the combine takes its SBUF
 
 
-def _zero_rows(t, zeros, pid, lnc):
-    """Zero this core's share of the rows of a 2-D fp32 HBM tensor."""
+def _zero_rows(t, zeros, pid, lnc, first=0, last=None):
+    """Zero this core's contiguous share of rows [first, last) (None: all) of a 2-D HBM tensor (`zeros`: a zeroed
+    SBUF tile of t's dtype, at least [min(P, rows), C])."""
     R, C = t.shape
-    per = _ntiles(R, lnc)
-    lo = min(R, pid * per)
-    hi = min(R, lo + per)
+    last = R if last is None else last
+    per = _ntiles(last - first, lnc)
+    lo = min(last, first + pid * per)
+    hi = min(last, lo + per)
     for r0 in range(lo, hi, P):
         rl = min(P, hi - r0)
         nisa.dma_copy(dst=t[r0:r0 + rl, 0:C], src=zeros[0:rl, 0:C])
@@ -1816,7 +1814,7 @@ def moe_blockwise_bwd(x_pad, dout_pad, token_index, slot_weight, piece, seg_tabl
            "d_slot": d_slot, "g_saved": g_saved, "u_saved": u_saved}
     _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table,
                        ExpertWeights(gate=w_gate, up=w_up, down=w_down), grads)
-    _zero_padded_tokens(dx_rows, T * top_k, nT * TT * top_k, pid, lnc)
+    _zero_padded_tokens(dx_rows, T, top_k, pid, lnc)
     if lnc > 1:
         nisa.core_barrier(data=dx_rows, cores=(0, 1))
     dx = nl.ndarray((nT, TT, D), dtype=io, buffer=nl.shared_hbm)
