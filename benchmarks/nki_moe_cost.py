@@ -36,6 +36,9 @@ Printed: a table per direction, then as the LAST line a JSON object with
   sbuf_peak_bytes          the emulator's SBUF high-water mark per partition (fwd, bwd: the larger)
   sbuf_usable_bytes        nl.tile_size.total_available_sbuf_size, 212,464 B on trn2 (the capacity the emulator
                            enforces; nki_emulator/_core.py cites it)
+  what_if                  (--what-if) name -> {model_ms, roofline_ratio} with one group of costs removed
+                           (moe_cost.what_if_rates: loop control, DMA, Vector/Scalar/GpSimd, all three, the
+                           Tensor Engine)
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
@@ -89,6 +92,10 @@ def parse_args(argv=None):
                    help="model.moe_block_size (default: the config default)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--what-if", action="store_true",
+                   help="also replay the traces with one group of costs removed at a time (DMA, the other "
+                        "engines, loop control, the Tensor Engine): how much of model_ms each puts on the "
+                        "critical path; adds `what_if` to the JSON (about 12 more replays)")
     p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
                    help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
     p.add_argument("--aws-blocks", default="tests", choices=("tests", "needed"),
@@ -171,6 +178,8 @@ def measure(args):
         "sbuf_usable_bytes": nl.tile_size.total_available_sbuf_size,
         **run.summary(),
     }
+    if args.what_if:
+        result["what_if"] = run.what_if()
     return result, {"fwd": fwd, "bwd": bwd, "plan": plan, "old_padding": old_padding, "weight_bytes": weight_bytes,
                     "seconds": run.seconds, "forward_counters": run.forward}
 
@@ -213,6 +222,10 @@ def main(argv=None):
           f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB, bf16 dW); model / roofline "
           f"{result['roofline_ratio']:.3f}; SBUF peak {result['sbuf_peak_bytes']:,} of {result['sbuf_usable_bytes']:,} "
           "usable B/partition")
+    if "what_if" in result:
+        print(f"what if (model_ms with one group of costs removed; roofline {result['roofline_ms']:.2f} ms):")
+        for name, v in result["what_if"].items():
+            print(f"  {name:<26} {v['model_ms']:>7.2f} ms  {v['roofline_ratio']:.3f} x roofline")
     targets = {"static_instructions": 5000, "padding_fraction": 0.10, "dma_small_fraction": 0.10,
                "pe_flops_ratio": 1.25, "divergent_loops": 0, "roofline_ratio": 1.3,
                "sbuf_peak_bytes": result["sbuf_usable_bytes"]}

@@ -523,7 +523,7 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.main(["--tokens", "64", "--experts", "4", "--top-k", "2", "--hidden", "128", "--ffn", "128", "--lnc", "2",
-              "--block-size", "32", "--dtype", "float32"])
+              "--block-size", "32", "--dtype", "float32", "--what-if"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["nki_version"] == "0.7.0" and result["divergent_loops"] == 0 and result["lnc"] == 2
     assert result["slots_computed"] == 64 * 2 + result["padding_slots_computed"]
@@ -544,6 +544,15 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert all(0 <= v["busy"] and 0 <= v["waiting"] and v["busy"] + v["waiting"] <= 1.0001 for v in shares.values())
     assert result["top_stalls"] and all(s["ms"] > 0 for s in result["top_stalls"])
     assert any(s["site"].startswith("nki_moe.py:") for s in result["top_stalls"])
+    # --what-if: the same traces with one group of costs removed; with everything but the Tensor Engine free, the
+    # replay collapses to the Tensor Engine's own work, the throughput bracket's Tensor figure
+    what_if = result["what_if"]
+    assert what_if["as modeled"]["model_ms"] == result["model_ms"]
+    assert what_if["only the Tensor Engine"]["model_ms"] == pytest.approx(result["model_ms_engines"]["tensor"],
+                                                                          rel=0.02)
+    assert what_if["DMA free"]["model_ms"] < result["model_ms"]  # toy shapes: DMA latencies dominate
+    assert all(v["roofline_ratio"] == pytest.approx(v["model_ms"] / result["roofline_ms"], rel=2e-3)
+               for v in what_if.values())
 
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")

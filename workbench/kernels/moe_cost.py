@@ -26,7 +26,7 @@ At 30B-A3B in bf16 the roofline is the PE floor (5.87 ms; the HBM floor is 5.11 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,6 +71,15 @@ class LayerRun:
     topk_ids: torch.Tensor  # the routing the layer ran with
     seconds: tuple  # emulator wall time of the forward and the backward (CPU)
 
+    def what_if(self, rates: Rates = TRN2) -> dict:
+        """`model_ms` with one group of costs removed (`what_if_rates`): name -> {model_ms, roofline_ratio}. How
+        much of the modeled time each group puts on the critical path; not a prediction for any hardware."""
+        out = {}
+        for name, r in what_if_rates(rates).items():
+            seconds = schedule(self.forward, r).seconds + schedule(self.backward, r).seconds
+            out[name] = {"model_ms": _ms(seconds), "roofline_ratio": round(seconds / self.roofline.seconds, 4)}
+        return out
+
     def summary(self) -> dict:
         """The layer's modeled time: `model_ms` the dependency model (the forward kernel then the backward
         kernel, each its slowest core's timeline), its ratio to the roofline, each engine's busy and waiting share
@@ -107,6 +116,32 @@ class LayerRun:
             "hbm_gib": round((fwd.hbm_bytes + bwd.hbm_bytes) / 2**30, 3),
             "unmodeled_instructions": sum(fwd.unmodeled.values()) + sum(bwd.unmodeled.values()),
         }
+
+
+_FREE = 1e6  # a rate multiplied by this costs nothing at these shapes
+
+
+def what_if_rates(rates: Rates = TRN2) -> dict:
+    """The time model's rates with one group of costs removed, for `LayerRun.what_if`:
+      loop control free          compiled loops' branches and register instructions cost 0 on every engine
+      DMA free                   transfers, HBM, descriptor generation (hardware and software DGE) and the
+                                 DMA-to-DMA semaphore latency cost 0
+      Vector/Scalar/GpSimd free  those engines run at 1e6 x their clock (GpSimd's software-DGE row cycles too)
+      only the Tensor Engine     all three of the above: what is left is the Tensor Engine's own work and its
+                                 waits on dependencies through it
+      Tensor Engine free         the Tensor Engine at 1e6 x its clock, no 64-cycle matmul minimum
+    """
+    r = rates
+    control = {"branch_s": 0.0, "sequencer_s": 0.0}
+    dma = {"hbm_bytes_per_s_chip": r.hbm_bytes_per_s_chip * _FREE, "dma_engine_bytes_per_s":
+           r.dma_engine_bytes_per_s * _FREE, "dma_fixed_s": 0.0, "dge_hw_s": 0.0, "dge_sw_s": 0.0,
+           "dge_sw_row_cycles": 0, "dma_semaphore_s": 0.0}
+    elementwise = {"vector_hz": r.vector_hz * _FREE, "scalar_hz": r.scalar_hz * _FREE,
+                   "gpsimd_hz": r.gpsimd_hz * _FREE}
+    return {"as modeled": r, "loop control free": replace(r, **control), "DMA free": replace(r, **dma),
+            "Vector/Scalar/GpSimd free": replace(r, **elementwise),
+            "only the Tensor Engine": replace(r, **control, **dma, **elementwise),
+            "Tensor Engine free": replace(r, tensor_hz=r.tensor_hz * _FREE, matmul_min_cycles=0)}
 
 
 def _ms(seconds: float) -> float:
