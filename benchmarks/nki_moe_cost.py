@@ -38,7 +38,7 @@ Printed: a table per direction, then as the LAST line a JSON object with
                            enforces; nki_emulator/_core.py cites it)
   what_if                  (--what-if) name -> {model_ms, roofline_ratio} with one group of costs removed
                            (moe_cost.what_if_rates: loop control, DMA, Vector/Scalar/GpSimd, all three, the
-                           Tensor Engine)
+                           Tensor Engine, all but the DMA, all but the PE's work and the DMA's bytes)
   lnc, block_size, kernel_block, plus per-direction numbers.
 Not a test; the emulator is slow at full scale (minutes on 2 CPU cores).
 """
@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--what-if", action="store_true",
                    help="also replay the traces with one group of costs removed at a time (DMA, the other "
                         "engines, loop control, the Tensor Engine): how much of model_ms each puts on the "
-                        "critical path; adds `what_if` to the JSON (about 12 more replays)")
+                        "critical path; adds `what_if` to the JSON (16 more replays)")
     p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
                    help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
     p.add_argument("--aws-blocks", default="tests", choices=("tests", "needed"),

@@ -130,18 +130,24 @@ def what_if_rates(rates: Rates = TRN2) -> dict:
       only the Tensor Engine     all three of the above: what is left is the Tensor Engine's own work and its
                                  waits on dependencies through it
       Tensor Engine free         the Tensor Engine at 1e6 x its clock, no 64-cycle matmul minimum
+      only the DMA               everything but the DMA free (the Tensor Engine too)
+      only PE + DMA bandwidth    the Tensor Engine's work and the DMA's bytes (HBM, DMA engines) cost; the other
+                                 engines, loop control and every DMA latency (DGE, semaphore, fixed cost) are free
     """
     r = rates
     control = {"branch_s": 0.0, "sequencer_s": 0.0}
+    latency = {"dma_fixed_s": 0.0, "dge_hw_s": 0.0, "dge_sw_s": 0.0, "dge_sw_row_cycles": 0, "dma_semaphore_s": 0.0}
     dma = {"hbm_bytes_per_s_chip": r.hbm_bytes_per_s_chip * _FREE, "dma_engine_bytes_per_s":
-           r.dma_engine_bytes_per_s * _FREE, "dma_fixed_s": 0.0, "dge_hw_s": 0.0, "dge_sw_s": 0.0,
-           "dge_sw_row_cycles": 0, "dma_semaphore_s": 0.0}
+           r.dma_engine_bytes_per_s * _FREE, **latency}
     elementwise = {"vector_hz": r.vector_hz * _FREE, "scalar_hz": r.scalar_hz * _FREE,
                    "gpsimd_hz": r.gpsimd_hz * _FREE}
+    tensor = {"tensor_hz": r.tensor_hz * _FREE, "matmul_min_cycles": 0}
     return {"as modeled": r, "loop control free": replace(r, **control), "DMA free": replace(r, **dma),
             "Vector/Scalar/GpSimd free": replace(r, **elementwise),
             "only the Tensor Engine": replace(r, **control, **dma, **elementwise),
-            "Tensor Engine free": replace(r, tensor_hz=r.tensor_hz * _FREE, matmul_min_cycles=0)}
+            "Tensor Engine free": replace(r, **tensor),
+            "only the DMA": replace(r, **control, **elementwise, **tensor),
+            "only PE + DMA bandwidth": replace(r, **control, **elementwise, **latency)}
 
 
 def _ms(seconds: float) -> float:
