@@ -93,9 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--what-if", action="store_true",
-                   help="also replay the traces with one group of costs removed at a time (DMA, the other "
-                        "engines, loop control, the Tensor Engine): how much of model_ms each puts on the "
-                        "critical path; adds `what_if` to the JSON (16 more replays)")
+                   help="also replay the traces with groups of costs removed (DMA, the other engines, loop "
+                        "control, the Tensor Engine; all but the DMA; all but the PE's work and the DMA's bytes): "
+                        "how much of model_ms each puts on the critical path; adds `what_if` to the JSON (16 "
+                        "more replays, under a minute at full scale)")
     p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
                    help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
     p.add_argument("--aws-blocks", default="tests", choices=("tests", "needed"),

@@ -3,6 +3,7 @@ trace through the dependency time model (`nki_emulator.timing.schedule`), and th
 
     run = run_layer(tokens=4096, experts=128, top_k=8, hidden=2048, ffn=768, lnc=2, block_size=256)
     run.summary()   # model_ms, roofline_ms, roofline_ratio, model_ms_overlap .. model_ms_serial, engine shares, ...
+    run.what_if()   # model_ms with groups of costs removed (what_if_rates): what the critical path is made of
 
 `model_ms` is the dependency model: the trace replayed on per-engine in-order queues (operands ready, engine free,
 DGE and DMA latencies, barriers). `model_ms_overlap` (each kernel at its busiest engine) and `model_ms_serial`
