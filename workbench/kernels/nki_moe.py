@@ -848,6 +848,7 @@ def _zero_padded_tokens(rows, T, K, pid, lnc):
         nisa.memset(dst=zeros, value=0.0)
         _zero_rows(rows, zeros, pid, lnc, T * K, nT * TT * K)
 
+
 def _count(count):
     """A [1, 1] int32 HBM count (segment positions, rows to zero-fill: the same on every core) as a register."""
     tile = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf)
