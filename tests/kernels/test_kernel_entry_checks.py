@@ -48,7 +48,7 @@ WRONG = [
     ("fwd", "w_gate_t", lambda t: t[:, :-1].contiguous(), r"w_gate_t must be \[E, D, F\] \(D of x_pad"),
     ("fwd", "w_down_t", lambda t: t.to(torch.bfloat16), r"w_down_t must be \[E, F, D\] torch.float32, got .* "
                                                         r"torch.bfloat16"),
-    ("fwd", "piece", lambda t: t[:, :2].contiguous(), r"piece must be \[M, 8\] torch.int32, got \(\d+, 2\)"),
+    ("fwd", "piece", lambda t: t[:, :2].contiguous(), r"piece must be \[M, 13\] torch.int32, got \(\d+, 2\)"),
     ("bwd", "dout_pad", lambda t: t[:, :-1].contiguous(), r"dout_pad must be \[T\+1, D\] \(x_pad's shape"),
     ("bwd", "w_gate", lambda t: t[:, :, :-1].contiguous(), r"w_gate must be \[E, F, D\] \(D of x_pad"),
     ("bwd", "sub_table", lambda t: t[:, :-1].contiguous(), r"sub_table must be \[LNC \* S \* J, 11 \+ 2L\]"),

@@ -296,6 +296,9 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
             assert loads.sum(0).tolist() == ([1, 1, 1] if s + 1 < positions else [0, 0, 0])
             if s + 1 < positions:
                 assert [int(loads[:, m].argmax()) for m in range(3)] == [m * len(run) // 3 for m in range(3)]
+            # the backward's next down matrix: loaded by the last piece the position runs (its last sub-segment's
+            # last class with pieces), every position (the last reloads its own expert)
+            assert kp.piece[run, 8].tolist() == [0] * (len(run) - 1) + [1]
             for j in range(int(row[1]), int(row[2])):
                 sub = kp.sub_table[j]
                 others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
@@ -323,7 +326,8 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                             assert tile == tile_next
                             tile_next += width // ts
                         # the backward's gathers: the loop's first piece its own rows, each piece the next one's
-                        # while the next row is in the loop (main tiles only: a tail class gathers its own)
+                        # while the next row is in the loop (main tiles only: a tail class's rows are gathered by
+                        # the sub-segment's last main-tile piece, below)
                         early = gathered and k == 0
                         assert (own, nxt) == ((q == begin and not early, q + 1 < end) if width >= ts else (0, 0))
                         if g >= ng:  # a no-op piece: this core's own area
@@ -335,6 +339,17 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                         seen[r0:r0 + width] += 1
                         real_groups[c] += width // G
                 assert tile_next == t_end and n_tiles >= 1
+                # the tail gathers (columns 9 on, per tail buffer a flag and a slot group): on the last main-tile
+                # piece run, one per tail piece the sub-segment runs, with that piece's slot group
+                bounds = [(int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])) for k in range(L)]
+                mains = [b for k, b in enumerate(bounds) if widths[k] >= ts and b[1] > b[0]]
+                tails_run = [b for k, b in enumerate(bounds) if widths[k] < ts]
+                rows = [q for b in bounds for q in range(*b)]
+                for t in range(len(tails_run)):
+                    b, e_ = tails_run[t]
+                    want = {mains[-1][1] - 1: int(kp.piece[b, 0])} if e_ > b else {}
+                    got = {q: int(kp.piece[q, 10 + 2 * t]) for q in rows if int(kp.piece[q, 9 + 2 * t])}
+                    assert got == want and e_ - b <= 1
                 if real:
                     subs_of.setdefault(e, []).append((c, write, add))
                 else:  # a no-op or spare sub-segment: its dW goes to the core's dummy row

@@ -100,9 +100,10 @@ class KernelPlan:
     """
 
     token_index: torch.Tensor  # [NG + lnc * KB/G, G]; the last lnc * KB/G groups: one KB-slot no-op area per core
-    piece: torch.Tensor  # [M + 2, 8]: first slot group, first slot row, first resident tile, own, next (the
-    #                      backward's row gathers), gate / up / down (the forward's weight prefetch); per class, core,
-    #                      position; then two padding rows
+    piece: torch.Tensor  # [M + 2, 13]: first slot group, first slot row, first resident tile, own, next (the
+    #                      backward's row gathers), gate / up / down (the forward's weight prefetch), down (the
+    #                      backward's: `_down_flags`), per tail buffer a flag and a slot group (the backward's tail
+    #                      gathers: `_tail_gathers`); per class, core, position; then two padding rows
     seg_table: torch.Tensor  # [lnc * S, 7 + 2L]: expert, [begin, end) sub_table rows, next expert, weight set,
     #                          next weight set, the core's next position's row, [begin, end) piece rows/class
     seg_count: torch.Tensor  # [1, 1]: positions run, the same on every core
@@ -175,7 +176,10 @@ class KernelPlan:
         noop_group = NG + per_block * torch.arange(lnc, device=cores.own.device)  # each core's KB-slot no-op area
         piece, sub_cols, next_group = _piece_table(experts, cores, subs, runs, tiles_k, noop_group, NG, per_block, G)
         seg_table, sub_table = _segment_tables(E, cores, subs, runs, sub_cols, next_group, L)
-        piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, -(-cores.nseg // lnc), lnc, L)], 1)
+        positions = -(-cores.nseg // lnc)
+        piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, positions, lnc, L),
+                           _down_flags(piece.shape[0], subs, sub_cols, int(positions)),
+                           _tail_gathers(piece, subs, sub_cols, tiles_k)], 1)
         zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
         T = plan.slot_of_assignment_TK.shape[0]
         token_index = F.pad(plan.token_index_N.view(NG, G), (0, 0, 0, lnc * per_block), value=T)  # no-op areas
@@ -512,6 +516,66 @@ def _prefetch_flags(rows: int, seg_table: torch.Tensor, positions, lnc: int, L: 
     flags = torch.zeros(rows, 3, dtype=torch.int32, device=seg_table.device)
     flags[row[live], m.expand(lnc * S, 3)[live]] = 1
     return flags
+
+
+def _down_flags(rows: int, subs: _SubSegments, sub_cols: list, positions: int) -> torch.Tensor:
+    """`piece`'s backward column [rows, 1] int32: 1 on the last piece every core runs in each position's last
+    sub-segment (`load` in sub_table: the one that prefetches the next position's weights). That piece's dh
+    projection is the position's last read of the resident down matrix, so it loads the next expert's right after
+    it, while its own SwiGLU backward and dx keep the Tensor Engine busy, instead of in the HBM-bound
+    weight-gradient phase beside the gate and up matrices (`nki_moe._backward_block`).
+
+    Args:
+        rows: rows of `piece`.
+        subs: the sub-segments (`_sub_segments`); sub_cols: per class the [begin, end) `piece` rows of each
+            (`_piece_table`), [lnc, S * J] each.
+        positions: positions run (`seg_count`).
+    """
+    lnc, J, L = sub_cols[0].shape[0], subs.m[0].shape[1], len(subs.m)
+    dev = sub_cols[0].device
+    sj = torch.arange(positions, device=dev) * J + subs.nsub_s[:positions] - 1  # each position's last sub-segment
+    runs = torch.stack([m.reshape(-1)[sj] for m in subs.m], 1)  # [positions, L] pieces every core runs
+    k = L - 1 - (runs > 0).flip(1).long().argmax(1)  # the last class with pieces: the classes run in order
+    if not bool((runs.gather(1, k[:, None]) > 0).all()):
+        raise AssertionError("a position's last sub-segment runs no piece")
+    ends = torch.stack([sub_cols[2 * c + 1][:, sj] for c in range(L)], 2)  # [lnc, positions, L]
+    last = ends.gather(2, k[None, :, None].expand(lnc, positions, 1)) - 1
+    flags = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+    flags[last.reshape(-1)] = 1
+    return flags
+
+
+def _tail_gathers(piece: torch.Tensor, subs: _SubSegments, sub_cols: list, tiles_k: list) -> torch.Tensor:
+    """`piece`'s backward columns [rows, 2 * nki_moe.TAIL_BUFFERS] int32: per tail buffer (the classes narrower than
+    a resident tile, in class order) a flag and a slot group, set on the last main-tile piece of each sub-segment
+    that runs a piece of that class: that piece gathers the tail piece's x and dy rows into the tail buffer while it
+    computes, as it would the next piece of its own loop, so the tail piece does not open with its own gather (on
+    GpSimd's in-order queue behind the main piece's row scatter).
+
+    Args:
+        piece: the first columns of `piece` (`_piece_table`: column 0 each row's slot group).
+        subs: the sub-segments; sub_cols: per class the [begin, end) `piece` rows of each, [lnc, S * J] each.
+        tiles_k: resident main tiles per piece of each class (0: a tail buffer class).
+    """
+    rows, dev = piece.shape[0], piece.device
+    lnc, L = sub_cols[0].shape[0], len(tiles_k)
+    main = [k for k in range(L) if tiles_k[k] > 0]
+    tails = [k for k in range(L) if tiles_k[k] == 0]
+    out = torch.zeros(rows, 2 * nki_moe.TAIL_BUFFERS, dtype=torch.int32, device=dev)
+    if not tails:
+        return out
+    runs = torch.stack([subs.m[k].reshape(-1) for k in main], 1) > 0  # [S * J, main classes]: pieces run
+    last = len(main) - 1 - runs.flip(1).long().argmax(1)  # the last main class with pieces (classes run in order)
+    ends = torch.stack([sub_cols[2 * k + 1] for k in main], 2)  # [lnc, S * J, main classes]
+    gatherer = ends.gather(2, last[None, :, None].expand(lnc, -1, 1))[..., 0] - 1  # [lnc, S * J]
+    for i in range(len(tails)):
+        has = (subs.m[tails[i]].reshape(-1) > 0)[None, :].expand(lnc, -1)
+        if bool((has & ~runs.any(1)[None, :]).any()):
+            raise AssertionError("a sub-segment runs a tail piece but no main-tile piece to gather its rows")
+        group = piece[sub_cols[2 * tails[i]].clamp(max=rows - 1), 0]  # the tail piece's slot group (0/1 per sub)
+        out[gatherer[has], 2 * i] = 1
+        out[gatherer[has], 2 * i + 1] = group[has].to(torch.int32)
+    return out
 
 
 def _zero_fill(groups_E: torch.Tensor, lnc: int) -> tuple[torch.Tensor, torch.Tensor]:

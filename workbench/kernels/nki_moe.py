@@ -138,7 +138,7 @@ SMALL_TILES_BYTES = 1024
 # accumulation groups", Trainium2 architecture guide). Forward: 2 + 2 + 1 = 5 banks. Backward: 1 + 2 + 1, and the
 # other 4 for the weight gradients.
 PSUM_BANKS_FWD = {"t": 2, "acc": 2}
-PSUM_BANKS_BWD = {"t": 1, "acc": 2}
+PSUM_BANKS_BWD = {"t": 2, "acc": 2}
 # The backward's weight-gradient phase: groups of DW_GROUP_BANKS output bands [<=128, <=512] accumulate together;
 # DW_SETS groups rotate through DW_SETS * DW_GROUP_BANKS banks, so the Tensor Engine fills one group's banks while
 # the Scalar and Vector Engines evict the previous group's (one bank each). With one set of 5 banks evicted by the
@@ -160,6 +160,12 @@ SEG_HEAD = 7
 # gathered here: 0 or 1), its slot group and first tile, the core's next run sub-segment's row (loaded ahead)
 SUB_HEAD = 11
 DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segments of this many banks (1024 columns)
+# piece classes narrower than a resident tile, each with its own one-tile buffer (`_tail_widths`): at most 64 and 32
+# (the slot granule is 32 whenever a block has tails)
+TAIL_BUFFERS = 2
+# `piece` columns: slot group, slot row, resident tile, own, next, the forward's gate / up / down loads, the
+# backward's down load, per tail buffer a gather flag and slot group (`autograd.KernelPlan`)
+PIECE_COLS = 9 + 2 * TAIL_BUFFERS
 
 
 def _ntiles(n, size):
@@ -498,8 +504,7 @@ def _psum_pool(io_dtype, banks):
     1 KiB per partition (4 bf16 [128, 128] transposes side by side, `_transposes_into`): the Tensor Engine fills
     one region while the other is evicted."""
     cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
-    pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0}, "t_cols": cols,
-            "aff": nl.ndarray((1, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_affinity_grad")}
+    pool = {"t": [], "acc": [], "turn": {"t": 0, "acc": 0}, "t_cols": cols}
     for _ in range(banks["t"]):
         bank = nl.ndarray((P, 2 * cols), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
         for k in range(2):
@@ -995,12 +1000,16 @@ def _down_narrow(ws, w_down, affinity, B, D, FC, ps):
     nisa.tensor_scalar(dst=rows, data=rows, op0=nl.multiply, operand0=affinity)
 
 
-def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None, halves=False):
+def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None, halves=False,
+            tails=()):
     """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
     the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
     of `piece`; else a tail class's one-tile buffer). `ahead`: rows begin, begin + 1, already loaded (else loaded
-    here). `halves`: the backward's sub-segments alternate tile halves (`_backward_block`)."""
+    here). `halves`: the backward's sub-segments alternate tile halves (`_backward_block`). `fetch`: the forward's
+    (`_fetch_matrices`), or the backward's next down matrix ((dst, src) DMA pairs, loaded by the piece whose
+    column 8 is 1: `_backward_block`). `tails`: the backward's tail buffers and their widths, (buffer, B) in class
+    order, whose rows a main-tile piece gathers where its row says so (columns 9 on: `_backward_block`)."""
 
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
@@ -1020,12 +1029,18 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
                 _fetch_matrices(rows, fetch)
             _forward_block(grp, row0, rows[0:1, C:C + 1], hbm, w, ws, ps, B, f0, first)
-        elif indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
-            gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
-                       rows[0:1, C + 2:C + 3])
-            _backward_block(grp, row0, rows[0:1, 2:3], gathers, hbm, w, ws, res, ps, B, f0, first, halves)
         else:
-            _backward_block(grp, row0, None, None, hbm, w, ws, res, ps, B, f0, first, halves)
+            down = None if fetch is None else (fetch, _register(rows[0:1, 8:9]))
+            tile, gathers = None, None
+            if indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
+                tile = rows[0:1, 2:3]
+                tail_gathers = []
+                for t in range(len(tails)):
+                    col = 9 + 2 * t
+                    tail_gathers.append((_register(rows[0:1, col:col + 1]), rows[0:1, col + 1:col + 2]) + tails[t])
+                gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
+                           rows[0:1, C + 2:C + 3], tail_gathers)
+            _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves, down)
 
     nl.fori_loop(begin, end, body)
 
@@ -1144,7 +1159,7 @@ def _expect_plan(token_index, slot_weight, piece, seg_table, seg_count, row_of_s
     """Entry checks of the host tables both kernels take (`autograd.KernelPlan`); returns L, the piece classes."""
     _expect(token_index, "token_index", "[NG, G]", (None, None), I32)
     _expect(slot_weight, "slot_weight", "[NG, G] (token_index's shape)", token_index.shape, F32)
-    _expect(piece, "piece", "[M, 8]", (None, 8), I32)
+    _expect(piece, "piece", f"[M, {PIECE_COLS}]", (None, PIECE_COLS), I32)
     _expect(seg_table, "seg_table", "[LNC * S, 7 + 2L]", (None, None), I32)
     L = (seg_table.shape[1] - SEG_HEAD) // 2
     check_argument(L >= 1 and seg_table.shape[1] == SEG_HEAD + 2 * L and seg_table.shape[0] % lnc == 0, "seg_table",
@@ -1185,12 +1200,15 @@ def moe_blockwise_fwd(x_pad, token_index, slot_weight, piece, seg_table, seg_cou
         token_index: [NG, G] int32 slot -> token (T on padding slots); row g = slot group g (the last ones: the
             cores' no-op areas).
         slot_weight: [NG, G] fp32 routing affinity per slot (0 on padding).
-        piece: [M + 2, 8] int32, per piece its first slot group, first slot row (group * G) and, for the
+        piece: [M + 2, 13] int32, per piece its first slot group, first slot row (group * G) and, for the
             backward, its first resident tile, own (1: the first piece of a main-tile class loop, which gathers its
             own rows) and next (1: the next row is in the same loop, whose rows the piece gathers); for the forward,
             gate, up, down (1: the piece loads that matrix of the next position's expert into the other weight
-            set); rows grouped by class; the last two rows padding rows (any valid piece: the forward gathers
-            row j + 1's rows while it computes row j, and each piece loads rows j + 1, j + 2 ahead: `_pieces`).
+            set); for the backward, down (1: the position's last piece, which loads the next expert's down matrix
+            after its dh projection) and per tail buffer a flag and a slot group (1: the sub-segment's last
+            main-tile piece, which gathers that tail piece's rows); rows grouped by class; the last two rows
+            padding rows (any valid piece: the forward gathers row j + 1's rows while it computes row j, and each
+            piece loads rows j + 1, j + 2 ahead: `_pieces`).
         seg_table: [LNC * S, 7 + 2L] int32; core c's segment position s at row c * S + s: its expert, its
             [begin, end) rows of the backward's `sub_table`, the expert of the core's next position (its own at the
             last: whose weights both kernels prefetch), the position's weight set (s % 2) and the next one's (the
@@ -1262,11 +1280,11 @@ def _backward_weights(hbm_w, e, f0, FC, into=None):
 WEIGHT_PART_BYTES = 8 * 1024
 
 
-def _weight_parts(hbm_w, e, into):
-    """The DMAs of `_backward_weights(hbm_w, e, 0, F, into)` (down, gate, up) as (dst, src) pairs of about
-    WEIGHT_PART_BYTES per partition each."""
+def _weight_parts(hbm_w, e, into, mats):
+    """The DMAs of `_backward_weights(hbm_w, e, 0, F, into)` for the matrices `mats` (positions in ExpertWeights)
+    as (dst, src) pairs of about WEIGHT_PART_BYTES per partition each."""
     pairs = []
-    for m in (DOWN, GATE, UP):
+    for m in mats:
         w = hbm_w[m]
         pairs += _whole_matrix_copies(w, e, into[m], max(1, _ntiles(WEIGHT_PART_BYTES, w.shape[2] * w.dtype.itemsize)))
     return pairs
@@ -1295,7 +1313,7 @@ def _swiglu_backward(ws, d_slot, grp, B, FC, ps, first, dx=None, swiglu=False):
     Dimensions:
         B: the piece's slots; FC: the F chunk's width (the workspace's feature tiles [min(P, FC), FC/128, B]).
     """
-    d_aff = ps["aff"][0:1, 0:B]
+    d_aff = _psum(ps, "acc")[0:1, 0:B]
     for i in range(_ntiles(FC, P)):
         fl = _width(FC, P, i)
         dh, dg, h_dh = ws["dh"][0:fl, i, 0:B], ws["dg"][0:fl, i, 0:B], ws["h_dh"][0:fl, 0:B]
@@ -1400,18 +1418,21 @@ def _dx_rows(dest, ws, banks, B, D, first, ps):
         _write_rows(dest, ws, s * P, sl, first)
 
 
-def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves=False):
+def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves=False, down=None):
     """One B-slot piece (slot group grp, slot row row0) against one F chunk [f0, f0 + FC) of the segment's expert
     (w: that chunk, resident as `_backward_weights` lays it out). Leaves x, affinity * dy and the token-major dg,
     du, h in the resident tiles from `tile` on (the weight-gradient phase contracts them).
 
-    Software pipeline (main-tile classes; `gathers` (own, next, next group, next tile): registers own, next
-    (0 or 1) and int32 SBUF [1, 1] tiles): a piece gathers its own x and dy rows only when it is the first of its
-    class loop (`own` 1); it gathers the next piece's rows into that piece's tiles (another tile index: no hazard)
-    when the next row of `piece` is in the same loop (`next` 1), first thing, so the gather overlaps this piece's
-    work instead of opening the next piece. A tail class (`gathers` None, one-tile buffer, 0/1 trips) gathers its
-    own rows. `halves`: the sub-segments alternate tile halves, each gathering the next one's first block early
-    (`autograd.tiles_per_sub`).
+    Software pipeline (main-tile classes; `gathers` (own, next, next group, next tile, tails): registers own, next
+    (0 or 1), int32 SBUF [1, 1] tiles and per tail buffer (flag register, slot group tile, buffer, width)): a piece
+    gathers its own x and dy rows only when it is the first of its class loop (`own` 1); it gathers the next
+    piece's rows into that piece's tiles (another tile index: no hazard) when the next row of `piece` is in the
+    same loop (`next` 1), first thing, so the gather overlaps this piece's work instead of opening the next piece;
+    the sub-segment's last main-tile piece gathers its tail pieces' rows the same way. A tail class (`gathers` None,
+    one-tile buffer, 0/1 trips) finds its rows gathered. `halves`: the sub-segments alternate tile halves, each
+    gathering the next one's first block early (`autograd.tiles_per_sub`). `down` ((dst, src) DMA pairs, a 0/1
+    register): the next expert's down matrix, loaded (on the position's last piece) right after the dh projection,
+    the last read of the resident one.
 
     Dimensions:
         B: the piece's slots; D: hidden size; FC: the chunk's width (w.down [min(P, D), D/128, FC]).
@@ -1424,11 +1445,11 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
     def next_rows(i):
         _load_block([res["dy"], res["x"]], gathers[3], [hbm["dout"], hbm["x"]], hbm["index"], gathers[2], B)
 
-    if gathers is None:
-        own_rows(0)
-    else:
+    if gathers is not None:
         nl.fori_loop(0, gathers[0], own_rows)
         nl.fori_loop(0, gathers[1], next_rows)
+        for tail in gathers[4]:
+            _tail_rows(tail, hbm)
     affinity = _affinities(hbm["weight"], grp, B)
     _load_feature_major(ws["g"], hbm["g_saved"], f0, FC, row0, B)
     _load_feature_major(ws["u"], hbm["u_saved"], f0, FC, row0, B)
@@ -1443,6 +1464,8 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
         _swiglu(ws, FC, B)
     _project(ws["dh"], w.down, ws["dyT"], B, D, FC, ps)  # dhT = (dy @ W_down[e])^T
     _broadcast_row(ws, hbm["weight"], grp, ws["aff_bcast"].shape[0], B, ps)
+    if down is not None:  # after the piece's last load: the DMA engines serve in order
+        _copy_times(down[0], down[1])
     if dx_in_dw_banks(B, D):  # dx matmuls interleaved with the SwiGLU backward's f-tiles
         _swiglu_backward(ws, hbm["d_slot"], grp, B, FC, ps, first, (w, ps["dw"]), halves)
         _dx_rows((hbm["rows"], hbm["row_of_slot"], grp), ws, ps["dw"], B, D, first, ps)
@@ -1455,6 +1478,16 @@ def _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first,
     _token_major(res["dg"], tile, ws["dg"], B, FC, ps)
     _token_major(res["du"], tile, ws["du"], B, FC, ps)
     _token_major(res["h"], tile, ws["h"], B, FC, ps)
+
+
+def _tail_rows(tail, hbm):
+    """`tail` (flag register, slot group tile, buffer, width) times (0 or 1): gather a tail piece's x and dy rows
+    into its one-tile buffer."""
+
+    def body(i):
+        _load_block([tail[2]["dy"], tail[2]["x"]], None, [hbm["dout"], hbm["x"]], hbm["index"], tail[1], tail[3])
+
+    nl.fori_loop(0, tail[0], body)
 
 
 GATE, UP, DOWN = 0, 1, 2  # positions of the fields of ExpertWeights (a DwRow's gradient)
@@ -1617,6 +1650,14 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
     one's class-0 rows, before its weight-gradient phase: issued after the phase's stores, whose descriptors wait
     for their evictions, they would wait for the whole phase. `halves`: as in `_backward_block`."""
     TS = tile_slots(widths[0])
+    # the next expert's down matrix: loaded by the position's last piece after its dh projection (`piece` column
+    # 8), while its SwiGLU backward and dx keep the Tensor Engine busy; the gate and up matrices, which dx reads,
+    # load during the weight-gradient phase
+    down = None if prefetch is None else _weight_parts(prefetch, nxt, w, (DOWN,))
+
+    tail_sets = []
+    for B in _tail_widths(widths):
+        tail_sets.append((tails[len(tail_sets)], B))
 
     def sub(j):
         if ahead is None:
@@ -1634,7 +1675,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
-                    first, None, ahead[1] if ahead is not None and k == 0 else None, halves)
+                    first, down, ahead[1] if ahead is not None and k == 0 else None, halves, tail_sets)
         if ahead is not None:  # the next run sub-segment's first class-0 rows (its row is in ahead[0] by now)
             _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
@@ -1652,7 +1693,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
         nl.fori_loop(0, _register(row[0:1, 7:8]), early)
         fetch = None
         if prefetch is not None:  # the next position's weights, in parts, during the weight-gradient phase
-            fetch = (_weight_parts(prefetch, ids[0:1, 4:5], w), _register(row[0:1, 6:7]))
+            fetch = (_weight_parts(prefetch, ids[0:1, 4:5], w, (GATE, UP)), _register(row[0:1, 6:7]))
         _weight_grads(grads, res, tails, tail_bounds, (ids[0:1, 3:4], tile_begin, tile_end), ids[0:1, 0:1],
                       ids[0:1, 1:2], cont, ws, ps_dw, f0, w.down.shape[2], fetch)
 
