@@ -1014,16 +1014,15 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
     # it gathers) from `ahead` and loads the next piece's into it, so a piece starts without a DMA of its own rows
-    # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA). The
-    # forward copies on the Scalar Engine: GpSimd's in-order queue holds the previous piece's row scatter (software
+    # behind the previous piece's transfers (`rows` is read as a runtime offset until the piece's last DMA). Both
+    # kernels copy on the Scalar Engine: GpSimd's in-order queue holds the previous piece's row scatter (software
     # DGE), which waits for that piece's last eviction (at full scale: forward 3.17 ms, 3.18 on Vector, 3.34 on
-    # GpSimd; the backward's best on GpSimd, 7.30 against 7.31 on Vector or Scalar)
+    # GpSimd; backward, since its tail pieces' rows are gathered ahead, 6.436 ms, 6.439 on Vector, 6.466 on GpSimd)
     if ahead is None:
         ahead = _row(piece, 0, begin, 2)
-    copier = nisa.engine.scalar if res is None else nisa.engine.gpsimd
 
     def body(j):
-        rows = _take_ahead(ahead, piece, 2, 1, j, engine=copier)  # then rows j + 1, j + 2 (`piece`: 2 padding rows)
+        rows = _take_ahead(ahead, piece, 2, 1, j, engine=nisa.engine.scalar)  # then rows j + 1, j + 2 (2 padding rows)
         grp, row0 = rows[0:1, 0:1], rows[0:1, 1:2]
         if res is None:
             if fetch is not None:  # the forward's share of the next position's weight loads (columns 5-7)
@@ -1680,11 +1679,13 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
             _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
         # the dW phase's DMAs read their expert rows (and the prefetch its expert) from a tile of their own, so the
-        # next sub-segment's table rows load while those DMAs are still in flight
+        # next sub-segment's table rows load while those DMAs are still in flight; copied by the Vector Engine, whose
+        # queue holds the pieces' evictions the phase waits for anyway (on GpSimd the copy, and so the phase's first
+        # matmuls, queued behind the last piece's row scatter: backward 6.581 -> 6.466 ms at full scale)
         ids = ws["dw_ids"]  # write row, add row, cont, first tile; the prefetched expert
-        nisa.tensor_copy(dst=ids[0:1, 0:4], src=row[0:1, 0:4], engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=ids[0:1, 0:4], src=row[0:1, 0:4], engine=nisa.engine.vector)
         if prefetch is not None:
-            nisa.tensor_copy(dst=ids[0:1, 4:5], src=nxt, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=ids[0:1, 4:5], src=nxt, engine=nisa.engine.vector)
 
         def early(i):  # the other half of the resident tiles is free: the weight-gradient phase reads this half
             _load_block([res["dy"], res["x"]], row[0:1, 9:10], [hbm["dout"], hbm["x"]], hbm["index"], row[0:1, 8:9],
