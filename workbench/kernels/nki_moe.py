@@ -135,10 +135,10 @@ SBUF_BYTES = nl.tile_size.total_available_sbuf_size
 SMALL_TILES_BYTES = 1024
 # PSUM banks each piece pool rotates through (`_psum`): with two, the Tensor Engine fills one bank while another
 # engine evicts the other, instead of waiting for the eviction (8 banks: "up to eight outstanding matmul
-# accumulation groups", Trainium2 architecture guide). Forward: 2 + 2 + 1 = 5 banks. Backward: 1 + 2 + 1, and the
-# other 4 for the weight gradients.
-PSUM_BANKS_FWD = {"t": 2, "acc": 2}
-PSUM_BANKS_BWD = {"t": 2, "acc": 2}
+# accumulation groups", Trainium2 architecture guide). 2 + 2 banks in both kernels; the backward's other 4 hold
+# the weight gradients (and, during its pieces, dx: `dx_in_dw_banks`), and its d_affinity row accumulates in the
+# next accumulator in turn (a bank of its own cost the pieces a transpose bank: backward 6.877 -> 6.850 ms without)
+PSUM_BANKS = {"t": 2, "acc": 2}
 # The backward's weight-gradient phase: groups of DW_GROUP_BANKS output bands [<=128, <=512] accumulate together;
 # DW_SETS groups rotate through DW_SETS * DW_GROUP_BANKS banks, so the Tensor Engine fills one group's banks while
 # the Scalar and Vector Engines evict the previous group's (one bank each). With one set of 5 banks evicted by the
@@ -500,7 +500,7 @@ def backward_layout(D, F, io_dtype, widths):
 # plus one block inside SBUF, and the PSUM tiles inside the 8 banks.
 def _psum_pool(io_dtype, banks):
     """The pieces' PSUM tiles: banks["t"] transpose staging banks, banks["acc"] accumulators (each a whole 2 KiB
-    bank), the affinity-gradient row; `_psum` hands them out in turn. A transpose staging bank is two regions of
+    bank); `_psum` hands them out in turn. A transpose staging bank is two regions of
     1 KiB per partition (4 bf16 [128, 128] transposes side by side, `_transposes_into`): the Tensor Engine fills
     one region while the other is evicted."""
     cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
@@ -1064,7 +1064,7 @@ def _forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     FC = f_chunk(D, F, x_pad.dtype.itemsize, 3)
     sets, per_class = forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
     ws = _fwd_workspace(widths, D, FC, x_pad.dtype, hbm["rows"].dtype, FC < F, per_class)
-    ps = _psum_pool(x_pad.dtype, PSUM_BANKS_FWD)
+    ps = _psum_pool(x_pad.dtype, PSUM_BANKS)
     double = None
     # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
     # (loaded at its own start, behind the previous position's weight loads, it would hold up its first piece)
@@ -1715,7 +1715,7 @@ def _backward_segments(pid, S, hbm, piece, seg_table, seg_count, sub_table, hbm_
     tails = []
     for B in _tail_widths(widths):
         tails.append(_resident(B, 1, D, FC, io))
-    ps = _psum_pool(io, PSUM_BANKS_BWD)
+    ps = _psum_pool(io, PSUM_BANKS)
     ps_dw = []
     for _ in range(DW_BANKS):
         ps_dw.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_dw"))
