@@ -298,7 +298,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                 assert [int(loads[:, m].argmax()) for m in range(3)] == [m * len(run) // 3 for m in range(3)]
             # the backward's next down matrix: loaded by the last piece the position runs (its last sub-segment's
             # last class with pieces), every position (the last reloads its own expert)
-            assert kp.piece[run, 8].tolist() == [0] * (len(run) - 1) + [1]
+            assert kp.piece[run, nki_moe.PIECE_DOWN].tolist() == [0] * (len(run) - 1) + [1]
             for j in range(int(row[1]), int(row[2])):
                 sub = kp.sub_table[j]
                 others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
@@ -339,7 +339,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                         seen[r0:r0 + width] += 1
                         real_groups[c] += width // G
                 assert tile_next == t_end and n_tiles >= 1
-                # the tail gathers (columns 9 on, per tail buffer a flag and a slot group): on the last main-tile
+                # the tail gathers (per tail buffer a flag and a slot group): on the last main-tile
                 # piece run, one per tail piece the sub-segment runs, with that piece's slot group
                 bounds = [(int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])) for k in range(L)]
                 mains = [b for k, b in enumerate(bounds) if widths[k] >= ts and b[1] > b[0]]
@@ -348,7 +348,8 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                 for t in range(len(tails_run)):
                     b, e_ = tails_run[t]
                     want = {mains[-1][1] - 1: int(kp.piece[b, 0])} if e_ > b else {}
-                    got = {q: int(kp.piece[q, 10 + 2 * t]) for q in rows if int(kp.piece[q, 9 + 2 * t])}
+                    col = nki_moe.PIECE_TAILS + 2 * t
+                    got = {q: int(kp.piece[q, col + 1]) for q in rows if int(kp.piece[q, col])}
                     assert got == want and e_ - b <= 1
                 if real:
                     subs_of.setdefault(e, []).append((c, write, add))

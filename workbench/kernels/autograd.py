@@ -180,6 +180,7 @@ class KernelPlan:
         piece = torch.cat([piece, _prefetch_flags(piece.shape[0], seg_table, positions, lnc, L),
                            _down_flags(piece.shape[0], subs, sub_cols, int(positions)),
                            _tail_gathers(piece, subs, sub_cols, tiles_k)], 1)
+        assert piece.shape[1] == nki_moe.PIECE_COLS  # the columns the kernels read (nki_moe.PIECE_DOWN, ...)
         zero_rows, zero_count = _zero_fill(experts.groups_E, lnc)
         T = plan.slot_of_assignment_TK.shape[0]
         token_index = F.pad(plan.token_index_N.view(NG, G), (0, 0, 0, lnc * per_block), value=T)  # no-op areas

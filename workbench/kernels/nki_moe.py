@@ -164,8 +164,9 @@ DW_ROW_BANKS = DW_GROUP_BANKS  # a weight-gradient output row is written in segm
 # (the slot granule is 32 whenever a block has tails)
 TAIL_BUFFERS = 2
 # `piece` columns: slot group, slot row, resident tile, own, next, the forward's gate / up / down loads, the
-# backward's down load, per tail buffer a gather flag and slot group (`autograd.KernelPlan`)
-PIECE_COLS = 9 + 2 * TAIL_BUFFERS
+# backward's down load (PIECE_DOWN), per tail buffer a gather flag and slot group (from PIECE_TAILS on)
+PIECE_DOWN, PIECE_TAILS = 8, 9
+PIECE_COLS = PIECE_TAILS + 2 * TAIL_BUFFERS
 
 
 def _ntiles(n, size):
@@ -1008,8 +1009,8 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
     of `piece`; else a tail class's one-tile buffer). `ahead`: rows begin, begin + 1, already loaded (else loaded
     here). `halves`: the backward's sub-segments alternate tile halves (`_backward_block`). `fetch`: the forward's
     (`_fetch_matrices`), or the backward's next down matrix ((dst, src) DMA pairs, loaded by the piece whose
-    column 8 is 1: `_backward_block`). `tails`: the backward's tail buffers and their widths, (buffer, B) in class
-    order, whose rows a main-tile piece gathers where its row says so (columns 9 on: `_backward_block`)."""
+    column PIECE_DOWN is 1: `_backward_block`). `tails`: the backward's tail buffers and their widths, (buffer, B)
+    in class order, whose rows a main-tile piece gathers where its row says so (from PIECE_TAILS on)."""
 
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
@@ -1029,13 +1030,13 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
                 _fetch_matrices(rows, fetch)
             _forward_block(grp, row0, rows[0:1, C:C + 1], hbm, w, ws, ps, B, f0, first)
         else:
-            down = None if fetch is None else (fetch, _register(rows[0:1, 8:9]))
+            down = None if fetch is None else (fetch, _register(rows[0:1, PIECE_DOWN:PIECE_DOWN + 1]))
             tile, gathers = None, None
             if indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
                 tile = rows[0:1, 2:3]
                 tail_gathers = []
                 for t in range(len(tails)):
-                    col = 9 + 2 * t
+                    col = PIECE_TAILS + 2 * t
                     tail_gathers.append((_register(rows[0:1, col:col + 1]), rows[0:1, col + 1:col + 2]) + tails[t])
                 gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
                            rows[0:1, C + 2:C + 3], tail_gathers)
@@ -1650,8 +1651,8 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
     for their evictions, they would wait for the whole phase. `halves`: as in `_backward_block`."""
     TS = tile_slots(widths[0])
     # the next expert's down matrix: loaded by the position's last piece after its dh projection (`piece` column
-    # 8), while its SwiGLU backward and dx keep the Tensor Engine busy; the gate and up matrices, which dx reads,
-    # load during the weight-gradient phase
+    # PIECE_DOWN), while its SwiGLU backward and dx keep the Tensor Engine busy; the gate and up matrices, which dx
+    # reads, load during the weight-gradient phase
     down = None if prefetch is None else _weight_parts(prefetch, nxt, w, (DOWN,))
 
     tail_sets = []
