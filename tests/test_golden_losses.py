@@ -10,8 +10,12 @@ SSE4.1, one thread) and every launch of this module inherits it (other modules m
 machine's own path: `MACHINE_CPU_PATH`; `cached_run` never shares a launch across the two).
 Without the pin, the code paths one AVX-512 machine can be forced to move the curves by up to ~1e-3 (2-rank MoE,
 step 8); `python tests/test_golden_losses.py spread` measures that again. Under the pin a run repeats to the
-last bit, so ATOL only absorbs the JSON round trip; `test_golden_check_catches_a_small_change` shows that a
-small deliberate change (lr x 1.01) still fails the check.
+last bit on one machine, but not quite across CPU models: on an Emerald Rapids Xeon (2026-12-05) the pinned
+2-rank huggingface_v5 MoE curve, recorded on the machine before, came out 4.8e-6, 9.5e-6 and 1.9e-6 off at steps
+5, 7 and 8 (step 6 exact; every other case exact), the same in every repeat and unchanged by MKL_CBWR=
+COMPATIBLE,STRICT, MKL_ENABLE_INSTRUCTIONS, oneDNN's ISA cap or glibc's hwcaps (cause not found). So ATOL is
+2e-5, twice the largest cross-machine difference seen; `test_golden_check_catches_a_small_change` shows that a
+small deliberate change (lr x 1.01) still fails the check by more than 10 x ATOL.
 
 The 2-rank cases use exactly the arguments of runs other tests already make (the first 12 steps of the 30-step
 schedule, `FIRST_12_OF_30`), so `cached_run` shares them within a pytest session. The five 1-rank cases are launches
@@ -54,7 +58,7 @@ from run_helpers import (  # noqa: E402
 pytestmark = pytest.mark.slow
 ASSETS = Path(__file__).parent / "assets" / "losses"
 GOLDEN_STEPS = 8
-ATOL = 1e-6  # a pinned run repeats bit for bit; this only covers float -> JSON -> float
+ATOL = 2e-5  # a pinned run repeats bit for bit on one machine; across CPU models up to 9.5e-6 was seen (above)
 ONE_RANK_STEPS = 4  # the 1-rank cases: the first 4 steps of their schedule (2 ranks: GOLDEN_STEPS of the shared runs)
 SHORT = ("--training.steps", str(ONE_RANK_STEPS), "--lr_scheduler.total_steps", str(GOLDEN_STEPS))
 LONG = FIRST_12_OF_30  # the shared launches
@@ -112,7 +116,7 @@ def test_loss_curve_matches_golden(name, tmp_path_factory):
 
 
 GUARD_CASE = "dense-huggingface_v5-1rank"  # the cheapest case: 1 rank, ONE_RANK_STEPS steps
-CHANGE_STEPS = 2  # lr x 1.01 moves the curve by 3.7e-4 at step 2 (its first update), past 100 x ATOL (measured). The
+CHANGE_STEPS = 2  # lr x 1.01 moves the curve by 3.7e-4 at step 2 (its first update), past 10 x ATOL (measured). The
 # lr schedule stays the GOLDEN_STEPS-step one (lr_scheduler.total_steps), so unchanged, steps 1-2 equal the curve.
 # Only the smallest change is launched: a changed seed (9.2e-3 at step 1) or one token more per document (4.0e-3 at
 # step 1) moved it 10-25x as far when measured, so their launches could not fail while this one passes.
@@ -129,7 +133,7 @@ def test_golden_check_catches_a_small_change(tmp_path):
     losses = losses_by_step(run_dir)
     off = moved(GUARD_CASE, {str(s): losses[s] for s in range(1, CHANGE_STEPS + 1)})
     biggest = max((abs(now - want) for now, want in off.values()), default=0.0)
-    assert biggest > 100 * ATOL, f"lr x 1.01: the golden check did not fail ({off})"
+    assert biggest > 10 * ATOL, f"lr x 1.01: the golden check did not fail ({off})"
 
 
 def test_the_pinned_cpu_path_reaches_child_processes():
