@@ -532,18 +532,27 @@ def _down_flags(rows: int, subs: _SubSegments, sub_cols: list, positions: int) -
             (`_piece_table`), [lnc, S * J] each.
         positions: positions run (`seg_count`).
     """
-    lnc, J, L = sub_cols[0].shape[0], subs.m[0].shape[1], len(subs.m)
-    dev = sub_cols[0].device
-    sj = torch.arange(positions, device=dev) * J + subs.nsub_s[:positions] - 1  # each position's last sub-segment
-    runs = torch.stack([m.reshape(-1)[sj] for m in subs.m], 1)  # [positions, L] pieces every core runs
-    k = L - 1 - (runs > 0).flip(1).long().argmax(1)  # the last class with pieces: the classes run in order
-    if not bool((runs.gather(1, k[:, None]) > 0).all()):
+    J, L = subs.m[0].shape[1], len(subs.m)
+    sj = torch.arange(positions, device=sub_cols[0].device) * J + subs.nsub_s[:positions] - 1  # last sub-segments
+    last, runs = _last_piece_rows(subs, sub_cols, range(L), sj)
+    if not bool(runs.all()):
         raise AssertionError("a position's last sub-segment runs no piece")
-    ends = torch.stack([sub_cols[2 * c + 1][:, sj] for c in range(L)], 2)  # [lnc, positions, L]
-    last = ends.gather(2, k[None, :, None].expand(lnc, positions, 1)) - 1
-    flags = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+    flags = torch.zeros(rows, 1, dtype=torch.int32, device=sj.device)
     flags[last.reshape(-1)] = 1
     return flags
+
+
+def _last_piece_rows(subs: _SubSegments, sub_cols: list, classes, sj: torch.Tensor):
+    """The `piece` row of the last piece each sub-segment `sj` runs among `classes` (the classes run in order).
+
+    Returns:
+        rows [lnc, len(sj)] (per core; where none runs, a row of another sub-segment) and whether one runs,
+        [len(sj)] bool (every core runs the same pieces: `subs.m`).
+    """
+    runs = torch.stack([subs.m[k].reshape(-1)[sj] for k in classes], 1) > 0  # [len(sj), classes]
+    last = runs.shape[1] - 1 - runs.flip(1).long().argmax(1)
+    ends = torch.stack([sub_cols[2 * k + 1][:, sj] for k in classes], 2)  # [lnc, len(sj), classes]
+    return ends.gather(2, last[None, :, None].expand(ends.shape[0], -1, 1))[..., 0] - 1, runs.any(1)
 
 
 def _tail_gathers(piece: torch.Tensor, subs: _SubSegments, sub_cols: list, tiles_k: list) -> torch.Tensor:
@@ -565,13 +574,10 @@ def _tail_gathers(piece: torch.Tensor, subs: _SubSegments, sub_cols: list, tiles
     out = torch.zeros(rows, 2 * nki_moe.TAIL_BUFFERS, dtype=torch.int32, device=dev)
     if not tails:
         return out
-    runs = torch.stack([subs.m[k].reshape(-1) for k in main], 1) > 0  # [S * J, main classes]: pieces run
-    last = len(main) - 1 - runs.flip(1).long().argmax(1)  # the last main class with pieces (classes run in order)
-    ends = torch.stack([sub_cols[2 * k + 1] for k in main], 2)  # [lnc, S * J, main classes]
-    gatherer = ends.gather(2, last[None, :, None].expand(lnc, -1, 1))[..., 0] - 1  # [lnc, S * J]
+    gatherer, runs = _last_piece_rows(subs, sub_cols, main, torch.arange(subs.m[0].numel(), device=dev))
     for i in range(len(tails)):
         has = (subs.m[tails[i]].reshape(-1) > 0)[None, :].expand(lnc, -1)
-        if bool((has & ~runs.any(1)[None, :]).any()):
+        if bool((has & ~runs[None, :]).any()):
             raise AssertionError("a sub-segment runs a tail piece but no main-tile piece to gather its rows")
         group = piece[sub_cols[2 * tails[i]].clamp(max=rows - 1), 0]  # the tail piece's slot group (0/1 per sub)
         out[gatherer[has], 2 * i] = 1

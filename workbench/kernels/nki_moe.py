@@ -1002,15 +1002,16 @@ def _down_narrow(ws, w_down, affinity, B, D, FC, ps):
 
 
 def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch=None, ahead=None, halves=False,
-            tails=()):
+            tails=(), down=None):
     """Rows [begin, end) of `piece` (registers), all of one class of B slots, against the resident F chunk `w` of
     the segment's expert: a compiled loop whose body (one B-slot piece) is traced once. `res` None: the forward
     block; else the backward's buffer set for this class (`indexed`: the main tiles, at the tile index in column 2
     of `piece`; else a tail class's one-tile buffer). `ahead`: rows begin, begin + 1, already loaded (else loaded
     here). `halves`: the backward's sub-segments alternate tile halves (`_backward_block`). `fetch`: the forward's
-    (`_fetch_matrices`), or the backward's next down matrix ((dst, src) DMA pairs, loaded by the piece whose
-    column PIECE_DOWN is 1: `_backward_block`). `tails`: the backward's tail buffers and their widths, (buffer, B)
-    in class order, whose rows a main-tile piece gathers where its row says so (from PIECE_TAILS on)."""
+    share of the next position's weights (`_fetch_matrices`). `down`: the backward's next down matrix ((dst, src)
+    DMA pairs, loaded by the piece whose column PIECE_DOWN is 1: `_backward_block`). `tails`: the backward's tail
+    buffers and their widths, (buffer, B) in class order, whose rows a main-tile piece gathers where its row says so
+    (from PIECE_TAILS on)."""
 
     C = piece.shape[1]
     # the table rows, software-pipelined: each piece copies its rows (its own and the next one's, whose x / dy rows
@@ -1030,7 +1031,7 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
                 _fetch_matrices(rows, fetch)
             _forward_block(grp, row0, rows[0:1, C:C + 1], hbm, w, ws, ps, B, f0, first)
         else:
-            down = None if fetch is None else (fetch, _register(rows[0:1, PIECE_DOWN:PIECE_DOWN + 1]))
+            load_down = None if down is None else (down, _register(rows[0:1, PIECE_DOWN:PIECE_DOWN + 1]))
             tile, gathers = None, None
             if indexed:  # the own / next flags (columns 3, 4) and the next row's slot group and tile
                 tile = rows[0:1, 2:3]
@@ -1040,7 +1041,7 @@ def _pieces(piece, begin, end, hbm, w, ws, res, indexed, ps, B, f0, first, fetch
                     tail_gathers.append((_register(rows[0:1, col:col + 1]), rows[0:1, col + 1:col + 2]) + tails[t])
                 gathers = (_register(rows[0:1, 3:4]), _register(rows[0:1, 4:5]), rows[0:1, C:C + 1],
                            rows[0:1, C + 2:C + 3], tail_gathers)
-            _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves, down)
+            _backward_block(grp, row0, tile, gathers, hbm, w, ws, res, ps, B, f0, first, halves, load_down)
 
     nl.fori_loop(begin, end, body)
 
@@ -1675,7 +1676,7 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
-                    first, down, ahead[1] if ahead is not None and k == 0 else None, halves, tail_sets)
+                    first, None, ahead[1] if ahead is not None and k == 0 else None, halves, tail_sets, down)
         if ahead is not None:  # the next run sub-segment's first class-0 rows (its row is in ahead[0] by now)
             _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
