@@ -1675,8 +1675,9 @@ def _sub_segments(begin, end, sub_table, piece, hbm, w, ws, res, tails, ps, ps_d
             if widths[k] < TS:  # a tail class narrower than a tile: its own one-tile buffer
                 target, indexed = tails[len(tail_bounds)], False
                 tail_bounds.append((p_begin, p_end))
+            rows_ahead = ahead[1] if ahead is not None and k == 0 else None
             _pieces(piece, p_begin, p_end, hbm, w, _ws_view(ws, widths[k]), target, indexed, ps, widths[k], f0,
-                    first, None, ahead[1] if ahead is not None and k == 0 else None, halves, tail_sets, down)
+                    first, ahead=rows_ahead, halves=halves, tails=tail_sets, down=down)
         if ahead is not None:  # the next run sub-segment's first class-0 rows (its row is in ahead[0] by now)
             _row(piece, 0, ahead[0][0:1, SUB_HEAD:SUB_HEAD + 1], 2, ahead[1])
 
