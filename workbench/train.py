@@ -65,7 +65,7 @@ def run(job: JobConfig, info=None) -> Path:
     cfg = build_titan_config(job, info.kind, world_size)
     if info.kind == "cpu":
         cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
-    gc.freeze()  # what the imports made lives as long as the process: out of every later collection
+    gc.freeze()  # the collector is off (main); what the imports made lives as long as the process: out of its passes
     trainer = WorkbenchTrainer(cfg, stop, launch_check=measure.check_on_launch)
     try:
         trainer.train()
