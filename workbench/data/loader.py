@@ -20,7 +20,6 @@ each row going to the member furthest below its share (deterministic; shares exa
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +32,8 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
-from workbench.data import source_root, tokenizer_hash
+from workbench.data import cache_root, source_root, tokenizer_hash
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
-
-
-def cache_root() -> Path:
-    """Where raw datasets are prepared on first use (WORKBENCH_DATA_CACHE, default ~/.cache/workbench/data)."""
-    return Path(os.environ.get("WORKBENCH_DATA_CACHE") or Path.home() / ".cache" / "workbench" / "data")
 
 
 def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:

@@ -1,6 +1,6 @@
 """Tokenize a dataset once into memory-mapped shards; read it back with `Prepared`.
 
-    python -m workbench.data prepare SRC OUT [--workers N] [--strict] [--text-field text] [--tokenizer DIR]
+    python -m workbench.data prepare SRC OUT [--workers N] [--strict] [--text-field text] [--tokenizer DIR] [--chat]
 
 A prepared folder::
 
@@ -8,6 +8,8 @@ A prepared folder::
     OUT/shards/00000.tokens       uint32 token ids: every document's tokens followed by <|endoftext|>
     OUT/shards/00000.docs         int64 end offset of each document in the shard's tokens
     OUT/shards/00000.crc          uint32 crc32 of each 64 KiB block of the tokens (checked on first read)
+    OUT/shards/00000.mask         conversations only: one owner byte per token (`workbench.data.chat`)
+    OUT/shards/00000.mask.crc     uint32 crc32 of the mask's block of each 64 KiB block of tokens
     OUT/shards/00000.json         the shard's record (counts, bad rows, sha256 of .tokens and .docs): it is done
     OUT/manifest.json             the commit point, written last (atomic rename): the folder is complete
 
@@ -20,6 +22,11 @@ Shards are prepared in parallel by `--workers` processes (default: every core), 
 source. Documents longer than `CHUNK_CHARS` characters are tokenized in pieces cut at whitespace, so memory stays
 near the size of the text (a 50 MB single-line document would need ~8 GiB tokenized whole); documents over
 `MAX_DOCUMENT_BYTES` are refused.
+
+Conversations (`--chat`, or auto-detected when the first row has `messages` or `prompt` and `completion` and no text
+field): each row is rendered whole by the tokenizer's chat template (`workbench.data.chat`), stored without a
+separator, with its owner bytes in the `.mask` file beside the tokens. The stop audit: every assistant turn has its
+closing `<|im_end|>` owned as trained, counted per shard and checked again in the manifest, else prepare refuses.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.core.errors import DatasetError
-from workbench.data import DOC_SEPARATOR, document_sources, source_root, tokenizer_dir, tokenizer_hash
+from workbench.data import BUNDLED, DOC_SEPARATOR, document_sources, source_root, tokenizer_dir, tokenizer_hash
 from workbench.data.sources import plan_units, read_unit
 
 FORMAT = 2  # bumped whenever the folder's layout or manifest changes
@@ -53,6 +60,7 @@ CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about thi
 MAX_DOCUMENT_BYTES = 512 << 20  # a longer document is refused (its text alone would have to sit in memory)
 BATCH_CHARS = 1 << 20  # characters per encode_batch call
 BAD_EXAMPLES = 5  # bad-row locations kept per shard (and in the manifest)
+CHAT_BATCH = 256  # conversations rendered, then tokenized together
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +128,7 @@ class _Lock:
 
 def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False, text_field: str = "text",
             tokenizer_path: str = "", shard_bytes: int = SHARD_BYTES, wait: bool = False, progress: bool = True,
-            say=None) -> dict:
+            say=None, chat: bool | None = None) -> dict:
     """Tokenizes `src` into the prepared folder `out` (see the module docstring) and returns its manifest.
 
     Args:
@@ -135,6 +143,7 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
         wait: if another process is preparing `out`, wait for it (the training cache) instead of refusing.
         progress: show a progress bar (tokens/s, ETA) on stderr.
         say: where one-line notes go (default: stderr).
+        chat: rows are conversations (True), documents (False), or whichever the first row is (None).
 
     Raises:
         DatasetError: a missing or empty source, a bad row with `strict`, an over-long document, a dataset without
@@ -143,9 +152,13 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
     say = say or (lambda m: print(f"workbench data: {m}", file=sys.stderr, flush=True))
     out = Path(out)
     src_root = source_root(src)
-    identity = {"format": FORMAT, "source": os.path.abspath(src_root) if src != "shakespeare" else "shakespeare",
+    if chat is None:
+        from workbench.data.chat import detect
+
+        chat = detect(src, text_field)
+    identity = {"format": FORMAT, "source": src if src in BUNDLED else os.path.abspath(src_root),
                 "fingerprint": fingerprint(src), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
-                "text_field": text_field}
+                "text_field": text_field, "mode": "chat" if chat else "text"}
     done = _complete(out, identity)
     if done:
         return done
@@ -167,8 +180,8 @@ def _complete(out: Path, identity: dict) -> dict | None:
         return None
     manifest = json.loads(m.read_text())
     for key, what in (("format", "format version"), ("text_field", "text field"), ("tokenizer_sha256", "tokenizer"),
-                      ("fingerprint", "source fingerprint"), ("source", "source")):
-        if manifest.get(key) != identity[key]:
+                      ("fingerprint", "source fingerprint"), ("source", "source"), ("mode", "mode (text or chat)")):
+        if manifest.get(key, "text" if key == "mode" else None) != identity[key]:
             raise DatasetError(
                 f"{out} was prepared with another {what} ({manifest.get(key)!r}, now {identity[key]!r}): "
                 + ("the source changed since prepare." if key == "fingerprint" else "it is another dataset."),
@@ -177,7 +190,8 @@ def _complete(out: Path, identity: dict) -> dict | None:
 
 
 def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes, progress, say):
-    units = plan_units(src, text_field, shard_bytes)
+    chat = identity["mode"] == "chat"
+    units = plan_units(src, None if chat else text_field, shard_bytes)
     shards, acc = [], []
     for u in units:  # consecutive units up to shard_bytes: a shard is a run of documents in the fixed order
         acc.append(u)
@@ -205,7 +219,7 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
         say(f"resuming {out}: {len(records)} of {len(shards)} shards done and verified")
     workers = min(workers or os.cpu_count() or 1, max(len(pending), 1))
     job = {"tokenizer": str(tokenizer_dir(tokenizer_path) / "tokenizer.json"), "text_field": text_field,
-           "strict": strict, "dir": str(sdir)}
+           "strict": strict, "dir": str(sdir), "chat": chat}
     bar = _Progress(total, sum(u["bytes"] for i in records for u in shards[i]), progress)
     try:
         if workers <= 1:
@@ -237,6 +251,11 @@ def _check(record: dict) -> dict:
 
 def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
     counts = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_documents", "bad_rows")}
+    chat = plan["mode"] == "chat"
+    if chat:
+        from workbench.data.chat import audit
+
+        counts |= audit(records, plan["source"])
     bad = [b for r in records for b in r["bad_examples"]][:BAD_EXAMPLES]
     if counts["documents"] == 0:
         where = f" (first: {'; '.join(bad)})" if bad else ""
@@ -248,13 +267,19 @@ def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
             first_text = before + r["first_text"]
         before += r["documents"]
     counts["first_text_document"] = first_text
-    manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field")}
-    manifest |= {**counts, "bad_examples": bad, "separator": DOC_SEPARATOR, "dtype": "uint32",
+    manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field", "mode")}
+    manifest |= {**counts, "bad_examples": bad, "separator": None if chat else DOC_SEPARATOR, "dtype": "uint32",
                  "shards": [{k: r[k] for k in ("name", "documents", "tokens", "sha256")} for r in records]}
     _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
-    line = f"prepared {out}: {counts['documents']:,} documents, {counts['tokens']:,} tokens, {len(records)} shards"
+    line = f"prepared {out}: {counts['documents']:,} {'conversations' if chat else 'documents'}, " \
+           f"{counts['tokens']:,} tokens, {len(records)} shards"
+    if chat:
+        line += f"; stop audit: {counts['trained_ends']:,} trained <|im_end|> = {counts['assistant_turns']:,} " \
+                "assistant turns"
     if counts["bad_rows"]:
-        line += f"; skipped {counts['bad_rows']:,} bad row(s), first: {'; '.join(bad)}"
+        kinds = counts.get("bad_kinds")
+        line += f"; skipped {counts['bad_rows']:,} bad row(s)" + (
+            f" ({', '.join(f'{n:,} {k}' for k, n in kinds.items())})" if kinds else "") + f", first: {'; '.join(bad)}"
     say(line)
     return manifest
 
@@ -292,6 +317,10 @@ def _init_worker(job: dict, q) -> None:
     st = Path(job["tokenizer"]).stat()
     tok = _tokenizer(job["tokenizer"], st.st_size, st.st_mtime_ns)
     _WORKER.update(job, tok=tok, sep=tok.token_to_id(DOC_SEPARATOR), queue=q)
+    if job.get("chat"):
+        from workbench.data.chat import hf_tokenizer
+
+        _WORKER["hf"] = hf_tokenizer(Path(job["tokenizer"]).parent)
     if _WORKER["sep"] is None:
         raise ValueError(f"The tokenizer has no {DOC_SEPARATOR!r} token to separate documents.")
 
@@ -339,10 +368,55 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     n_tokens = text_docs = bad = 0
     first_text = -1  # the shard's first document with text
     bad_examples: list[str] = []
-    batch: list[str] = []
+    batch: list = []
     batch_chars = 0
+    chat = w.get("chat")
+    talk = {"assistant_turns": 0, "trained_ends": 0, "bad_kinds": {}}  # conversations: the stop audit's counts
     tmp = sdir / f"{name}.tokens.tmp"
-    with tmp.open("wb") as f:
+    with tmp.open("wb") as f, (sdir / f"{name}.mask.tmp").open("wb") if chat else open(os.devnull, "wb") as mask:
+
+        def skip(where: str, reason: str, kind: str = "") -> dict | None:
+            """Counts a bad row, or (strict) returns the error that refuses it."""
+            nonlocal bad
+            if w["strict"]:
+                return {"error": f"bad row {where}: {reason} (prepare --strict).",
+                        "fix": "fix or remove that row, or prepare without --strict to skip bad rows."}
+            bad += 1
+            if kind:
+                talk["bad_kinds"][kind] = talk["bad_kinds"].get(kind, 0) + 1
+            if len(bad_examples) < BAD_EXAMPLES:
+                bad_examples.append(f"{where} ({reason})")
+            return None
+
+        def flush_chat() -> dict | None:
+            """Renders the batch of conversations and writes their tokens and owner bytes."""
+            nonlocal n_tokens, first_text, text_docs
+            from workbench.data.chat import BadConversation, render
+
+            try:
+                rendered = render(w["hf"], [row for _, row in batch])
+            except ValueError as e:  # the stop audit: a template this reader does not understand
+                return {"error": f"{batch[0][0]}..: {e}.", "fix": "train with a Qwen3-style chat template "
+                        "(tokenizer_config.json chat_template), or report the template."}
+            chars = tokens = 0
+            for (where, _), r in zip(batch, rendered, strict=True):
+                if isinstance(r, BadConversation):
+                    if err := skip(where, str(r), r.kind):
+                        return err
+                    continue
+                r.ids.tofile(f)
+                r.owners.tofile(mask)
+                n_tokens += len(r.ids)
+                tokens += len(r.ids)
+                chars += r.chars
+                first_text = len(ends) if first_text < 0 else first_text
+                text_docs += 1
+                ends.append(n_tokens)
+                talk["assistant_turns"] += r.assistant_turns
+                talk["trained_ends"] += r.trained_ends
+            report(chars, tokens)
+            batch.clear()
+            return None
 
         def flush() -> None:
             nonlocal n_tokens, batch_chars
@@ -360,14 +434,15 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
             batch_chars = 0
 
         for unit in units:
-            for where, text, reason in read_unit(unit, field):
+            for where, text, reason in read_unit(unit, None if chat else field):
                 if text is None:
-                    if w["strict"]:
-                        return {"error": f"bad row {where}: {reason} (prepare --strict).",
-                                "fix": "fix or remove that row, or prepare without --strict to skip bad rows."}
-                    bad += 1
-                    if len(bad_examples) < BAD_EXAMPLES:
-                        bad_examples.append(f"{where} ({reason})")
+                    if err := skip(where, reason, "unreadable" if chat else ""):
+                        return err
+                    continue
+                if chat:
+                    batch.append((where, text))
+                    if len(batch) >= CHAT_BATCH and (err := flush_chat()):
+                        return err
                     continue
                 if len(text) > MAX_DOCUMENT_BYTES:
                     return {"error": f"{where}: a document of {len(text):,} characters is over the limit of "
@@ -390,30 +465,51 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
                 batch_chars += len(text)
                 if batch_chars >= BATCH_CHARS:
                     flush()
+        if chat and batch and (err := flush_chat()):
+            return err
         flush()
-        f.flush()
-        os.fsync(f.fileno())
+        for g in (f, mask) if chat else (f,):
+            g.flush()
+            os.fsync(g.fileno())
+    if chat:
+        os.replace(sdir / f"{name}.mask.tmp", sdir / f"{name}.mask")
     np.asarray(ends, dtype=np.int64).tofile(sdir / f"{name}.docs.tmp")
     os.replace(sdir / f"{name}.docs.tmp", sdir / f"{name}.docs")
     os.replace(tmp, sdir / f"{name}.tokens")
     send(max(sum(u["bytes"] for u in units) - reported, 0), 0)  # the rest of the shard's bytes (JSON, escapes)
     crc, sha = _scan(sdir, name)
     crc.tofile(sdir / f"{name}.crc")
+    if chat:
+        _block_crcs(sdir / f"{name}.mask", BLOCK_TOKENS).tofile(sdir / f"{name}.mask.crc")
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
               "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "sha256": sha}
+    if chat:
+        record |= talk
     _atomic_write(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
     return record
 
 
 def _scan(sdir: Path, name: str) -> tuple[np.ndarray, str]:
-    """crc32 of every 64 KiB block of the tokens, and one sha256 over the tokens then the document index."""
+    """crc32 of every 64 KiB block of the tokens, and one sha256 over the tokens, the document index, then the
+    owner bytes of a conversation shard."""
     h, crcs = hashlib.sha256(), []
     with (sdir / f"{name}.tokens").open("rb") as f:
         while block := f.read(BLOCK_TOKENS * 4):
             crcs.append(zlib.crc32(block))
             h.update(block)
     h.update((sdir / f"{name}.docs").read_bytes())
+    if (mask := sdir / f"{name}.mask").is_file():
+        h.update(mask.read_bytes())
     return np.asarray(crcs, dtype=np.uint32), h.hexdigest()
+
+
+def _block_crcs(path: Path, block_bytes: int) -> np.ndarray:
+    """crc32 of every `block_bytes` block of a file."""
+    crcs = []
+    with path.open("rb") as f:
+        while block := f.read(block_bytes):
+            crcs.append(zlib.crc32(block))
+    return np.asarray(crcs, dtype=np.uint32)
 
 
 def _map_tokens(path: Path) -> mmap.mmap:
@@ -476,11 +572,16 @@ class Prepared:
                     f"{src} changed since it was prepared into {self.folder} (source fingerprint "
                     f"{self.manifest['fingerprint'][:16]} then, {now[:16]} now).",
                     f"prepare it again into a new folder (or delete {self.folder} first).")
-        self.tokens, ends, self._crc, self._checked, self._maps = [], [], [], [], []
+        self.chat = self.manifest.get("mode") == "chat"  # conversations: owner bytes beside the tokens
+        self.tokens, ends, self._maps = [], [], []
+        self._crc: dict[str, list] = {"tokens": [], "mask": []}
+        self._checked: dict[str, list] = {"tokens": [], "mask": []}
         sdir = self.folder / "shards"
         for s in self.manifest["shards"]:
             t, d = sdir / f"{s['name']}.tokens", sdir / f"{s['name']}.docs"
-            for f, want in ((t, s["tokens"] * 4), (d, s["documents"] * 8)):
+            sizes = ((t, s["tokens"] * 4), (d, s["documents"] * 8)) + ((sdir / f"{s['name']}.mask", s["tokens"]),) * \
+                self.chat
+            for f, want in sizes:
                 if not f.is_file() or f.stat().st_size != want:
                     raise DatasetError(f"shard {f} is truncated or missing ({f.stat().st_size if f.is_file() else 0:,} "
                                        f"bytes, the manifest says {want:,}).",
@@ -489,8 +590,9 @@ class Prepared:
             self.tokens.append(np.frombuffer(self._maps[-1], dtype=np.uint32) if s["tokens"] else
                                np.zeros(0, dtype=np.uint32))
             ends.append(np.fromfile(d, dtype=np.int64))
-            self._crc.append(np.fromfile(sdir / f"{s['name']}.crc", dtype=np.uint32))
-            self._checked.append(np.zeros(len(self._crc[-1]), dtype=bool))
+            for what, crc_file in (("tokens", f"{s['name']}.crc"), ("mask", f"{s['name']}.mask.crc"))[:1 + self.chat]:
+                self._crc[what].append(np.fromfile(sdir / crc_file, dtype=np.uint32))
+                self._checked[what].append(np.zeros(len(self._crc[what][-1]), dtype=bool))
         self.shard_docs = np.cumsum([0] + [len(e) for e in ends])  # global index of each shard's first document
         self._starts = [np.concatenate([[0], e[:-1]]) for e in ends]
         self.lengths = np.concatenate([np.diff(e, prepend=0) for e in ends]) if ends else np.zeros(0, np.int64)
@@ -522,21 +624,31 @@ class Prepared:
         end = min(-(-(base + stop) * 4 // UNMAP_ALIGN) * UNMAP_ALIGN, len(self._maps[s]))
         self._maps[s].madvise(mmap.MADV_DONTNEED, first, end - first)
 
-    def _verify(self, s: int, a: int, b: int) -> None:
-        """The crc of every 64 KiB block of shard s that tokens [a, b) touch, once per block: read with pread, not
-        through the map, so a check maps nothing into this process."""
+    def owners(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Owner bytes [start, stop) of conversation i (one per token; `workbench.data.chat`), crc-checked."""
+        s, base = self._locate(i)
+        stop = int(self.lengths[i]) if stop is None else stop
+        self._verify(s, base + start, base + stop, "mask")
+        with (self.folder / "shards" / f"{self.manifest['shards'][s]['name']}.mask").open("rb") as f:
+            return np.frombuffer(os.pread(f.fileno(), stop - start, base + start), dtype=np.uint8)
+
+    def _verify(self, s: int, a: int, b: int, what: str = "tokens") -> None:
+        """The crc of every block of shard s (64 KiB of tokens, or their owner bytes: `what` = "mask") that tokens
+        [a, b) touch, once per block: read with pread, not through the map, so a check maps nothing into this
+        process."""
+        width = 4 if what == "tokens" else 1
         for blk in range(a // BLOCK_TOKENS, (b - 1) // BLOCK_TOKENS + 1 if b > a else 0):
-            if not self._checked[s][blk]:
+            if not self._checked[what][s][blk]:
                 name = self.manifest["shards"][s]["name"]
-                with (self.folder / "shards" / f"{name}.tokens").open("rb") as f:
-                    data = os.pread(f.fileno(), BLOCK_TOKENS * 4, blk * BLOCK_TOKENS * 4)
-                if zlib.crc32(data) != int(self._crc[s][blk]):
+                with (self.folder / "shards" / f"{name}.{what}").open("rb") as f:
+                    data = os.pread(f.fileno(), BLOCK_TOKENS * width, blk * BLOCK_TOKENS * width)
+                if zlib.crc32(data) != int(self._crc[what][s][blk]):
                     raise DatasetError(
-                        f"shard {self.folder / 'shards' / name}.tokens is corrupt: checksum mismatch in block {blk} "
+                        f"shard {self.folder / 'shards' / name}.{what} is corrupt: checksum mismatch in block {blk} "
                         f"(tokens {blk * BLOCK_TOKENS:,}+).",
                         f"prepare again: delete {self.folder} and run python -m workbench.data prepare SRC "
                         f"{self.folder}.")
-                self._checked[s][blk] = True
+                self._checked[what][s][blk] = True
 
     def verify(self) -> None:
         """Checks every shard's sha256 against the manifest (the whole dataset is read).

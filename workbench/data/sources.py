@@ -6,6 +6,7 @@ from file sizes and parquet metadata only, so planning never reads the text.
 
 A bad row is a null, a value that is not a string, a line that is not JSON (or not an object, or without the text
 field), or bytes that are not UTF-8; it is reported as `file:line` (jsonl, text files) or `file:row` (parquet, arrow).
+With `text_field=None` (conversations, `prepare --chat`) a row is the whole record, checked by `workbench.data.chat`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from workbench.data import document_sources
 Unit = dict  # {"kind", "path", "start", "stop", "first", "bytes"}: see `plan_units`
 
 
-def plan_units(dataset: str, text_field: str, unit_bytes: int) -> list[Unit]:
+def plan_units(dataset: str, text_field: str | None, unit_bytes: int) -> list[Unit]:
     """Cuts a raw dataset into units of about `unit_bytes` of source each, in the dataset's fixed order.
 
     Raises:
@@ -76,14 +77,15 @@ def _count_newlines(f, n: int) -> int:
     return count
 
 
-def _check_column(path: Path, names: list[str], field: str) -> None:
-    if field not in names:
+def _check_column(path: Path, names: list[str], field: str | None) -> None:
+    if field is not None and field not in names:
         raise DatasetError(f"{path} has no column {field!r} (training.dataset_text_field); columns: {names}.",
                            f"pass --text-field with one of {names} (training.dataset_text_field).")
 
 
-def read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | None, str]]:
-    """The documents of a unit: (location, text, "") for a good row, (location, None, reason) for a bad one."""
+def read_unit(unit: Unit, text_field: str | None) -> Iterator[tuple[str, str | dict | None, str]]:
+    """The documents of a unit: (location, text, "") for a good row, (location, None, reason) for a bad one; with
+    `text_field=None`, (location, the whole row, "") for a row that is an object."""
     path = Path(unit["path"])
     kind = unit["kind"]
     if kind == "text":
@@ -107,7 +109,7 @@ def read_unit(unit: Unit, text_field: str) -> Iterator[tuple[str, str | None, st
         row = unit["first"]
         for column in _arrow_columns(unit, text_field):
             for value in column:
-                yield _value(f"{path}:row {row}", value, text_field)
+                yield _value(f"{path}:row {row}", value, text_field) if text_field else (f"{path}:row {row}", value, "")
                 row += 1
 
 
@@ -124,6 +126,8 @@ def _jsonl_row(where: str, line: bytes, field: str) -> Iterator[tuple[str, str |
         return
     if not isinstance(row, dict):
         yield where, None, f"a JSON {type(row).__name__}, not an object"
+    elif field is None:
+        yield where, row, ""
     elif field not in row:
         yield where, None, f"no {field!r} key (keys: {sorted(row)[:8]})"
     else:
@@ -138,8 +142,9 @@ def _value(where: str, value, field: str) -> tuple[str, str | None, str]:
     return where, value, ""
 
 
-def _arrow_columns(unit: Unit, field: str) -> Iterator[list]:
-    """The text column of a parquet unit's row groups, or of an .arrow file's record batches, a batch at a time."""
+def _arrow_columns(unit: Unit, field: str | None) -> Iterator[list]:
+    """The text column of a parquet unit's row groups, or of an .arrow file's record batches, a batch at a time
+    (field None: the rows as dicts)."""
     import pyarrow as pa
 
     path = Path(unit["path"])
@@ -148,7 +153,8 @@ def _arrow_columns(unit: Unit, field: str) -> Iterator[list]:
 
         pf = pq.ParquetFile(path)
         for i in range(unit["start"], unit["stop"]):
-            yield pf.read_row_group(i, columns=[field]).column(field).to_pylist()
+            yield pf.read_row_group(i).to_pylist() if field is None else \
+                pf.read_row_group(i, columns=[field]).column(field).to_pylist()
         return
     with pa.memory_map(str(path)) as source:
         try:
@@ -161,4 +167,4 @@ def _arrow_columns(unit: Unit, field: str) -> Iterator[list]:
             batches = iter(reader)
         for batch in batches:
             _check_column(path, batch.schema.names, field)
-            yield batch.column(field).to_pylist()
+            yield batch.to_pylist() if field is None else batch.column(field).to_pylist()
