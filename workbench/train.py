@@ -29,7 +29,7 @@ from pathlib import Path
 
 from workbench.core.config import JobConfig, check_device, help_text, load_config
 from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
-from workbench.platform.dist_utils import StopRequest, rank
+from workbench.platform.dist_utils import StopRequest, rank, say
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -86,15 +86,21 @@ def check_inputs(job: JobConfig) -> None:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
-    from workbench.data.loader import Stream, open_dataset
+    from workbench.data.loader import member_rows, open_dataset
+    from workbench.data.packing import ChatRows
 
+    t = job.training
     try:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    for name, prepared, _ in open_dataset(job.training.dataset, job.model.tokenizer_path,
-                                          job.training.dataset_text_field):
-        Stream(prepared, job.job.seed, job.training.holdout_docs, name)  # refuses a holdout that leaves nothing
+    for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
+        # refuses a holdout that leaves nothing; conversations are packed here (cached for the ranks' loaders)
+        rows = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
+                           t.chat_options())
+        if isinstance(rows, ChatRows):
+            say(f"workbench: {rows.describe()}")
+            rows.check_dropped(t.max_dropped)
 
 
 def _exit(e: WorkbenchError) -> None:

@@ -303,6 +303,20 @@ class Training:
     [tokens, vocab] logits never exist at once; same loss and gradients. 0 = plain loss."""
     holdout_docs: int = 1
     """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """Conversations: the targets trained: every assistant turn's reply and its closing <|im_end|> (assistant), the
+    last assistant turn's only (last_assistant), or every token (all). System, user and tool turns only with all."""
+    train_thinking: bool = True
+    """Conversations: train the <think>...</think> blocks of trained assistant turns (where the template keeps them)."""
+    train_tool_calls: bool = True
+    """Conversations: train the <tool_call>...</tool_call> blocks of trained assistant turns."""
+    overlong: Literal["truncate", "split", "drop"] = "truncate"
+    """Conversations longer than seq_len: keep the first piece cut at a turn boundary (truncate), every such piece
+    (split), or none (drop). A piece without a trained token is dropped."""
+    pack_window: int = 0
+    """Conversations: best-fit packing over windows of this many conversations (>= 10000); 0 = the whole set."""
+    max_dropped: float = 0.05
+    """Conversations: refuse the launch when more than this share of them is dropped (too long, nothing trained)."""
 
     def check(self, job: JobConfig, world_size: int) -> None:
         tp = job.parallelism.tp
@@ -319,6 +333,10 @@ class Training:
             raise ConfigError(f"training.seq_len={self.seq_len} must be divisible by parallelism.tp={tp}.")
         if self.holdout_docs < 0:
             raise ConfigError(f"training.holdout_docs must be >= 0; got {self.holdout_docs}.")
+        if self.pack_window and self.pack_window < 10_000:
+            raise ConfigError(f"training.pack_window={self.pack_window}: 0 packs the whole set, a window needs at "
+                              "least 10000 conversations (best-fit needs a wide choice).")
+        check_range("training.max_dropped", self.max_dropped, 0, 1)
         if self.loss_chunks < 0 or (self.loss_chunks and self.seq_len % (self.loss_chunks * max(tp, 1))):
             raise ConfigError(f"training.loss_chunks={self.loss_chunks} must be 0 (plain loss) or divide "
                               f"training.seq_len ({self.seq_len}) per tensor-parallel rank; "
@@ -338,6 +356,11 @@ class Training:
                     "steps); set only one of them."
                 )
 
+
+    def chat_options(self) -> dict:
+        """The conversation packing options (`workbench.data.packing.PackSpec` fields)."""
+        return {"loss_on": self.loss_on, "train_thinking": self.train_thinking,
+                "train_tool_calls": self.train_tool_calls, "overlong": self.overlong, "window": self.pack_window}
 
     def check_dataset_path(self) -> None:
         """training.dataset as a path: not empty (never the working directory by accident), of a length the file

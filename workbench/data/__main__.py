@@ -1,4 +1,5 @@
-"""`python -m workbench.data prepare SRC OUT [--workers N] [--strict]` (see `workbench.data.prepare`)."""
+"""`python -m workbench.data prepare SRC OUT [--chat] ...`, `verify OUT`, `inspect OUT --seq-len L --rows A:B [--json]`
+(see `workbench.data.prepare` and `workbench.data.view`)."""
 
 import sys
 

@@ -15,13 +15,17 @@ A raw `training.dataset` (the bundled "shakespeare", a folder of text, jsonl, pa
 into a cache folder (`WORKBENCH_DATA_CACHE`, default ~/.cache/workbench/data), under a lock: the first rank does it
 with a progress bar, the others wait. Mixtures: `training.dataset = "A:0.7,B:0.3"` blends datasets row by row,
 each row going to the member furthest below its share (deterministic; shares exact to one row).
+
+Conversations (a folder prepared with `--chat`, or "chitchat") are not a token stream: their rows come from
+`workbench.data.packing.ChatRows` (best-fit-decreasing, positions restarting per conversation, labels -100 where
+nothing is trained), the same global-row contract.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
 from workbench.data import cache_root, source_root, tokenizer_hash
+from workbench.data.packing import ChatRows, PackSpec
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
 
 
@@ -129,6 +134,16 @@ class Stream:
         return out
 
 
+def member_rows(name: str, prepared: Prepared, seq_len: int, seed: int, holdout_docs: int, tokenizer_path: str = "",
+                chat: dict | None = None) -> Stream | ChatRows:
+    """One member's rows: a conversation set packed (`ChatRows`, options `chat` = PackSpec fields), or a text
+    stream."""
+    if prepared.chat:
+        spec = PackSpec(seq_len=seq_len, seed=seed, holdout=holdout_docs, **(chat or {}))
+        return ChatRows(prepared, spec, name, tokenizer_path)
+    return Stream(prepared, seed, holdout_docs, name)
+
+
 class PackedDataset(IterableDataset, Stateful):
     """Infinite stream of packed rows for one data-parallel rank (see the module docstring).
 
@@ -141,13 +156,15 @@ class PackedDataset(IterableDataset, Stateful):
         seed: seeds the per-epoch document order.
         text_field: key/column of the text in raw jsonl/parquet/arrow.
         holdout_docs: documents at the end of each member's fixed order reserved for evaluation (excluded here).
+        chat: conversation members' packing options (`PackSpec` fields: loss_on, overlong, ...).
     """
 
     def __init__(self, dataset: str, tokenizer_path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
-                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0):
+                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0, chat: dict | None = None):
         members = open_dataset(dataset, tokenizer_path, text_field)
         self.names = [m[0] for m in members]
-        self.streams = [Stream(p, seed, holdout_docs, name) for name, p, _ in members]
+        self.streams = [member_rows(name, p, seq_len, seed, holdout_docs, tokenizer_path, chat)
+                        for name, p, _ in members]
         self.weights = np.asarray([w for *_, w in members])
         self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
         self._state = {"row": 0, "counts": [0] * len(members)}
@@ -171,7 +188,12 @@ class PackedDataset(IterableDataset, Stateful):
             if len(counts) == 1:
                 counts[0] += self.dp_world_size
             self._state = {"row": g + self.dp_world_size, "counts": counts}  # the global position once all ranks
-            t = torch.from_numpy(self.streams[member].read(index * row_len, row_len))  # have taken their row
+            src = self.streams[member]  # have taken their row
+            if isinstance(src, ChatRows):
+                ids, labels, pos = (torch.from_numpy(a) for a in src.row(index))
+                yield {"input": ids, "positions": pos}, labels
+                continue
+            t = torch.from_numpy(src.read(index * row_len, row_len))
             yield {"input": t[:-1], "positions": positions}, t[1:]
 
     def state_dict(self) -> dict[str, Any]:
@@ -218,12 +240,14 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         tokenizer_path: str = ""
         seed: int = 0
         holdout_docs: int = 0
+        chat: dict = field(default_factory=dict)
+        """Conversation members' packing options (`workbench.data.packing.PackSpec` fields)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # the prepared folders hold token ids already
         self.packed = PackedDataset(config.dataset, config.tokenizer_path, seq_len, dp_rank, dp_world_size,
-                                    config.seed, config.text_field, config.holdout_docs)
+                                    config.seed, config.text_field, config.holdout_docs, config.chat)
         super().__init__(self.packed, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
                          num_workers=0, snapshot_every_n_steps=snapshot_every_n_steps)
 
