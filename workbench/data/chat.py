@@ -19,11 +19,14 @@ The owner byte of a token (`kind | LAST_TURN`) says what the token is as a *targ
 
     0 TEMPLATE   markup: `<|im_start|>role\\n`, the newline after `<|im_end|>`, a non-assistant `<|im_end|>`
     1 SYSTEM     2 USER     3 TOOL (a tool response)
-    4 CONTENT    an assistant turn's reply text
-    5 THINK      an assistant turn's `<think>...</think>\\n\\n` block (the template keeps it in the last turns only)
-    6 TOOL_CALL  an assistant turn's `<tool_call>...</tool_call>` blocks (with the newline before each)
+    4 THINK      an assistant turn's `<think>...</think>\\n\\n` block (the template keeps it in the last turns only)
+    5 TOOL_CALL  an assistant turn's `<tool_call>...</tool_call>` blocks (with the newline before each)
+    6 CONTENT    an assistant turn's reply text
     7 END        the `<|im_end|>` that closes an assistant turn (the stop token the model must learn)
     +8 LAST_TURN the token belongs to the conversation's last assistant turn
+
+A token whose characters have several owners (BPE merges across a boundary, e.g. the header's newline with a reply
+that starts with one) takes the highest kind: the kinds are numbered so that what is trained wins.
 
 Which kinds are trained is `training.loss_on` with `training.train_thinking` / `train_tool_calls` (`trained_lut`):
 the mask is stored per owner, so changing them needs no new prepare.
@@ -39,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-TEMPLATE, SYSTEM, USER, TOOL, CONTENT, THINK, TOOL_CALL, END = range(8)
+TEMPLATE, SYSTEM, USER, TOOL, THINK, TOOL_CALL, CONTENT, END = range(8)  # the order is a priority (see above)
 LAST_TURN = 8
-KIND_NAMES = ("template", "system", "user", "tool", "content", "think", "tool_call", "end")
+KIND_NAMES = ("template", "system", "user", "tool", "think", "tool_call", "content", "end")
 ROLES = ("system", "user", "assistant", "tool")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CONTROL_TOKENS = (IM_START, IM_END, "<|endoftext|>")  # refused inside text: they would forge a turn boundary
@@ -327,7 +330,7 @@ def render(tok, rows: list) -> list[Rendered | BadConversation]:
                                         slots, strict=True):
         ids = np.asarray(enc.ids, dtype=np.uint32)
         starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(ids))
-        owners = char_owners(text)[starts]
+        owners = np.maximum.reduceat(char_owners(text), starts) if len(ids) else np.zeros(0, np.uint8)
         r = Rendered(ids, owners, turns, len(text))
         ends = int(((owners & 7) == END)[ids == end_id].sum())
         if ends != turns or r.trained_ends != turns:

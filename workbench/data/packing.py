@@ -19,6 +19,7 @@ it to data-parallel rank g % W), so a run resumes on any number of ranks from th
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.core.errors import DatasetError
-from workbench.data import DOC_SEPARATOR, cache_root
+from workbench.data import DOC_SEPARATOR, cache_root, tokenizer_dir
 from workbench.data.chat import IM_START, LOSS_ON, trained_lut
 from workbench.data.prepare import Prepared
 
@@ -197,16 +198,13 @@ class ChatRows:
     """
 
     def __init__(self, prepared: Prepared, spec: PackSpec, name: str, tokenizer_path: str = ""):
-        from workbench.data import load_tokenizer
-
         check_spec(spec)
         self.p, self.spec, self.name = prepared, spec, name
         self.n = len(prepared) - spec.holdout
         if self.n <= 0:
             raise DatasetError(f"training.holdout_docs={spec.holdout} leaves no training conversations "
                                f"({len(prepared)} in {name!r}).", "lower --training.holdout_docs.")
-        tok = load_tokenizer(tokenizer_path)
-        self.start_id, self.pad_id = tok.token_to_id(IM_START), tok.token_to_id(DOC_SEPARATOR)
+        self.start_id, self.pad_id = _turn_and_pad_ids(str(tokenizer_dir(tokenizer_path) / "tokenizer.json"))
         self.lut = spec.lut()
         self.dir = cache_root() / "packing" / self._key()
         self.items, self.counts = self._pieces()
@@ -316,6 +314,15 @@ def check_spec(spec: PackSpec) -> None:
     if spec.window and spec.window < MIN_WINDOW:
         raise DatasetError(f"training.pack_window={spec.window}: a window under {MIN_WINDOW:,} conversations packs "
                            "poorly.", f"use 0 (the whole set) or at least {MIN_WINDOW:,}.")
+
+
+@functools.cache
+def _turn_and_pad_ids(tokenizer_json: str) -> tuple[int, int]:
+    """The ids of <|im_start|> (where turns start) and <|endoftext|> (the padding), read once per process."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    return tok.token_to_id(IM_START), tok.token_to_id(DOC_SEPARATOR)
 
 
 def _atomic(path: Path, write) -> None:
