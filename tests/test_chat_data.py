@@ -240,7 +240,8 @@ def test_bundled_packing_at_4096_pads_under_one_percent_and_drops_nothing(bundle
     pieces, offsets = rows.epoch(0)
     assert sorted(pieces[:, 0].tolist()) == list(range(4007))
     assert (np.diff(offsets) > 0).all()
-    assert all((pieces[a:b, 2] - pieces[a:b, 1]).sum() <= 4096 for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+    assert all((pieces[a:b, 2] - pieces[a:b, 1] - 1).sum() <= 4096
+               for a, b in zip(offsets[:-1], offsets[1:], strict=True))
 
 
 def test_packing_is_a_function_of_seed_and_epoch(bundled, cache):
@@ -262,12 +263,13 @@ def test_rows_hold_whole_pieces_with_restarting_positions_and_labels_only_on_tra
         ids, labels, pos = rows.row(g)
         at = 0
         for i, a, b in rows.row_pieces(g).tolist():
-            n = b - a
-            assert ids[at:at + n].tolist() == bundled.document(i, a, b).tolist()
-            assert pos[at:at + n].tolist() == list(range(n))
+            n = b - a - 1  # the piece's last token is a target only
+            tokens = bundled.document(i, a, b).astype(np.int64)
+            assert ids[at:at + n].tolist() == tokens[:-1].tolist() and pos[at:at + n].tolist() == list(range(n))
             trained = lut[bundled.owners(i, a + 1, b)]
-            assert labels[at:at + n - 1].tolist() == np.where(trained, ids[at + 1:at + n], -100).tolist()
-            assert labels[at + n - 1] == -100  # no target crosses a document boundary
+            assert labels[at:at + n].tolist() == np.where(trained, tokens[1:], -100).tolist()
+            if b == bundled.lengths[i]:  # a whole conversation's last target is the newline after <|im_end|>
+                assert labels[at + n - 1] == -100
             at += n
         assert (labels[at:] == -100).all() and pos[at:].tolist() == list(range(256 - at))
         assert (labels != -100).any()
@@ -276,16 +278,16 @@ def test_rows_hold_whole_pieces_with_restarting_positions_and_labels_only_on_tra
 def test_truncate_split_and_drop(bundled, cache):
     t, s, d = (packing.ChatRows(bundled, spec(seq_len=2048, overlong=o), "chitchat") for o in packing.OVERLONG)
     st_t, st_s, st_d = t.stats(), s.stats(), d.stats()
-    over = sum(int(bundled.lengths[i]) > 2048 for i in range(4007))
-    assert st_t["overlong"] == st_s["overlong"] == st_d["dropped"] == over == 410
+    over = sum(int(bundled.lengths[i]) > 2049 for i in range(4007))
+    assert st_t["overlong"] == st_s["overlong"] == st_d["dropped"] == over == 409
     assert st_t["dropped"] == st_s["dropped"] == 0
     assert st_t["pieces"] == 4007 and st_s["pieces"] > 4007 and st_d["pieces"] == 4007 - over
     assert st_s["cut_tokens"] < st_t["cut_tokens"] / 100  # split keeps nearly everything
     for i, a, b, _ in t.items.tolist():
-        if int(bundled.lengths[i]) > 2048:  # truncated before a turn start, or at seq_len when none fits
-            assert a == 0 and b <= 2048 and (bundled.document(i, b, b + 1)[0] == t.start_id or b == 2048)
-    assert "conversation" in d.describe() and "> seq_len 2,048" in d.describe()
-    with pytest.raises(DatasetError, match=r"410 of 4,007 conversations .* training\.max_dropped=0\.05"):
+        if int(bundled.lengths[i]) > 2049:  # truncated before a turn start, or at seq_len + 1 tokens when none fits
+            assert a == 0 and b <= 2049 and (bundled.document(i, b, b + 1)[0] == t.start_id or b == 2049)
+    assert "conversation" in d.describe() and "> seq_len 2,048 + 1" in d.describe()
+    with pytest.raises(DatasetError, match=r"409 of 4,007 conversations .* training\.max_dropped=0\.05"):
         d.check_dropped(0.05)
     d.check_dropped(0.2)
 
@@ -293,14 +295,14 @@ def test_truncate_split_and_drop(bundled, cache):
 def test_best_fit_windows_keep_their_conversations_together():
     rng = np.random.default_rng(0)
     n = 40
-    items = np.stack([np.arange(n), np.zeros(n, int), rng.integers(5, 60, n), np.ones(n, int)], axis=1)
+    items = np.stack([np.arange(n), np.zeros(n, int), rng.integers(5, 65, n), np.ones(n, int)], axis=1)
     sp = packing.PackSpec(seq_len=64, window=10)
     pieces, offsets = packing.pack_epoch(items, sp, 0, n)
     rank = np.empty(n, int)
     rank[np.random.default_rng([0, 0]).permutation(n)] = np.arange(n)
     for a, b in zip(offsets[:-1], offsets[1:], strict=True):
         assert len(set(rank[pieces[a:b, 0]] // 10)) == 1
-        assert (pieces[a:b, 2] - pieces[a:b, 1]).sum() <= 64
+        assert (pieces[a:b, 2] - pieces[a:b, 1] - 1).sum() <= 64
     assert sorted(pieces[:, 0].tolist()) == list(range(n))
     whole = packing.pack_epoch(items, packing.PackSpec(seq_len=64), 0, n)
     assert len(whole[1]) <= len(offsets)  # a window can only pack worse

@@ -1,14 +1,15 @@
 """Conversations packed into training rows, with positions per document and labels only where the loss is.
 
-    pieces    each training conversation as one piece (its tokens [0, L)); one longer than seq_len is cut at a turn
-              boundary (`overlong`: truncate keeps the first piece, split keeps them all, drop keeps none); a piece
-              with no trained target is dropped
+    pieces    each training conversation as one piece (its L tokens fill L - 1 positions: the last token is only a
+              target); one longer is cut before a turn start (`overlong`: truncate keeps the first piece, split
+              keeps them all, drop keeps none); a piece with no trained target is dropped
     packing   per epoch, the conversations in a seeded order (`np.random.default_rng([seed, epoch])`), cut into
               windows of `window` conversations (0 = the whole set), each packed best-fit-decreasing (largest piece
               first into the fullest row it fits; ties in the seeded order), the rows of a window shuffled
-    rows      seq_len tokens: the pieces one after the other, then `<|endoftext|>` padding; positions restart at 0
-              at each piece and at the padding; labels[i] = the next token of the same piece where it is trained
-              (`chat.trained_lut`), else -100 (the last token of every piece, the whole padding)
+    rows      seq_len positions: the pieces one after the other, each piece's tokens but its last as inputs and
+              its tokens but its first as targets (labels[i] = the next token of the same piece where it is trained,
+              `chat.trained_lut`, else -100: no target crosses a piece's end), then `<|endoftext|>` padding (labels
+              -100); positions restart at 0 at each piece and at the padding
 
 An epoch's packing is a function of the prepared set, the `PackSpec` and the epoch only; it is cached in the data
 cache (`WORKBENCH_DATA_CACHE/packing/<key>/`, never inside the prepared folder, which may be read-only), so the ranks
@@ -71,24 +72,31 @@ class PackSpec:
 # ------------------------------------------------------------------------------------------------
 
 
-def cut_points(ids: np.ndarray, trained: np.ndarray, seq_len: int, start_id: int) -> list[int]:
-    """Where an over-long conversation is cut: from each cut, the furthest turn start (`<|im_start|>`) at most
-    seq_len tokens on, or seq_len tokens on when no turn starts in between or the piece up to that turn would hold
-    no trained target (`trained`: per token). Returns [0, c1, ..., len(ids)]."""
+def cut(ids: np.ndarray, trained: np.ndarray, seq_len: int, start_id: int) -> list[tuple[int, int]]:
+    """The pieces [start, stop) of an over-long conversation, each of at most seq_len + 1 tokens (a piece of n tokens
+    fills n - 1 positions: its last token is only a target). Each piece ends before the furthest turn start
+    (`<|im_start|>`) that keeps it within that, the next starting at that turn; or, when no turn starts in between
+    or the piece up to it would hold no trained target (`trained`: per token), it takes seq_len + 1 tokens and the
+    next starts at its last token (which then is an input too)."""
     turns = np.flatnonzero(ids == start_id)
-    cuts, a, n = [0], 0, len(ids)
-    while n - a > seq_len:
-        k = int(np.searchsorted(turns, a + seq_len, side="right")) - 1
-        b = int(turns[k]) if k >= 0 and turns[k] > a else a + seq_len
-        a = b if trained[a + 1:b].any() else a + seq_len
-        cuts.append(a)
-    return cuts + [n]
+    out, a, n = [], 0, len(ids)
+    while n - a > seq_len + 1:
+        k = int(np.searchsorted(turns, a + seq_len + 1, side="right")) - 1
+        t = int(turns[k]) if k >= 0 and turns[k] > a + 1 else 0
+        if t and trained[a + 1:t].any():
+            out.append((a, t))
+            a = t
+        else:
+            out.append((a, a + seq_len + 1))
+            a += seq_len
+    return out + [(a, n)]
 
 
 def pieces(p: Prepared, spec: PackSpec, start_id: int) -> tuple[np.ndarray, dict]:
     """Every training conversation's pieces as rows (conversation, start, stop, trained targets), and the counts
-    (conversations; overlong: longer than seq_len, each truncated or split; dropped and their tokens; cut_tokens:
-    tokens of kept conversations left out) with the first dropped ones named."""
+    (conversations; overlong: longer than a row, each truncated or split; dropped and their tokens; cut_tokens:
+    tokens of kept conversations left out) with the first dropped ones named. A piece of n tokens fills n - 1
+    positions of a row (its first n - 1 tokens are inputs, its last n - 1 targets)."""
     lut = spec.lut()
     n = len(p) - spec.holdout
     out: list[tuple[int, int, int, int]] = []
@@ -103,26 +111,26 @@ def pieces(p: Prepared, spec: PackSpec, start_id: int) -> tuple[np.ndarray, dict
     for i in range(n):
         length = int(p.lengths[i])
         trained = lut[p.owners(i)]
-        if length <= spec.seq_len:
+        if length - 1 <= spec.seq_len:
             if t := int(trained[1:].sum()):
                 out.append((i, 0, length, t))
             else:
                 drop(i, length, "no trained token")
             continue
         if spec.overlong == "drop":
-            drop(i, length, f"{length:,} tokens > seq_len {spec.seq_len:,}")
+            drop(i, length, f"{length:,} tokens > seq_len {spec.seq_len:,} + 1")
             continue
-        cuts = cut_points(p.document(i), trained, spec.seq_len, start_id)
-        kept = 0
-        for a, b in zip(cuts[:-1], cuts[1:] if spec.overlong == "split" else cuts[1:2], strict=False):
+        parts = cut(p.document(i), trained, spec.seq_len, start_id)
+        covered = np.zeros(length, dtype=bool)
+        for a, b in parts if spec.overlong == "split" else parts[:1]:
             if t := int(trained[a + 1:b].sum()):
                 out.append((i, a, b, t))
-                kept += b - a
-        if not kept:
-            drop(i, length, f"no trained token in its first {cuts[1]:,} tokens")
+                covered[a:b] = True
+        if not covered.any():
+            drop(i, length, f"no trained token in its first {parts[0][1]:,} tokens")
         else:
             counts["overlong"] += 1
-            counts["cut_tokens"] += length - kept
+            counts["cut_tokens"] += length - int(covered.sum())
     return np.asarray(out, dtype=np.int64).reshape(-1, 4), counts
 
 
@@ -172,7 +180,7 @@ def pack_epoch(items: np.ndarray, spec: PackSpec, epoch: int, n_conversations: i
         if a == b:
             continue
         part = items[a:b]
-        bins = best_fit_decreasing(part[:, 2] - part[:, 1], spec.seq_len)
+        bins = best_fit_decreasing(part[:, 2] - part[:, 1] - 1, spec.seq_len)
         n_bins = int(bins.max()) + 1
         shuffled = rng.permutation(n_bins)  # row order inside the window
         by_row = np.argsort(shuffled[bins] * len(part) + np.arange(len(part)), kind="stable")
@@ -267,10 +275,11 @@ class ChatRows:
         positions = np.empty(s, dtype=np.int64)
         at = 0
         for i, a, b in self.row_pieces(g).tolist():
-            n = b - a
-            self.p.copy_into(ids[at:at + n], i, a, b)
-            trained = self.lut[self.p.owners(i, a + 1, b)]
-            labels[at:at + n - 1] = np.where(trained, ids[at + 1:at + n], IGNORE)
+            n = b - a - 1  # positions: the piece's last token is only a target
+            tokens = np.empty(n + 1, dtype=np.int64)
+            self.p.copy_into(tokens, i, a, b)
+            ids[at:at + n] = tokens[:-1]
+            labels[at:at + n] = np.where(self.lut[self.p.owners(i, a + 1, b)], tokens[1:], IGNORE)
             positions[at:at + n] = np.arange(n)
             at += n
         positions[at:] = np.arange(s - at)  # the padding tail: one more document, never trained
@@ -280,7 +289,7 @@ class ChatRows:
         """Rows, pad fraction, trained targets and the piece counts of one epoch (the launch prints them)."""
         pieces_, offsets = self.epoch(epoch)
         rows = len(offsets) - 1
-        tokens = int((pieces_[:, 2] - pieces_[:, 1]).sum())
+        tokens = int((pieces_[:, 2] - pieces_[:, 1] - 1).sum())  # positions filled
         return {"rows": rows, "tokens": tokens, "pad_fraction": 1 - tokens / max(rows * self.spec.seq_len, 1),
                 "trained_targets": int(self.items[:, 3].sum()), "pieces": len(pieces_), **self.counts}
 
