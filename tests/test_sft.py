@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from run_helpers import losses_by_step, run_train
 from workbench.core.config import load_config
 from workbench.platform import titan_device
 
 titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
-from workbench.model import export_hf, load_model  # noqa: E402  (after the device is pinned)
+from workbench.model import export_hf, load_model, load_run  # noqa: E402  (after the device is pinned)
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
@@ -60,3 +62,56 @@ def test_export_declares_the_stop_tokens_and_generate_stops_at_im_end(tmp_path):
         make_im_end_likeliest(model)
         replies.append(model.generate(**prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist())
     assert replies == [[TURN_END], [TURN_END] * 12]  # stops at the turn's end; without the ids it never stops
+
+
+# ------------------------------------------------------------------------------------------------
+# Fine-tuning launches on the bundled chat set (tiny flavor, seq_len 128, 4 steps): 2 ranks x 1 micro-batch,
+# 1 rank x 2 micro-batches, and the 2-rank run's step-2 checkpoint resumed on 1 rank.
+# ------------------------------------------------------------------------------------------------
+
+CONFIG = "configs/cpu_dense.toml"
+
+
+def chat_args(init: Path, name: str, *more: str) -> tuple[str, ...]:
+    return ("--training.dataset", "chitchat", "--training.seq_len", "128", "--training.local_batch_size", "1",
+            "--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+            "--checkpoint.keep_latest_k", "0", "--model.hf_checkpoint", str(init), "--job.experiment_name", name,
+            *more)
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory):
+    """{"2x1": 2 ranks x 1 micro-batch (exports fp32 Hugging Face weights), "1x2": 1 rank x 2 micro-batches,
+    "2->1": the 2-rank run resumed after step 2 on 1 rank x 2}, all fine-tuning the same initial HF weights."""
+    root = tmp_path_factory.mktemp("sft")
+    init = export_hf(load_model(load_config(CONFIG)), root / "init", dtype="float32")
+    out = root / "runs"
+    runs = {"2x1": out / "a", "1x2": out / "b", "2->1": out / "c"}
+    stdout = {"2x1": run_train(CONFIG, *chat_args(init, "a", "--job.dump_folder", str(out), "--checkpoint.export_hf",
+                                                  "true", "--checkpoint.export_dtype", "float32"), nproc=2).stdout,
+              "1x2": run_train(CONFIG, *chat_args(init, "b", "--job.dump_folder", str(out),
+                                                  "--training.gradient_accumulation_steps", "2"), nproc=1).stdout}
+    (runs["2->1"] / "checkpoint").mkdir(parents=True)
+    shutil.copytree(runs["2x1"] / "checkpoint" / "step-2", runs["2->1"] / "checkpoint" / "step-2")
+    stdout["2->1"] = run_train(CONFIG, *chat_args(init, "c", "--job.dump_folder", str(out),
+                                                  "--training.gradient_accumulation_steps", "2"), nproc=1).stdout
+    return runs, stdout, init
+
+
+def test_loss_is_the_mean_over_the_global_batch_of_trained_tokens(sft_runs):
+    """2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same rows: the same losses and weights."""
+    runs, stdout, _ = sft_runs
+    a, b = losses_by_step(runs["2x1"]), losses_by_step(runs["1x2"])
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert max(abs(a[s] - b[s]) for s in a) < 1e-5, (a, b)
+    assert a[4] < a[1] - 0.1  # it learns
+    wa, wb = (load_run(runs[k], step=2)[0].state_dict() for k in ("2x1", "1x2"))
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    assert "workbench: packed chitchat: 4,007 conversations -> 3,326 rows of 128 tokens, pad 8.30%" in stdout["2x1"]
+
+
+def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
+    runs, _, _ = sft_runs
+    resumed, whole = losses_by_step(runs["2->1"]), losses_by_step(runs["2x1"])
+    assert sorted(resumed) == [3, 4]
+    assert max(abs(resumed[s] - whole[s]) for s in resumed) < 1e-5, (resumed, whole)
