@@ -353,3 +353,21 @@ def test_inspect_json_rows_are_the_training_rows(bundled, cache):
         main(["inspect", str(bundled.folder), "--seq-len", "256", "--rows", "3:4"])
     assert "── row 3:" in text.getvalue() and "⟦" in text.getvalue() and "<|im_end|>⟧" in text.getvalue()
     assert view.spans(got[0])[0][0] == 0
+
+
+def test_heldout_conversations_are_rows_of_their_own_with_the_trained_labels(bundled):
+    ids, labels = packing.heldout_rows(bundled, spec(seq_len=512), 3)
+    lut = chat.trained_lut()
+    assert ids.shape == labels.shape == (3, 512)
+    for r, i in enumerate(range(4005, 4008)):
+        doc = bundled.document(i).astype(np.int64)
+        b = len(doc)
+        if b > 513:  # the first piece: up to the last turn start within 513 tokens (after something trained)
+            b = max(int(t) for t in np.flatnonzero(doc == 151644) if 1 < t <= 513)
+            b = b if lut[bundled.owners(i, 1, b)].any() else 513
+        tokens, n = doc[:b], b - 1
+        assert ids[r, :n].tolist() == tokens[:-1].tolist()
+        assert labels[r, :n].tolist() == np.where(lut[bundled.owners(i, 1, n + 1)], tokens[1:], -100).tolist()
+        assert (labels[r, n:] == -100).all() and (labels[r] != -100).any()
+    train = packing.ChatRows(bundled, spec(seq_len=512, holdout=3), "chitchat").items
+    assert train[:, 0].max() == 4004

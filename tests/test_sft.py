@@ -115,3 +115,22 @@ def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
     resumed, whole = losses_by_step(runs["2->1"]), losses_by_step(runs["2x1"])
     assert sorted(resumed) == [3, 4]
     assert max(abs(resumed[s] - whole[s]) for s in resumed) < 1e-5, (resumed, whole)
+
+
+def test_the_fine_tuned_export_loads_in_transformers_and_its_reply_ends_at_im_end(sft_runs):
+    """Through the chat template and transformers' generate (greedy): the initial weights run to the token limit, the
+    fine-tuned export ends its reply with <|im_end|> (after 4 tiny steps the reply is that token alone: the most
+    frequent trained target is the turn's end)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    runs, _, init = sft_runs
+    got = {}
+    for label, folder in (("initial", init), ("fine-tuned", runs["2x1"] / "hf")):
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        prompt = tok.apply_chat_template([{"role": "user", "content": "hey how are you doing today?"}],
+                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        n = prompt["input_ids"].shape[1]
+        got[label] = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, n:].tolist()
+    assert len(got["initial"]) == 16 and TURN_END not in got["initial"]
+    assert got["fine-tuned"][-1] == TURN_END and len(got["fine-tuned"]) < 16

@@ -269,21 +269,7 @@ class ChatRows:
 
     def row(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global row g: (input ids, labels, positions), int64 [seq_len] each."""
-        s = self.spec.seq_len
-        ids = np.full(s, self.pad_id, dtype=np.int64)
-        labels = np.full(s, IGNORE, dtype=np.int64)
-        positions = np.empty(s, dtype=np.int64)
-        at = 0
-        for i, a, b in self.row_pieces(g).tolist():
-            n = b - a - 1  # positions: the piece's last token is only a target
-            tokens = np.empty(n + 1, dtype=np.int64)
-            self.p.copy_into(tokens, i, a, b)
-            ids[at:at + n] = tokens[:-1]
-            labels[at:at + n] = np.where(self.lut[self.p.owners(i, a + 1, b)], tokens[1:], IGNORE)
-            positions[at:at + n] = np.arange(n)
-            at += n
-        positions[at:] = np.arange(s - at)  # the padding tail: one more document, never trained
-        return ids, labels, positions
+        return fill_row(self.p, self.row_pieces(g).tolist(), self.spec.seq_len, self.lut, self.pad_id)
 
     def stats(self, epoch: int = 0) -> dict:
         """Rows, pad fraction, trained targets and the piece counts of one epoch (the launch prints them)."""
@@ -314,6 +300,40 @@ class ChatRows:
                 f"{'; '.join(st['examples'])}), more than training.max_dropped={max_share:g}.",
                 "raise --training.seq_len, use --training.overlong truncate or split, or raise "
                 "--training.max_dropped.")
+
+
+def fill_row(p: Prepared, row_pieces: list, seq_len: int, lut: np.ndarray, pad_id: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row of [conversation, start, stop] pieces: (input ids, labels, positions), int64 [seq_len] each."""
+    ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE, dtype=np.int64)
+    positions = np.empty(seq_len, dtype=np.int64)
+    at = 0
+    for i, a, b in row_pieces:
+        n = b - a - 1  # positions: the piece's last token is only a target
+        tokens = np.empty(n + 1, dtype=np.int64)
+        p.copy_into(tokens, i, a, b)
+        ids[at:at + n] = tokens[:-1]
+        labels[at:at + n] = np.where(lut[p.owners(i, a + 1, b)], tokens[1:], IGNORE)
+        positions[at:at + n] = np.arange(n)
+        at += n
+    positions[at:] = np.arange(seq_len - at)  # the padding tail: one more document, never trained
+    return ids, labels, positions
+
+
+def heldout_rows(p: Prepared, spec: PackSpec, num_docs: int, tokenizer_path: str = ""
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The last `num_docs` conversations (those `training.holdout_docs` keeps out), one per row: (input ids,
+    labels) int64 [N, seq_len], the first piece of one longer than a row. Causal attention over such a row is the
+    conversation alone, so any model gives the held-out loss on trained tokens (the mean over labels != -100)."""
+    start_id, pad_id = _turn_and_pad_ids(str(tokenizer_dir(tokenizer_path) / "tokenizer.json"))
+    lut, rows = spec.lut(), []
+    for i in range(max(len(p) - num_docs, 0), len(p)):
+        piece = cut(p.document(i), lut[p.owners(i)], spec.seq_len, start_id)[0]
+        rows.append(fill_row(p, [(i, *piece)], spec.seq_len, lut, pad_id)[:2])
+    if not rows:
+        return np.zeros((0, spec.seq_len), np.int64), np.zeros((0, spec.seq_len), np.int64)
+    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
 def check_spec(spec: PackSpec) -> None:
