@@ -258,6 +258,25 @@ def test_packed_parity_moe_every_backend(checkpoints):
     assert (table["causal_max_abs"] > 1e-2).all(), table
 
 
+@pytest.mark.parametrize("backend", ["huggingface_v5", "native"])
+def test_the_explicit_mask_alone_keeps_documents_apart(checkpoints, backend):
+    """The boundaries reach the attention as the mask, not through positions: given continuous positions (nothing
+    to infer packing from; transformers would infer it from restarting ones) and the mask of the documents, each
+    document's logits are those of the document alone (RoPE depends on relative positions only)."""
+    from workbench import parity
+
+    settings = parity.Settings()
+    model, _ = parity.backend_model(backend, checkpoints["dense"], settings, document_mask=True)
+    ref, _ = parity.reference_model(checkpoints["dense"])
+    docs = parity.packed_documents(settings, ref.config.vocab_size)
+    masks = attention.attention_masks(model.workbench_info.model_config, positions_of(settings.doc_lengths))
+    row = torch.cat(docs)[None]
+    with torch.no_grad():
+        got = model.eval()(row, positions=torch.arange(row.shape[1])[None], attention_masks=masks)[0]
+        expected = torch.cat([ref.eval()(input_ids=d[None]).logits[0] for d in docs])
+    assert (got - expected).abs().max() <= 1e-4
+
+
 # --------------------------------------------------------------------------------------------
 # The real trainer's step: no gradient crosses a document
 # --------------------------------------------------------------------------------------------
@@ -268,7 +287,8 @@ def test_packed_parity_moe_every_backend(checkpoints):
 def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path, monkeypatch):
     """WorkbenchTrainer built in process (one gloo rank) with training.document_mask; its forward_backward_step
     (post_dataloading_process, forward, torchtitan's loss, backward) on one row of three documents, labels only in
-    document 2: the input embeddings of documents 1 and 3 get exactly zero gradient, document 2's do not."""
+    document 2: the input embeddings of documents 1 and 3 get exactly zero gradient, document 2's do not; the model
+    was handed the documents' mask."""
     from workbench.core.config import load_config
     from workbench.run.trainer import WorkbenchTrainer, build_titan_config
 
@@ -292,6 +312,7 @@ def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path, m
             seen["h"] = out
 
         embedding.register_forward_hook(keep)
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs=kwargs), with_kwargs=True)
         tokens = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
         labels = torch.full((1, 64), -100)
         labels[0, 20:45] = tokens[0, 21:46]  # document 2 = tokens 20..44
@@ -303,6 +324,9 @@ def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path, m
         torch.distributed.destroy_process_group()
     assert grad[:20].max() == 0 and grad[45:].max() == 0
     assert grad[20:45].min() > 0
+    # explicitly: the model got the masks of the boundaries (transformers is never left to infer them from positions)
+    assert seen["kwargs"]["attention_masks"].equal(attention.block_causal_mask(
+        attention.document_boundaries(positions_of([20, 25, 19])), torch.float32))
 
 
 # --------------------------------------------------------------------------------------------
