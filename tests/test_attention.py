@@ -16,7 +16,8 @@
 from __future__ import annotations
 
 import json
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ titan_device.prepare("cpu")
 
 from workbench.backends import attention  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 GQA = dict(heads=4, kv_heads=2, head_dim=8)
 
 
@@ -284,25 +286,19 @@ def test_the_explicit_mask_alone_keeps_documents_apart(checkpoints, backend):
 
 @pytest.mark.parametrize("backend,config", [("native", "cpu_dense"), ("huggingface_v5", "cpu_dense"),
                                             ("nki_moe", "cpu_moe")])
-def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path, monkeypatch):
+def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path):
     """WorkbenchTrainer built in process (one gloo rank) with training.document_mask; its forward_backward_step
     (post_dataloading_process, forward, torchtitan's loss, backward) on one row of three documents, labels only in
     document 2: the input embeddings of documents 1 and 3 get exactly zero gradient, document 2's do not; the model
     was handed the documents' mask."""
-    from workbench.core.config import load_config
-    from workbench.run.trainer import WorkbenchTrainer, build_titan_config
+    from attention_step_time import one_rank_trainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(k, v)
+    from workbench.core.config import load_config
+
     job = load_config(f"configs/{config}.toml", model__backend=backend, training__document_mask=True,
                       training__seq_len=64, training__local_batch_size=1, job__dump_folder=str(tmp_path))
-    cfg = build_titan_config(job, "cpu", 1)
-    cfg.comm.trace_buf_size = 0
-    trainer = WorkbenchTrainer(cfg)
-    try:
+    positions = positions_of([20, 25, 19])
+    with one_rank_trainer(job) as trainer:
         model = trainer.model_parts[0]
         embedding = model.hf.model.embed_tokens if backend == "huggingface_v5" else model.tok_embeddings
         seen = {}
@@ -316,17 +312,14 @@ def test_trainer_step_no_gradient_crosses_documents(backend, config, tmp_path, m
         tokens = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
         labels = torch.full((1, 64), -100)
         labels[0, 20:45] = tokens[0, 21:46]  # document 2 = tokens 20..44
-        trainer.forward_backward_step(input_dict={"input": tokens, "positions": positions_of([20, 25, 19])},
-                                      labels=labels, global_valid_tokens=torch.tensor(25.0))
+        trainer.forward_backward_step(input_dict={"input": tokens, "positions": positions}, labels=labels,
+                                      global_valid_tokens=torch.tensor(25.0))
         grad = seen["h"].grad[0].abs().sum(-1)
-    finally:
-        trainer.close()
-        torch.distributed.destroy_process_group()
     assert grad[:20].max() == 0 and grad[45:].max() == 0
     assert grad[20:45].min() > 0
     # explicitly: the model got the masks of the boundaries (transformers is never left to infer them from positions)
-    assert seen["kwargs"]["attention_masks"].equal(attention.block_causal_mask(
-        attention.document_boundaries(positions_of([20, 25, 19])), torch.float32))
+    expected = attention.block_causal_mask(attention.document_boundaries(positions), torch.float32)
+    assert seen["kwargs"]["attention_masks"].equal(expected)
 
 
 # --------------------------------------------------------------------------------------------
