@@ -2,7 +2,9 @@
 
 Packing (GPT style): documents, each followed by <|endoftext|>, are concatenated in a seeded per-epoch order
 (`np.random.default_rng([seed, epoch]).permutation`) into one endless token stream, cut into rows of
-seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row. The last
+seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row; with
+`training.document_mask` the documents of a row are kept apart instead (`document_row`: positions restart at each
+document, no target crosses a document end; the attention side is `workbench.backends.attention`). The last
 `training.holdout_docs` documents of the fixed order never enter it; `heldout_tokens` returns them for perplexity.
 
 Global row g goes to data-parallel rank g % dp_world_size. A rank computes where its rows start in the stream
