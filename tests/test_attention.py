@@ -30,6 +30,10 @@ titan_device.prepare("cpu")
 from workbench.backends import attention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import test_parity  # noqa: E402
+
+checkpoints = test_parity.checkpoints  # the fixture: tiny dense and MoE checkpoints written by transformers
 GQA = dict(heads=4, kv_heads=2, head_dim=8)
 
 
@@ -214,26 +218,6 @@ def test_loader_positions_restart_after_every_endoftext_and_no_target_crosses_on
 # --------------------------------------------------------------------------------------------
 # Packed parity, every backend
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from workbench.core import flavors
-
-    shapes = {
-        "dense": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, ffn_dim=128, vocab_size=512, tied=True,
-                                    max_seq_len=512),
-        "moe": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, vocab_size=512, max_seq_len=512, num_experts=8,
-                                  top_k=2, moe_ffn_dim=32),
-    }
-    out = {}
-    for name, shape in shapes.items():
-        torch.manual_seed(0)
-        out[name] = tmp_path_factory.mktemp(f"ckpt_{name}")
-        AutoModelForCausalLM.from_config(flavors.hf_config(shape)).save_pretrained(out[name])
-    return out
 
 
 def test_packed_parity_dense_through_the_command(checkpoints, tmp_path, capsys):
