@@ -80,7 +80,9 @@ def check_inputs(job: JobConfig) -> None:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts.
 
     A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
-    under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains.
+    under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains. Conversations
+    are packed here (the index cached for the ranks' loaders, one line on what it holds, refused above
+    `training.max_dropped`) and turn `training.document_mask` on: packed conversations never see each other.
 
     Raises:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
@@ -95,12 +97,14 @@ def check_inputs(job: JobConfig) -> None:
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
-        # refuses a holdout that leaves nothing; conversations are packed here (cached for the ranks' loaders)
         rows = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
-                           t.chat_options())
+                           t.chat_options())  # refuses a holdout that leaves nothing
         if isinstance(rows, ChatRows):
             say(f"workbench: {rows.describe()}")
             rows.check_dropped(t.max_dropped)
+            if not t.document_mask:
+                t.document_mask = True
+                say(f"workbench: training.document_mask on: {name} holds conversations, packed apart.")
 
 
 def _exit(e: WorkbenchError) -> None:

@@ -31,7 +31,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
-from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import TORCH_DTYPE_MAP, CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
@@ -329,6 +329,23 @@ class WorkbenchTrainer(Trainer):
 
     # ---- end of performance accounting ----------------------------------------------------------------------------
 
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """torchtitan's, with the attention masks of packed documents from `attention.attention_masks` (fixed
+        capacity: the same shapes every batch). Plain causal attention (no mask) is torchtitan's path unchanged;
+        otherwise torchtitan gets the batch without positions, so it builds no per-batch flex/varlen mask of its
+        own, and the positions (RoPE) and masks are added after it."""
+        from workbench.backends import attention
+
+        positions = input_dict.get("positions")
+        masks = attention.attention_masks(self.model_config, positions,
+                                          TORCH_DTYPE_MAP[self.config.training.mixed_precision_param])
+        if masks is None:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs, labels, extra_kwargs = super().post_dataloading_process(
+            {k: v for k, v in input_dict.items() if k != "positions"}, labels)
+        extra_kwargs.update(positions=positions, attention_masks=masks)
+        return inputs, labels, extra_kwargs
+
     def close(self) -> None:
         super().close()
         if self.run_lock:
@@ -400,6 +417,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         dataloader=PackedTextDataLoader.Config(
             dataset=job.training.dataset, text_field=job.training.dataset_text_field,
             tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
+            document_mask=job.training.document_mask,
             chat=job.training.chat_options(),
         ),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
