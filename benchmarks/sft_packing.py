@@ -8,7 +8,9 @@
   description: next-fit in the dataset's order (a conversation that does not fit the rest of the row pads the row
   with EOS and starts the next), conversations over seq_len dropped; trained tokens are counted with the same mask
   (every assistant turn) for both;
-* prepare throughput: `python -m workbench.data prepare chitchat` into a fresh folder (tokens/s, wall clock).
+* prepare throughput: `python -m workbench.data prepare chitchat` into a fresh folder (tokens/s, wall clock);
+* step time of block-causal against plain causal attention on CPU, on the first packed row of each seq_len (the
+  tiny flavor, one process: `benchmarks/attention_step_time.step_times`).
 
 Prints a table (Markdown) that docs/sft.md holds.
 """
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-lens", default="2048,4096")
     ap.add_argument("--workers", type=int, default=0, help="prepare processes (0 = every core)")
+    ap.add_argument("--attention-steps", type=int, default=3, help="timed steps of each attention (0: skip)")
     args = ap.parse_args(argv)
 
     p = Prepared(resolve("chitchat", progress=False))
@@ -95,7 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     dt, tokens, rate = prepare_throughput(args.workers)
     print(f"\nprepare chitchat ({args.workers or os.cpu_count()} worker(s), {os.cpu_count()} cores): {dt:.1f} s for "
           f"{tokens:,} tokens = {rate:,.0f} tokens/s")
+    if args.attention_steps:
+        attention_table(p, [int(s) for s in args.seq_lens.split(",")], args.attention_steps)
     return 0
+
+
+def attention_table(p: Prepared, seq_lens: list[int], steps: int) -> None:
+    """Median step time of the tiny flavor on the first packed row of each seq_len, block-causal vs plain causal."""
+    import torch
+
+    from benchmarks.attention_step_time import step_times
+
+    print("\n| seq_len | conversations in the row | plain causal (s/step) | block-causal (s/step) | ratio |")
+    print("|---|---|---|---|---|")
+    for seq_len in seq_lens:
+        rows = packing.ChatRows(p, packing.PackSpec(seq_len=seq_len, seed=42, holdout=0), "chitchat")
+        positions = torch.from_numpy(rows.row(0)[2])[None]
+        r = step_times(positions, steps=steps, loss_chunks=8)
+        print(f"| {seq_len:,} | {r['documents']} | {r['plain_causal_s']:.3f} | {r['block_causal_s']:.3f} | "
+              f"{r['ratio']:.3f} |")
 
 
 if __name__ == "__main__":

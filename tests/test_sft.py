@@ -108,6 +108,8 @@ def test_loss_is_the_mean_over_the_global_batch_of_trained_tokens(sft_runs):
     wa, wb = (load_run(runs[k], step=2)[0].state_dict() for k in ("2x1", "1x2"))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
     assert "workbench: packed chitchat: 4,007 conversations -> 3,326 rows of 128 tokens, pad 8.30%" in stdout["2x1"]
+    assert "training.document_mask on: chitchat holds conversations" in stdout["2x1"]
+    assert "document_mask = true" in (runs["2x1"] / "config.toml").read_text()  # block-causal: packed apart
 
 
 def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
