@@ -18,7 +18,7 @@ from workbench import data
 from workbench.core.errors import DatasetError
 from workbench.data import chat, packing, view
 from workbench.data.loader import PackedDataset, resolve
-from workbench.data.prepare import Prepared, main, prepare
+from workbench.data.prepare import Prepared, prepare
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather",
                                              "parameters": {"type": "object",
@@ -338,7 +338,7 @@ def test_rows_are_the_same_on_any_number_of_ranks_and_resume(cache):
 def test_inspect_json_rows_are_the_training_rows(bundled, cache):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["inspect", str(bundled.folder), "--seq-len", "256", "--rows", "3:6", "--json"]) == 0
+        assert view.main([str(bundled.folder), "--seq-len", "256", "--rows", "3:6", "--json"]) == 0
     got = [json.loads(line) for line in out.getvalue().splitlines()]
     rows = packing.ChatRows(bundled, packing.PackSpec(seq_len=256, seed=42, holdout=1), "x")
     assert [r["row"] for r in got] == [3, 4, 5] and all(set(r) == {"row", "input_ids", "labels", "positions"}
@@ -350,7 +350,7 @@ def test_inspect_json_rows_are_the_training_rows(bundled, cache):
         assert starts[0] == 0 and all(r["labels"][s - 1] == -100 for s in starts[1:])
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        main(["inspect", str(bundled.folder), "--seq-len", "256", "--rows", "3:4"])
+        view.main([str(bundled.folder), "--seq-len", "256", "--rows", "3:4"])
     assert "── row 3:" in text.getvalue() and "⟦" in text.getvalue() and "<|im_end|>⟧" in text.getvalue()
     assert view.spans(got[0])[0][0] == 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -53,8 +54,25 @@ def bundled_corpus_dir() -> Path:
 
 
 def bundled_chat_json() -> Path:
-    """chitchat-dataset's dataset.json: an object of 7,168 conversations (read by `chat.bundled_chat_file`)."""
+    """chitchat-dataset's dataset.json: an object of 7,168 conversations."""
     return _package_dir("chitchat_dataset") / "dataset.json"
+
+
+def bundled_chat_file() -> Path:
+    """The bundled conversations as jsonl (one record of chitchat's dataset.json per line, its key as "id"), written
+    once into the data cache: prepare reads jsonl and locates bad rows by file:line. The records keep chitchat's own
+    shape (turns of utterances with a sender); `workbench.data.chat` maps the senders to user and assistant."""
+    src = bundled_chat_json()
+    st = src.stat()
+    out = cache_root() / "bundled" / f"chitchat-{st.st_size}-{st.st_mtime_ns}.jsonl"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        with tmp.open("w") as f:
+            for key, rec in json.loads(src.read_text()).items():
+                f.write(json.dumps({"id": key, **rec}) + "\n")
+        tmp.replace(out)
+    return out
 
 
 def cache_root() -> Path:
@@ -112,8 +130,6 @@ def source_root(dataset: str) -> Path:
         raise DatasetError("training.dataset is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
                            ".txt/.md files or folders, .jsonl, .parquet or a Hugging Face save_to_disk folder.")
     if dataset == "chitchat":
-        from workbench.data.chat import bundled_chat_file
-
         return bundled_chat_file()
     root = bundled_corpus_dir() if dataset == "shakespeare" else Path(dataset)
     try:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from pathlib import Path
 
@@ -337,28 +336,4 @@ def render(tok, rows: list) -> list[Rendered | BadConversation]:
             raise ValueError(f"stop audit: {turns} assistant turn(s) but {ends} assistant-closing {IM_END} token(s) "
                              f"found in the rendering {text[:80]!r}...")
         out[slot] = r
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# The bundled chat set
-# ------------------------------------------------------------------------------------------------
-
-
-def bundled_chat_file() -> Path:
-    """chitchat-dataset's conversations as jsonl (one record of its dataset.json per line, its key as "id"), written
-    once into the data cache: prepare reads jsonl, and keeps file:line locations for bad rows."""
-    from workbench.data import bundled_chat_json, cache_root
-
-    src = bundled_chat_json()
-    st = src.stat()
-    out = cache_root() / "bundled" / f"chitchat-{st.st_size}-{st.st_mtime_ns}.jsonl"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        records = json.loads(src.read_text())
-        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        with tmp.open("w") as f:
-            for key, rec in records.items():
-                f.write(json.dumps({"id": key, **rec}) + "\n")
-        tmp.replace(out)
     return out

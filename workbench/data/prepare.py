@@ -684,26 +684,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows are conversations (default: when the first row has 'messages' or prompt/completion)")
     v = sub.add_parser("verify", help="check every shard of OUT against its sha256")
     v.add_argument("out")
-    i = sub.add_parser("inspect", help="print training rows of OUT with the trained tokens highlighted")
-    i.add_argument("out", help="a prepared folder")
-    i.add_argument("--seq-len", type=int, required=True, help="training.seq_len")
-    i.add_argument("--rows", default="0:1", help="global rows A:B (default 0:1)")
-    i.add_argument("--json", action="store_true", help="one JSON object per row: row, input_ids, labels, positions")
-    i.add_argument("--seed", type=int, default=42, help="job.seed (default 42)")
-    i.add_argument("--holdout-docs", type=int, default=1, help="training.holdout_docs (default 1)")
-    i.add_argument("--loss-on", default="assistant", help="training.loss_on (default assistant)")
-    i.add_argument("--overlong", default="truncate", help="training.overlong (default truncate)")
-    i.add_argument("--pack-window", type=int, default=0, help="training.pack_window (default 0: the whole set)")
-    i.add_argument("--tokenizer", default="", help="tokenizer directory (default: the bundled Qwen3)")
+    sub.add_parser("inspect", help="print training rows of OUT with the trained tokens highlighted (see python -m "
+                   "workbench.data inspect --help)")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.src, args.out, workers=args.workers, strict=args.strict, text_field=args.text_field,
                     tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1), chat=args.chat)
-        elif args.command == "inspect":
-            from workbench.data import view
-
-            view.main(args)
         else:
             Prepared(args.out, tokenizer_path=None, check_source=False).verify()
             print(f"workbench data: {args.out}: every shard matches its sha256")

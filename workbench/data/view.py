@@ -22,19 +22,30 @@ MARK = {True: ("\x1b[1;32m", "\x1b[0m"), False: ("⟦", "⟧")}  # trained targe
 
 
 def rows(folder: str, seq_len: int, first: int, stop: int, *, seed: int = 42, holdout_docs: int = 1,
-         tokenizer_path: str = "", chat: dict | None = None) -> list[dict]:
-    """Global rows [first, stop) of a prepared folder as training sees them (defaults: a launch's defaults)."""
+         tokenizer_path: str = "", chat: dict | None = None, document_mask: bool = False) -> list[dict]:
+    """Global rows [first, stop) of a prepared folder as training sees them (defaults: a launch's defaults;
+    `document_mask`: text rows as `training.document_mask` makes them, conversations always)."""
     p = Prepared(folder, tokenizer_path)
     if p.chat:
         src = ChatRows(p, PackSpec(seq_len=seq_len, seed=seed, holdout=holdout_docs, **(chat or {})), folder,
                        tokenizer_path)
         made = (src.row(g) for g in range(first, stop))
     else:
-        from workbench.data.loader import Stream
+        import torch
+
+        from workbench.data.loader import Stream, document_row
 
         stream = Stream(p, seed, holdout_docs, folder)
-        made = ((t[:-1], t[1:], np.arange(seq_len)) for g in range(first, stop)
-                for t in [stream.read(g * (seq_len + 1), seq_len + 1)])
+
+        def text_row(g: int):
+            starts: list[int] = []
+            t = stream.read(g * (seq_len + 1), seq_len + 1, starts)
+            if not document_mask:
+                return t[:-1], t[1:], np.arange(seq_len)
+            x, labels = document_row(torch.from_numpy(t), starts)
+            return x["input"].numpy(), labels.numpy(), x["positions"].numpy()
+
+        made = (text_row(g) for g in range(first, stop))
     return [{"row": g, "input_ids": ids.tolist(), "labels": labels.tolist(), "positions": pos.tolist()}
             for g, (ids, labels, pos) in zip(range(first, stop), made, strict=True)]
 
@@ -72,20 +83,44 @@ def as_text(row: dict, tok, color: bool) -> str:
     return "\n".join(out)
 
 
-def main(args) -> None:
-    """The `inspect` command (arguments from `workbench.data.prepare.main`)."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workbench.data inspect OUT --seq-len L --rows A:B [--json]`."""
+    import argparse
+
+    from workbench.core.errors import WorkbenchError
     from workbench.data import load_tokenizer
 
+    ap = argparse.ArgumentParser(prog="python -m workbench.data inspect", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="a prepared folder")
+    ap.add_argument("--seq-len", type=int, required=True, help="training.seq_len")
+    ap.add_argument("--rows", default="0:1", help="global rows A:B (default 0:1)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row: row, input_ids, labels, positions")
+    ap.add_argument("--seed", type=int, default=42, help="job.seed (default 42)")
+    ap.add_argument("--holdout-docs", type=int, default=1, help="training.holdout_docs (default 1)")
+    ap.add_argument("--loss-on", default="assistant", help="training.loss_on (default assistant)")
+    ap.add_argument("--overlong", default="truncate", help="training.overlong (default truncate)")
+    ap.add_argument("--pack-window", type=int, default=0, help="training.pack_window (default 0: the whole set)")
+    ap.add_argument("--document-mask", action="store_true", help="text: training.document_mask (positions restart)")
+    ap.add_argument("--tokenizer", default="", help="tokenizer directory (default: the bundled Qwen3)")
+    args = ap.parse_args(argv)
     a, _, b = args.rows.partition(":")
-    first = int(a or 0)
-    stop = int(b) if b else first + 1
+    try:
+        first = int(a or 0)
+        stop = int(b) if b else first + 1
+    except ValueError:
+        ap.error(f"--rows {args.rows!r}: give A:B, e.g. 0:4")
     chat = {"loss_on": args.loss_on, "overlong": args.overlong, "window": args.pack_window}
-    got = rows(args.out, args.seq_len, first, stop, seed=args.seed, holdout_docs=args.holdout_docs,
-               tokenizer_path=args.tokenizer, chat=chat)
+    try:
+        got = rows(args.out, args.seq_len, first, stop, seed=args.seed, holdout_docs=args.holdout_docs,
+                   tokenizer_path=args.tokenizer, chat=chat, document_mask=args.document_mask)
+    except WorkbenchError as e:
+        print(e.one_line(), file=sys.stderr)
+        return e.exit_code
     if args.json:
         for r in got:
             print(json.dumps(r))
-        return
+        return 0
     tok = load_tokenizer(args.tokenizer)
     for r in got:
         print(as_text(r, tok, sys.stdout.isatty()))
+    return 0
