@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,56 +66,77 @@ def test_export_declares_the_stop_tokens_and_generate_stops_at_im_end(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Fine-tuning launches on the bundled chat set (tiny flavor, seq_len 128, 4 steps): 2 ranks x 1 micro-batch,
-# 1 rank x 2 micro-batches, and the 2-rank run's step-2 checkpoint resumed on 1 rank.
+# Fine-tuning launches on the bundled chat set (tiny flavor, seq_len 128, 4 steps, global batch 2) from exported
+# initial weights: 2 ranks x 1 micro-batch, and its step-2 checkpoint resumed on 1 rank x 2 micro-batches.
 # ------------------------------------------------------------------------------------------------
 
 CONFIG = "configs/cpu_dense.toml"
+SEQ, SEED = 128, 42
 
 
-def chat_args(init: Path, name: str, *more: str) -> tuple[str, ...]:
-    return ("--training.dataset", "chitchat", "--training.seq_len", "128", "--training.local_batch_size", "1",
+def chat_args(init: Path, name: str, out: Path, *more: str) -> tuple[str, ...]:
+    return ("--training.dataset", "chitchat", "--training.seq_len", str(SEQ), "--training.local_batch_size", "1",
             "--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
             "--checkpoint.keep_latest_k", "0", "--model.hf_checkpoint", str(init), "--job.experiment_name", name,
-            *more)
+            "--job.dump_folder", str(out), *more)
 
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    """{"2x1": 2 ranks x 1 micro-batch (exports fp32 Hugging Face weights), "1x2": 1 rank x 2 micro-batches,
-    "2->1": the 2-rank run resumed after step 2 on 1 rank x 2}, all fine-tuning the same initial HF weights."""
+    """{"2x1": 2 ranks x 1 micro-batch, steps 1-4 (exports fp32 Hugging Face weights), "2->1x2": its step-2
+    checkpoint resumed on 1 rank x 2 micro-batches, steps 3-4}, rank-0 outputs, the initial weights."""
     root = tmp_path_factory.mktemp("sft")
     init = export_hf(load_model(load_config(CONFIG)), root / "init", dtype="float32")
     out = root / "runs"
-    runs = {"2x1": out / "a", "1x2": out / "b", "2->1": out / "c"}
-    stdout = {"2x1": run_train(CONFIG, *chat_args(init, "a", "--job.dump_folder", str(out), "--checkpoint.export_hf",
-                                                  "true", "--checkpoint.export_dtype", "float32"), nproc=2).stdout,
-              "1x2": run_train(CONFIG, *chat_args(init, "b", "--job.dump_folder", str(out),
-                                                  "--training.gradient_accumulation_steps", "2"), nproc=1).stdout}
-    (runs["2->1"] / "checkpoint").mkdir(parents=True)
-    shutil.copytree(runs["2x1"] / "checkpoint" / "step-2", runs["2->1"] / "checkpoint" / "step-2")
-    stdout["2->1"] = run_train(CONFIG, *chat_args(init, "c", "--job.dump_folder", str(out),
-                                                  "--training.gradient_accumulation_steps", "2"), nproc=1).stdout
+    runs = {"2x1": out / "a", "2->1x2": out / "b"}
+    stdout = {"2x1": run_train(CONFIG, *chat_args(init, "a", out, "--checkpoint.export_hf", "true",
+                                                  "--checkpoint.export_dtype", "float32"), nproc=2).stdout}
+    shutil.copytree(runs["2x1"] / "checkpoint" / "step-2", runs["2->1x2"] / "checkpoint" / "step-2")
+    stdout["2->1x2"] = run_train(CONFIG, *chat_args(init, "b", out, "--training.gradient_accumulation_steps", "2"),
+                                 nproc=1).stdout
     return runs, stdout, init
 
 
-def test_loss_is_the_mean_over_the_global_batch_of_trained_tokens(sft_runs):
-    """2 ranks x 1 micro-batch and 1 rank x 2 micro-batches see the same rows: the same losses and weights."""
+def test_the_launch_packs_the_conversations_apart(sft_runs):
     runs, stdout, _ = sft_runs
-    a, b = losses_by_step(runs["2x1"]), losses_by_step(runs["1x2"])
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    assert max(abs(a[s] - b[s]) for s in a) < 1e-5, (a, b)
-    assert a[4] < a[1] - 0.1  # it learns
-    wa, wb = (load_run(runs[k], step=2)[0].state_dict() for k in ("2x1", "1x2"))
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
     assert "workbench: packed chitchat: 4,007 conversations -> 3,326 rows of 128 tokens, pad 8.30%" in stdout["2x1"]
     assert "training.document_mask on: chitchat holds conversations" in stdout["2x1"]
     assert "document_mask = true" in (runs["2x1"] / "config.toml").read_text()  # block-causal: packed apart
+    loss = losses_by_step(runs["2x1"])
+    assert sorted(loss) == [1, 2, 3, 4] and loss[4] < loss[1] - 0.1  # it learns
+
+
+def test_the_loss_is_the_mean_over_the_global_batch_of_trained_targets(sft_runs):
+    """Step 3 from the step-2 weights, recomputed here on the step's two rows (global rows 4 and 5): the logged loss
+    is the mean over both rows' trained targets (not the mean of the rows' means), on 2 ranks x 1 micro-batch and on
+    1 rank x 2 micro-batches alike; the weights after step 4 agree too."""
+    from workbench.backends import attention
+    from workbench.data.loader import resolve
+    from workbench.data.packing import ChatRows, PackSpec
+    from workbench.data.prepare import Prepared
+
+    runs, _, _ = sft_runs
+    model = load_run(runs["2x1"], step=2)[0]
+    rows = ChatRows(Prepared(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ, seed=SEED, holdout=1),
+                    "chitchat")
+    ids, labels, pos = (torch.from_numpy(np.stack(a)) for a in zip(*(rows.row(g) for g in (4, 5)), strict=True))
+    with torch.no_grad():
+        logits = model(ids, **attention.forward_kwargs(model.workbench_info.model_config, pos))
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), reduction="none",
+                                                  ignore_index=-100).view(2, SEQ)
+    trained = labels != -100
+    mean = float(per_token.sum() / trained.sum())
+    mean_of_rows = float((per_token.sum(1) / trained.sum(1)).mean())
+    logged = {k: losses_by_step(runs[k])[3] for k in runs}
+    assert abs(mean - mean_of_rows) > 1e-3 and trained.sum(1).tolist() == [65, 39]  # the two readings differ
+    assert abs(logged["2x1"] - mean) < 1e-5 and abs(logged["2->1x2"] - mean) < 1e-5, (logged, mean, mean_of_rows)
+    wa, wb = (load_run(runs[k], step=4)[0].state_dict() for k in runs)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
 
 
 def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
     runs, _, _ = sft_runs
-    resumed, whole = losses_by_step(runs["2->1"]), losses_by_step(runs["2x1"])
+    resumed, whole = losses_by_step(runs["2->1x2"]), losses_by_step(runs["2x1"])
     assert sorted(resumed) == [3, 4]
     assert max(abs(resumed[s] - whole[s]) for s in resumed) < 1e-5, (resumed, whole)
 
