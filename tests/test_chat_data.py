@@ -371,3 +371,16 @@ def test_heldout_conversations_are_rows_of_their_own_with_the_trained_labels(bun
         assert (labels[r, n:] == -100).all() and (labels[r] != -100).any()
     train = packing.ChatRows(bundled, spec(seq_len=512, holdout=3), "chitchat").items
     assert train[:, 0].max() == 4004
+
+
+def test_packing_settings_are_checked_with_the_config():
+    from workbench.core.config import load_config
+    from workbench.core.errors import ConfigError
+
+    for key, value, message in (("pack_window", 5000, "at least 10000"), ("max_dropped", 1.5, "out of range"),
+                                ("loss_on", "user", "must be one of assistant, last_assistant, all"),
+                                ("overlong", "wrap", "must be one of truncate, split, drop")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("configs/cpu_dense.toml", training={key: value})
+    t = load_config("configs/cpu_dense.toml", training={"pack_window": 20000, "loss_on": "all"}).training
+    assert packing.PackSpec(seq_len=64, **t.chat_options()).lut().all()

@@ -317,7 +317,7 @@ class Training:
     """Conversations longer than seq_len: keep the first piece cut at a turn boundary (truncate), every such piece
     (split), or none (drop). A piece without a trained token is dropped."""
     pack_window: int = 0
-    """Conversations: best-fit packing over windows of this many conversations (>= 10000); 0 = the whole set."""
+    """Conversations: best-fit packing over windows of this many conversations (at least 10,000); 0 = the whole set."""
     max_dropped: float = 0.05
     """Conversations: refuse the launch when more than this share of them is dropped (too long, nothing trained)."""
 
@@ -336,9 +336,9 @@ class Training:
             raise ConfigError(f"training.seq_len={self.seq_len} must be divisible by parallelism.tp={tp}.")
         if self.holdout_docs < 0:
             raise ConfigError(f"training.holdout_docs must be >= 0; got {self.holdout_docs}.")
-        if self.pack_window and self.pack_window < 10_000:
+        if self.pack_window and self.pack_window < MIN_PACK_WINDOW:
             raise ConfigError(f"training.pack_window={self.pack_window}: 0 packs the whole set, a window needs at "
-                              "least 10000 conversations (best-fit needs a wide choice).")
+                              f"least {MIN_PACK_WINDOW} conversations (best-fit needs a wide choice).")
         check_range("training.max_dropped", self.max_dropped, 0, 1)
         if self.loss_chunks < 0 or (self.loss_chunks and self.seq_len % (self.loss_chunks * max(tp, 1))):
             raise ConfigError(f"training.loss_chunks={self.loss_chunks} must be 0 (plain loss) or divide "
@@ -378,6 +378,9 @@ class Training:
         if d != "shakespeare" and os.path.lexists(d) and not os.access(d, os.R_OK):
             raise ConfigError(f"training.dataset={d!r} is not readable (permissions); fix them or pick another path.")
 
+
+MIN_PACK_WINDOW = 10_000
+"""Conversations per best-fit packing window, at the least (`training.pack_window`)."""
 
 PATH_MAX, NAME_MAX = 4096, 255
 """Linux's limits on a path and on one name in it."""

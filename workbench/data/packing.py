@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.core.config import MIN_PACK_WINDOW
 from workbench.core.errors import DatasetError
 from workbench.data import DOC_SEPARATOR, cache_root, tokenizer_dir
 from workbench.data.chat import IM_START, LOSS_ON, trained_lut
 from workbench.data.prepare import Prepared
 
 OVERLONG = ("truncate", "split", "drop")
-MIN_WINDOW = 10_000  # conversations per packing window, at the least (best-fit needs a wide choice)
 IGNORE = -100  # the label of a position that is not trained (torchtitan's IGNORE_INDEX)
 
 
@@ -49,7 +49,7 @@ class PackSpec:
         train_thinking: train `<think>` blocks of trained assistant turns.
         train_tool_calls: train `<tool_call>` blocks of trained assistant turns.
         overlong: a conversation over seq_len: "truncate" (the first piece), "split" (every piece), "drop".
-        window: conversations per best-fit window (0 = the whole set; else at least MIN_WINDOW).
+        window: conversations per best-fit window (0 = the whole set; else at least MIN_PACK_WINDOW).
         seed: seeds each epoch's order.
         holdout: conversations at the end of the fixed order kept out (training.holdout_docs).
     """
@@ -340,9 +340,9 @@ def check_spec(spec: PackSpec) -> None:
     if spec.loss_on not in LOSS_ON or spec.overlong not in OVERLONG:
         raise DatasetError(f"training.loss_on={spec.loss_on!r} / training.overlong={spec.overlong!r}: not a choice.",
                            f"use one of {', '.join(LOSS_ON)} / {', '.join(OVERLONG)}.")
-    if spec.window and spec.window < MIN_WINDOW:
-        raise DatasetError(f"training.pack_window={spec.window}: a window under {MIN_WINDOW:,} conversations packs "
-                           "poorly.", f"use 0 (the whole set) or at least {MIN_WINDOW:,}.")
+    if spec.window and spec.window < MIN_PACK_WINDOW:
+        raise DatasetError(f"training.pack_window={spec.window}: a window under {MIN_PACK_WINDOW:,} conversations "
+                           "packs poorly.", f"use 0 (the whole set) or at least {MIN_PACK_WINDOW:,}.")
 
 
 @functools.cache
