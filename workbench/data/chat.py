@@ -183,7 +183,7 @@ def _checked(messages: list) -> list[dict]:
             raise BadConversation("empty content", f"message {k} ({role}) has empty content")
         if not isinstance(m.get("reasoning_content", ""), str):
             raise BadConversation("content not a string", f"message {k} has reasoning_content that is not a string")
-        text = content + m.get("reasoning_content", "") + json.dumps(calls)
+        text = content + m.get("reasoning_content", "") + json.dumps(calls, default=str)
         if any(t in text for t in CONTROL_TOKENS):
             raise BadConversation("control token", f"message {k} ({role}) contains a control token "
                                   f"({', '.join(t for t in CONTROL_TOKENS if t in text)})")
