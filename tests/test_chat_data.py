@@ -384,3 +384,24 @@ def test_packing_settings_are_checked_with_the_config():
             load_config("configs/cpu_dense.toml", training={key: value})
     t = load_config("configs/cpu_dense.toml", training={"pack_window": 20000, "loss_on": "all"}).training
     assert packing.PackSpec(seq_len=64, **t.chat_options()).lut().all()
+
+
+def test_conversations_from_jsonl_parquet_and_a_datasets_folder_prepare_the_same(tmp_path, cache):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": c} for c in chitchat_conversations()[:30]]
+    rows.append({"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."}]})
+    write_rows(tmp_path / "c.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "c_ds"))
+    got = {}
+    for src in ("c.jsonl", "c.parquet", "c_ds"):
+        m = prepare(str(tmp_path / src), tmp_path / f"{src}.out", workers=1, progress=False, say=lambda _: None)
+        assert m["mode"] == "chat" and m["documents"] == 31 and m["bad_rows"] == 0
+        p = Prepared(tmp_path / f"{src}.out")
+        got[src] = [(p.document(i).tolist(), p.owners(i).tolist()) for i in range(len(p))]
+    assert got["c.jsonl"] == got["c.parquet"] == got["c_ds"]
+    assert chat.THINK | chat.LAST_TURN in got["c.jsonl"][-1][1]  # the final turn's reasoning is kept and owned
