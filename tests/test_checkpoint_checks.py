@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench.core.errors import CheckpointError
-from workbench.run import checkpoint, run_folder
+from workbench.core.errors import CheckpointError, RunFolderError
+from workbench.run import checkpoint, metrics, run_folder
 from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
 
 # DCP in one process without a process group (what this file wants) warns that it assumes so
@@ -228,22 +228,35 @@ def test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none(tmp_path):
     assert not (tmp_path / "checkpoint").exists()
 
 
-# ---- the run folder's metrics readers ------------------------------------------------------------------------------
+# ---- the run's metrics file ------------------------------------------------------------------------------
 
 
 def test_read_and_trim_metrics(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        run_folder.read_metrics(tmp_path)
+        metrics.read_metrics(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'} does not exist: the run logged no step (see its log), "
                             f"or {tmp_path} is not a run folder.")
-    assert run_folder.read_metrics(tmp_path, missing_ok=True) == [] and run_folder.trim_metrics(tmp_path, 3) == 0
+    assert metrics.read_metrics(tmp_path, missing_ok=True) == [] and metrics.trim_metrics(tmp_path, 3) == 0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3, 4, 5)) + "\n")
     inode = path.stat().st_ino
-    assert run_folder.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
-    assert run_folder.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
-    assert [r["step"] for r in run_folder.read_metrics(tmp_path)] == [1, 2, 3]
+    assert metrics.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
+    assert metrics.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
+    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+
+
+def test_a_torn_last_metrics_line_is_left_out_and_trimmed_on_resume(tmp_path):
+    """A crash mid-append leaves half a line: readers skip it, the resume's trim removes it (nothing else)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
+    assert metrics.trim_metrics(tmp_path, 3) == 1
+    assert path.read_text() == "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    path.write_text(path.read_text() + "not json\n" + json.dumps({"step": 4}) + "\n")  # damage inside the file
+    with pytest.raises(RunFolderError, match=r"metrics.jsonl:4 is not a metrics record") as e:
+        metrics.trim_metrics(tmp_path, 3)
+    assert "Fix: delete that line" in e.value.one_line()
 
 
 def test_step_dir_without_checkpoints_names_the_fix(tmp_path):

@@ -21,7 +21,7 @@ import pandas as pd
 from workbench.core.config import JobConfig
 from workbench.notebook.display import MISSING, Table, checks, key_values, memory_unit, number, percent
 from workbench.notebook.params import repo_root
-from workbench.run.run_folder import read_metrics
+from workbench.run.metrics import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Environment (00_setup)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ import spmd_types as spmd
 import torch
 from torch.profiler import record_function
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -46,7 +44,8 @@ from workbench.platform.dist_utils import StopRequest, broadcast, say
 from workbench.platform.dist_utils import rank as _rank
 from workbench.run import profiling
 from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete
-from workbench.run.run_folder import RunLock, describe_holder, trim_metrics
+from workbench.run.metrics import NonFiniteGradNorm, WorkbenchMetrics, trim_metrics
+from workbench.run.run_folder import RunLock, describe_holder
 
 
 class LazyTokenizer(BaseTokenizer):
@@ -91,76 +90,6 @@ def _grad_norm(model_parts) -> float:
         return float("nan")
     norm = torch.nn.utils.get_total_norm(grads)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
-class _NonFiniteGradNorm(Exception):
-    """Raised by WorkbenchMetrics.log on every rank (the norm is global); WorkbenchTrainer.train_step reports it."""
-
-    def __init__(self, loss: float, grad_norm: float):
-        super().__init__(f"grad norm {grad_norm}")
-        self.loss, self.grad_norm = loss, grad_norm
-
-
-class WorkbenchMetrics(MetricsProcessor):
-    """torchtitan's metrics processor plus metrics.jsonl and a one-line progress report."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(MetricsProcessor.Config):
-        jsonl_path: str = ""
-        backend: str = ""
-        total_steps: int = 0
-        peak_flops: float = 0.0
-        """Peak FLOP/s of one device in the training dtype (replaces torchtitan's table lookup)."""
-
-    def __init__(self, config: Config, **kwargs):
-        super().__init__(config, **kwargs)
-        if config.peak_flops > 0:
-            self.gpu_peak_flops = config.peak_flops
-        self.history: list[dict[str, Any]] = []
-
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None):
-        cfg = self.config
-        if not math.isfinite(grad_norm):  # torchtitan checks the loss only; a non-finite norm poisons the weights
-            raise _NonFiniteGradNorm(global_avg_loss, grad_norm)
-        time_delta = time.perf_counter() - self.time_last_log
-        steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
-        # tokens per second per device (torchtitan's definition)
-        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
-        mfu = self.num_flops_per_token * tps / self.gpu_peak_flops
-        mem = self.device_memory_monitor.get_peak_stats()
-        record = {
-            "step": step,
-            "loss": global_avg_loss,
-            "max_loss": global_max_loss,
-            "grad_norm": grad_norm,
-            "tokens_per_second": tps,
-            "mfu": mfu,
-            "tflops": self.num_flops_per_token * tps / 1e12,
-            "step_time_s": time_delta / max(step - getattr(self, "_last_step", step - 1), 1),
-            "data_time_s": sum(self.data_loading_times) / steps_in_window,
-            "peak_memory_bytes": int(mem.max_reserved_gib * 1024**3),
-            "backend": cfg.backend,
-            "time": time.time(),
-            **{k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))},
-        }
-        self._last_step = step
-        self.history.append(record)
-        self.logger.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step)
-        if _rank() == 0:
-            if cfg.jsonl_path:
-                with open(cfg.jsonl_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            width = len(str(cfg.total_steps))
-            say(
-                f"step {step:>{width}}/{cfg.total_steps}  loss {global_avg_loss:8.4f}  "
-                f"tok/s {tps:10,.0f}  mfu {100 * mfu:6.2f}%  mem {mem.max_reserved_gib:6.2f} GiB  "
-                f"step {record['step_time_s']:.3f}s"
-            )
-        self.ntokens_since_last_log = 0
-        self.data_loading_times.clear()
-        self.time_last_log = time.perf_counter()
-        self.device_memory_monitor.reset_peak_stats()
 
 
 class WorkbenchTrainer(Trainer):
@@ -275,7 +204,7 @@ class WorkbenchTrainer(Trainer):
         with self.step_profiler.step(self.step):
             try:
                 super().train_step(profiling.Labelled(data_iterator, "data"))
-            except _NonFiniteGradNorm as e:
+            except NonFiniteGradNorm as e:
                 raise self._non_finite(e.loss, e.grad_norm) from None
             except RuntimeError as e:
                 # torchtitan raises this before logging (and before the step's checkpoint save); the loss is
@@ -478,4 +407,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "build_titan_config", "loss_config", "quiet_titan_logs"]
