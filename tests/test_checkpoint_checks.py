@@ -14,7 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench.core.errors import CheckpointError, RunFolderError
+from run_helpers import ROOT
+from workbench.core.errors import CheckpointError, ConfigError, RunFolderError
 from workbench.run import checkpoint, metrics, run_folder
 from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
 
@@ -264,3 +265,43 @@ def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
         run_folder.step_dir(tmp_path, "checkpoint", None)
     assert str(e.value) == (f"No DCP checkpoint in {tmp_path / 'checkpoint'}: train with --checkpoint.enable true "
                             "(and --checkpoint.interval N) to write one.")
+
+
+# ---- the global batch a resume keeps ---------------------------------------------------------------------------------
+
+
+def test_the_train_state_is_committed_with_the_step_and_read_only_when_it_matches(tmp_path):
+    record = {"global_batch_size": 4, "local_batch_size": 2, "data_parallel_ranks": 2, "gradient_accumulation_steps": 1}
+    path = tmp_path / "step-3"
+    sums: dict = {}
+    metadata = dcp.save({"w": torch.ones(3)}, storage_writer=checkpoint.checksumming_writer(str(path), sums))
+    commit_checksums(path, sums, metadata, {checkpoint.TRAIN_STATE: json.dumps(record).encode()})
+    assert checkpoint.read_train_state(path) == record and verify_checkpoint(path) is None
+    (path / checkpoint.TRAIN_STATE).write_text(json.dumps({**record, "global_batch_size": 8}))  # not what was saved
+    assert checkpoint.read_train_state(path) is None and "train_state.json" in verify_checkpoint(path)
+    assert checkpoint.read_train_state(save_step(tmp_path, 4)) is None  # a step saved without one
+
+
+def test_resume_keeps_the_checkpoints_global_batch_or_refuses_naming_the_setting():
+    from workbench.core.config import load_config
+    from workbench.run.trainer import resume_batch
+
+    record = {"global_batch_size": 12, "local_batch_size": 2, "data_parallel_ranks": 2,
+              "gradient_accumulation_steps": 3}
+    training = load_config(ROOT / "configs/cpu_dense.toml").training  # local batch 2, global batch from the ranks
+    assert resume_batch(None, training, 1, None) is None  # a fresh run
+    assert resume_batch(record, training, 6, 8) is None  # 6 ranks x 2 = 12 rows: what the config gives already
+    kept, line = resume_batch(record, training, 3, 8)
+    assert kept == 12 and "3 data-parallel rank(s) x local batch 2 x 2 accumulation step(s) (step 8 trained with 2 " \
+                          "data-parallel rank(s) x local batch 2 x 3 accumulation step(s))" in line
+    with pytest.raises(ConfigError) as e:  # 4 ranks x 2 = 8 rows per pass do not divide 12
+        resume_batch(record, training, 4, 8)
+    assert "global batch of 12 rows, which 4 data-parallel rank(s) x training.local_batch_size 2 = 8 rows per pass " \
+           "do not divide" in e.value.message and e.value.fix.startswith("set --training.local_batch_size 1 ")
+    with pytest.raises(ConfigError, match="global batch of 12 rows") as e:
+        resume_batch(record, training, 5, 8)
+    assert e.value.fix.startswith("resume on a number of data-parallel ranks that divides 12")
+    training.global_batch_size = 8  # set on purpose: wins, and the line says so
+    assert resume_batch(record, training, 4, 8) == (8, "workbench: resuming with training.global_batch_size=8 as set; "
+                                                       "the checkpoint's was 12 (step 8 trained with 2 data-parallel "
+                                                       "rank(s) x local batch 2 x 3 accumulation step(s)).")

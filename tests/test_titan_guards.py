@@ -60,6 +60,12 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.trainer", "Trainer.__init__"): (
         "2d0b1a810a03eabe",
         "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
+    ("torchtitan.trainer", "Trainer.post_dataloading_process"): (
+        "7f74090f0ca04a79", "wrapped by WorkbenchTrainer.post_dataloading_process (takes the mixture member off)"),
+    ("torchtitan.trainer", "Trainer.state_dict"): (
+        "3c94925f8c1fc6cb", "overridden by WorkbenchTrainer.state_dict (the token count over all ranks)"),
+    ("torchtitan.trainer", "Trainer.load_state_dict"): (
+        "41a45bdeb51c2a16", "overridden by WorkbenchTrainer.load_state_dict (the total count split over the ranks)"),
     ("torchtitan.components.metrics", "MetricsProcessor.log"): (
         "fe2e88a0f9ff3817", "overridden by WorkbenchMetrics.log (same arguments; metrics.jsonl and the progress line)"),
     ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (

@@ -304,6 +304,11 @@ class Training:
     holdout_docs: int = 1
     """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
 
+    def global_rows(self, dp: int) -> int:
+        """Rows per optimizer step over `dp` data-parallel ranks: global_batch_size, or local x dp x accumulation."""
+        return self.global_batch_size if self.global_batch_size > 0 else \
+            self.local_batch_size * dp * self.gradient_accumulation_steps
+
     def check(self, job: JobConfig, world_size: int) -> None:
         tp = job.parallelism.tp
         for key in ("local_batch_size", "seq_len", "steps", "gradient_accumulation_steps"):

@@ -20,6 +20,7 @@ each row going to the member furthest below its share (deterministic; shares exa
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,26 +59,97 @@ def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", pr
     return out
 
 
-def mixture(dataset: str) -> list[tuple[str, float]]:
-    """`training.dataset` as [(dataset, weight)], weights summing to 1: "A" or "A:0.7,B:0.3" (weight default 1).
+def parse_mixture(dataset: str) -> list[tuple[str, float]]:
+    """`training.dataset` as written: [(dataset, weight)]. "A" (weight 1) or "A:0.7,B:0.3": a mixture names a weight
+    for every member, each a finite positive number.
 
     Raises:
-        DatasetError: a weight that is not a positive number.
+        DatasetError: an empty member, a member without a weight, or a weight that is not a finite positive number.
     """
-    parts = [p.strip() for p in dataset.split(",")] if "," in dataset else [dataset]
+    if "," not in dataset:
+        name, _, w = dataset.rpartition(":")
+        weight = _number(w) if name else None
+        return [(dataset, 1.0)] if weight is None else [(name, _checked(dataset, name, w, weight))]  # None: a path
     members = []
-    for p in parts:
-        name, _, w = p.rpartition(":")
-        try:
-            weight = float(w) if name else 1.0
-        except ValueError:
-            name, weight = p, 1.0  # a path with a colon and no weight
-        members.append((name or p, weight))
-        if not weight > 0 or weight == float("inf"):
-            raise DatasetError(f"training.dataset={dataset!r}: weight {w!r} of {name!r} is not a positive number.",
-                               "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-    total = sum(w for _, w in members)
-    return [(d, w / total) for d, w in members]
+    for i, part in enumerate(p.strip() for p in dataset.split(",")):
+        name, _, w = part.rpartition(":")
+        weight = _number(w) if name else None
+        if not part:
+            raise DatasetError(f"training.dataset={dataset!r}: member {i + 1} is empty.",
+                               "remove the stray comma: write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+        if weight is None:
+            raise DatasetError(f"training.dataset={dataset!r}: member {part!r} has no weight; a mixture needs one "
+                               "for every member.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+        members.append((name, _checked(dataset, name, w, weight)))
+    return members
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _checked(dataset: str, name: str, text: str, weight: float) -> float:
+    if not (weight > 0 and math.isfinite(weight)):
+        raise DatasetError(f"training.dataset={dataset!r}: the weight {text!r} of {name!r} is not a finite positive "
+                           "number.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+    return weight
+
+
+def mixture(dataset: str) -> list[tuple[str, float]]:
+    """`training.dataset` as [(dataset, share)]: the weights of `parse_mixture` normalised to sum to 1.
+
+    Raises:
+        DatasetError: see `parse_mixture`; weights so far apart that a share underflows to 0.
+    """
+    members = parse_mixture(dataset)
+    top = max(w for _, w in members)  # scaled by the largest first: 1e308 + 1e308 does not overflow
+    total = sum(w / top for _, w in members)
+    shares = [(d, w / top / total) for d, w in members]
+    small = [d for d, share in shares if not share > 0]
+    if small:
+        raise DatasetError(f"training.dataset={dataset!r}: the weight of {small[0]!r} is so much smaller than the "
+                           "largest one that its share is 0.", "give it a larger weight or leave it out.")
+    return shares
+
+
+def mixture_report(dataset: str, lengths: list[int], rows: int, row_len: int) -> tuple[list[str], list[str]]:
+    """What a launch says about a mixture: the weights normalised (when they do not sum to 1), and per member its
+    share, size and passes over its data in the run; warnings for members that repeat often.
+
+    Args:
+        dataset: `training.dataset`.
+        lengths: tokens per epoch of each member (its training documents).
+        rows: rows of the whole run (global batch x steps).
+        row_len: tokens per row (seq_len + 1).
+
+    Returns:
+        (lines, warnings); both empty for a single dataset.
+    """
+    written = parse_mixture(dataset)
+    if len(written) < 2:
+        return [], []
+    shares = mixture(dataset)
+    lines = []
+    total = sum(w for _, w in written)
+    if abs(total - 1) > 1e-9:
+        lines.append(f"workbench: training.dataset weights {', '.join(f'{w:g}' for _, w in written)} sum to "
+                     f"{total:g}: normalised to shares {', '.join(f'{s:.4g}' for _, s in shares)}.")
+    warnings = []
+    for (name, share), tokens in zip(shares, lengths, strict=True):
+        epochs = share * rows * row_len / tokens
+        lines.append(f"workbench: mixture member {name}: share {share:.4g}, {tokens:,} tokens, {epochs:.3g} epoch(s) "
+                     f"over the run ({round(share * rows):,} rows of {row_len:,} tokens).")
+        if epochs > REPEAT_WARNING:
+            warnings.append(f"workbench: warning: mixture member {name} repeats {epochs:.3g} times over the run; "
+                            "lower its weight or give it more data if that is not intended.")
+    return lines, warnings
+
+
+REPEAT_WARNING = 4.0
+"""Passes over a mixture member's data in one run above which the launch warns."""
 
 
 def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
@@ -178,7 +250,8 @@ class PackedDataset(IterableDataset, Stateful):
                 counts[0] += self.dp_world_size
             self._state = {"row": g + self.dp_world_size, "counts": counts}  # the global position once all ranks
             t = torch.from_numpy(self.streams[member].read(index * row_len, row_len))  # have taken their row
-            yield {"input": t[:-1], "positions": positions}, t[1:]
+            # "member": which dataset of a mixture the row is from (the trainer takes it off before the model)
+            yield {"input": t[:-1], "positions": positions, "member": torch.tensor(member)}, t[1:]
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": self._state["row"], "counts": list(self._state["counts"])}

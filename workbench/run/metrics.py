@@ -5,7 +5,9 @@
   bench, the dashboard) imports no torch;
 * `read_metrics`: the records in file order; a torn last line (a writer mid-append, a crash) is left out;
 * `trim_metrics`: on resume, drops the records after the checkpoint's step and a torn last line, so no step
-  appears twice and the file parses again.
+  appears twice and the file parses again;
+* `MemberTally`: for a mixture of datasets, each member's rows so far and its loss in the logged step
+  ("rows <member>", "loss <member>").
 
 The MFU's peak and FLOPs per token come from `workbench.run.profiling`.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +120,8 @@ def _processor_class():
             if config.peak_flops > 0:
                 self.gpu_peak_flops = config.peak_flops
             self.history: list[dict[str, Any]] = []
+            self.extra_source: Callable[[], dict[str, float]] | None = None
+            """More values for each record (the trainer's per-member metrics); called on every rank."""
 
         def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
                 extra_metrics: dict[str, Any] | None = None):
@@ -143,7 +148,10 @@ def _processor_class():
                 "backend": cfg.backend,
                 "time": time.time(),
                 **{k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))},
+                **(self.extra_source() if self.extra_source else {}),
             }
+            if "n_tokens_seen" in record:  # a count (torchtitan's sum over ranks is a float)
+                record["n_tokens_seen"] = int(record["n_tokens_seen"])
             self._last_step = step
             self.history.append(record)
             self.logger.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step)
@@ -164,6 +172,59 @@ def _processor_class():
     return WorkbenchMetrics
 
 
+class MemberTally:
+    """Per member of a mixture: the summed loss and tokens of its rows since the last logged step (`add`, per
+    micro-batch), turned into that step's loss per member and the rows each member has given (`collect`).
+
+    Args:
+        names: the members as `training.dataset` names them.
+        device: where the sums live (the training device: the all-reduce runs there).
+    """
+
+    def __init__(self, names: list[str], device):
+        self.names, self.device = names, device
+        self._sums = None  # [2, members] float64: loss sums, tokens
+
+    def add(self, row_loss, row_tokens, members) -> None:
+        """Adds one micro-batch: each row's summed loss and token count, and the member each row came from."""
+        import torch
+
+        if self._sums is None:
+            self._sums = torch.zeros(2, len(self.names), dtype=torch.float64, device=self.device)
+        self._sums[0].index_add_(0, members, row_loss.double())
+        self._sums[1].index_add_(0, members, row_tokens.double())
+
+    def collect(self, rows: list[int], group=None) -> dict[str, float]:
+        """The record's values (every rank calls it: an all-reduce over `group`) and a fresh start.
+
+        Args:
+            rows: rows each member has given since the run began, over all ranks (the data loader's position).
+            group: the process group of the ranks whose losses add up (None: this process alone).
+
+        Returns:
+            "rows <member>" for every member, "loss <member>" (mean per token) for those with rows in the step.
+        """
+        import torch
+        import torch.distributed as dist
+
+        sums = self._sums if self._sums is not None else torch.zeros(2, len(self.names), dtype=torch.float64,
+                                                                     device=self.device)
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        self._sums = None
+        out: dict[str, float] = {f"rows {name}": int(n) for name, n in zip(self.names, rows, strict=True)}
+        for name, loss, tokens in zip(self.names, *sums.tolist(), strict=True):
+            if tokens:
+                out[f"loss {name}"] = loss / tokens
+        return out
+
+
+def member_columns(records: list[dict[str, Any]], kind: str) -> dict[str, str]:
+    """member -> its "<kind> <member>" key in metrics records (kind "rows" or "loss"), in first-seen order."""
+    prefix = kind + " "
+    return {k[len(prefix):]: k for r in records for k in r if k.startswith(prefix)}
+
+
 class NonFiniteGradNorm(Exception):
     """Raised by `WorkbenchMetrics.log` on every rank (the norm is global); the trainer's `train_step` reports it."""
 
@@ -178,4 +239,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["METRICS_FILE", "read_metrics", "trim_metrics", "append_record", "NonFiniteGradNorm"]  # and WorkbenchMetrics
+__all__ = ["METRICS_FILE", "read_metrics", "trim_metrics", "append_record", "MemberTally", "member_columns",
+           "NonFiniteGradNorm"]  # and WorkbenchMetrics

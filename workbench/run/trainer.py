@@ -26,7 +26,7 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
@@ -37,14 +37,14 @@ from torchtitan.trainer import Trainer
 
 from workbench import data
 from workbench.core.config import JobConfig, resolved_dtype
-from workbench.core.errors import NonFiniteError, RunError, RunFolderError, StoppedError
+from workbench.core.errors import ConfigError, NonFiniteError, RunError, RunFolderError, StoppedError, WorkbenchError
 from workbench.data.loader import PackedTextDataLoader
 from workbench.platform import neuron_adjustments
 from workbench.platform.dist_utils import StopRequest, broadcast, say
 from workbench.platform.dist_utils import rank as _rank
 from workbench.run import profiling
-from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete
-from workbench.run.metrics import NonFiniteGradNorm, WorkbenchMetrics, trim_metrics
+from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete, read_train_state
+from workbench.run.metrics import MemberTally, NonFiniteGradNorm, WorkbenchMetrics, trim_metrics
 from workbench.run.run_folder import RunLock, describe_holder
 
 
@@ -108,6 +108,7 @@ class WorkbenchTrainer(Trainer):
         self.stop = stop
         self.launch_check = launch_check
         self.run_lock: RunLock | None = None
+        self._tokens_base = self._tokens_start = 0  # see load_state_dict
         self._t0 = time.perf_counter()
         try:
             super().__init__(config)
@@ -115,6 +116,14 @@ class WorkbenchTrainer(Trainer):
             if self.run_lock:
                 self.run_lock.release()
             raise
+        names = self.dataloader.packed.names
+        self.member_tally = MemberTally(names, self.device) if len(names) > 1 else None
+        if self.member_tally:
+            self.metrics_processor.extra_source = self._member_metrics
+        self.checkpointer.train_state = {  # train_state.json of every save: what a resume keeps
+            "global_batch_size": self.config.training.local_batch_size * self.dp_ranks
+            * self.gradient_accumulation_steps, "local_batch_size": self.config.training.local_batch_size,
+            "data_parallel_ranks": self.dp_ranks, "gradient_accumulation_steps": self.gradient_accumulation_steps}
         self.init_seconds = time.perf_counter() - self._t0
         self._start_step: int | None = None  # last step before this launch (0 = fresh), set by _on_first_step
         self._first_step_at: float | None = None
@@ -128,33 +137,84 @@ class WorkbenchTrainer(Trainer):
         # The stop flag travels over gloo (a CPU int): no device sync added to the step on cuda/neuron.
         self._cpu_group = None if "gloo" in str(torch.distributed.get_backend()) else \
             torch.distributed.new_group(backend="gloo")
+        self.dp_ranks = parallel_dims.dp_replicate * parallel_dims.dp_shard  # torchtitan's batch degree
         self._take_run_folder()
         return parallel_dims
 
     def _take_run_folder(self) -> None:
-        """Rank 0 locks the run folder and writes config.toml / shape.json; every rank gets the same outcome."""
+        """Rank 0 locks the run folder, decides the global batch of a resume (`resume_batch`) and writes config.toml /
+        shape.json; every rank gets the same outcome."""
         from workbench.core import flavors
 
         run_dir = Path(self.config.dump_folder)
         outcome: Any = None
+        batch: tuple[int, str] | None = None
         if _rank() == 0:
             try:
                 self.run_lock = RunLock(run_dir)
                 outcome = self.run_lock.acquire()
+                batch = self._resume_batch(run_dir)
                 (run_dir / "config.toml").write_text(self.job.to_toml())
                 # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
                 (run_dir / "shape.json").write_text(json.dumps(flavors.describe(self.job.shape), indent=2))
-            except RunError as e:
+            except (RunError, ConfigError) as e:
                 outcome = e
             except OSError as e:
                 outcome = RunFolderError(f"cannot write the run folder {run_dir}: {e.strerror} ({e.filename}).",
                                          "point --job.dump_folder at a writable folder.")
-        outcome = broadcast(outcome)
-        if isinstance(outcome, RunError):
+        outcome, batch = broadcast((outcome, batch))
+        if isinstance(outcome, WorkbenchError):
             raise outcome
         if outcome:
             say(f"workbench: warning: took over the lock of {run_dir} from a launch that is gone "
                 f"({describe_holder(outcome)}): killed or crashed; resuming as usual.")
+        if batch:
+            self._set_global_batch(batch[0])
+            say(batch[1])
+
+    def _resume_batch(self, run_dir: Path) -> tuple[int, str] | None:
+        """(global batch, the line saying so) when the checkpoint to resume from trained with another global batch than
+        this launch's config gives; None otherwise (applied here on rank 0, before config.toml is written)."""
+        ckpt = self.job.checkpoint
+        if not ckpt.enable:
+            return None
+        folder = run_dir / ckpt.folder
+        step = ckpt.load_step if ckpt.load_step != -1 else newest_complete(folder)
+        record = read_train_state(folder / f"step-{step}") if step is not None else None
+        batch = resume_batch(record, self.job.training, self.dp_ranks, step)
+        if batch:
+            self._set_global_batch(batch[0])
+        return batch
+
+    def _set_global_batch(self, global_batch: int) -> None:
+        """torchtitan derives the gradient accumulation from it after `init_distributed`; config.toml records it (with
+        accumulation 1: derived from the global batch, valid on any number of ranks that divides it)."""
+        self.config.training.global_batch_size = global_batch
+        self.job.training.global_batch_size = global_batch
+        self.job.training.gradient_accumulation_steps = 1
+
+    # ---- Train state: a token count over all ranks, whatever the number of ranks it resumes on -----------------------
+
+    def _loss_ranks(self) -> tuple[int, int]:
+        """(ranks whose token counts torchtitan sums when it logs `n_tokens_seen`, this rank's index among them)."""
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's train state, with the tokens seen by all ranks (torchtitan's `ntokens_seen` is this rank's).
+
+        Every rank of the sum takes the same number of tokens per step (rows of a fixed shape), so the total is the
+        count at this launch's start plus this rank's count since then times the ranks: the same on every rank.
+        """
+        n, _ = self._loss_ranks()
+        return {"step": self.step, "ntokens_seen": self._tokens_base + n * (self.ntokens_seen - self._tokens_start)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The step, and the total token count on the first of the summed ranks (0 on the others), so torchtitan's
+        sum over the ranks continues from the total on any number of ranks."""
+        self.step = state_dict["step"]
+        self._tokens_base = int(state_dict["ntokens_seen"])
+        self.ntokens_seen = self._tokens_start = self._tokens_base if self._loss_ranks()[1] == 0 else 0
 
     def should_continue_training(self) -> bool:
         """torchtitan's loop condition, plus the stop request of any rank (checked together after every step)."""
@@ -251,12 +311,36 @@ class WorkbenchTrainer(Trainer):
                 if "positions" in extra_kwargs:
                     loss_kwargs["positions"] = extra_kwargs["positions"]
                 loss, _ = self.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
+                if self.member_tally and self.metrics_processor.should_log(self.step):
+                    self._tally_members(pred, labels, loss_kwargs)
                 del pred
             with record_function("backward"), spmd.no_typecheck():
                 loss.backward()
         return loss  # local SUM loss / global_valid_tokens, as torchtitan returns it
 
     # ---- end of performance accounting ----------------------------------------------------------------------------
+
+    # ---- Mixtures: rows and loss per member -------------------------------------------------------------------------
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """torchtitan's, after taking off the member each row came from (`PackedDataset`'s "member": no model input)."""
+        self._batch_members = input_dict.pop("member", None)
+        return super().post_dataloading_process(input_dict, labels)
+
+    @torch.no_grad()
+    def _tally_members(self, pred: torch.Tensor, labels: torch.Tensor, loss_kwargs: dict[str, Any]) -> None:
+        """Each row's summed loss by the run's own loss function (one row at a time: one row's logits at once, and the
+        same calls on every rank), added to its member's."""
+        row_loss = torch.stack([self.loss_fn(pred[r:r + 1].detach(), labels[r:r + 1], None,
+                                             **{k: v[r:r + 1] for k, v in loss_kwargs.items()})[0].float()
+                                for r in range(labels.shape[0])])
+        self.member_tally.add(row_loss, (labels != IGNORE_INDEX).sum(dim=1), self._batch_members)
+
+    def _member_metrics(self) -> dict[str, float]:
+        """The logged step's "rows <member>" / "loss <member>" (every rank: the losses are summed over the ranks)."""
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return self.member_tally.collect(self.dataloader.packed.state_dict()["counts"],
+                                         mesh.get_group() if mesh is not None else None)
 
     def close(self) -> None:
         super().close()
@@ -303,6 +387,48 @@ class WorkbenchTrainer(Trainer):
             )
 
 
+def resume_batch(record: dict[str, int] | None, training, dp: int, step: int | None) -> tuple[int, str] | None:
+    """The global batch a resumed run trains with: the checkpoint's, kept on any number of data-parallel ranks by
+    changing the gradient accumulation; `training.global_batch_size`, when set, wins.
+
+    Args:
+        record: the checkpoint's `train_state.json` (None: a fresh run, or a checkpoint without one).
+        training: this launch's `[training]` section.
+        dp: this launch's data-parallel ranks.
+        step: the checkpoint's step (for the messages).
+
+    Returns:
+        None when the batch is what the config gives already; else (global batch, the launch line saying so).
+
+    Raises:
+        ConfigError: the checkpoint's global batch is no whole number of this launch's passes (local batch x ranks).
+    """
+    if not record:
+        return None
+    kept, per_pass = record["global_batch_size"], training.local_batch_size * dp
+    was = (f"step {step} trained with {record['data_parallel_ranks']} data-parallel rank(s) x local batch "
+           f"{record['local_batch_size']} x {record['gradient_accumulation_steps']} accumulation step(s)")
+    if training.global_batch_size > 0:  # set on purpose: the config's batch wins
+        if training.global_batch_size == kept:
+            return None
+        wanted = training.global_batch_size
+        return wanted, (f"workbench: resuming with training.global_batch_size={wanted} as set; the checkpoint's "
+                        f"was {kept} ({was}).")
+    if per_pass * training.gradient_accumulation_steps == kept:
+        return None
+    if kept % per_pass:
+        fits = max(b for b in range(1, training.local_batch_size + 1) if (kept // dp) % b == 0) if kept % dp == 0 else 0
+        fix = (f"set --training.local_batch_size {fits} (it divides {kept} rows / {dp} ranks)" if fits else
+               f"resume on a number of data-parallel ranks that divides {kept}")
+        raise ConfigError(
+            f"the checkpoint to resume ({was}) has a global batch of {kept} rows, which {dp} data-parallel rank(s) x "
+            f"training.local_batch_size {training.local_batch_size} = {per_pass} rows per pass do not divide.",
+            f"{fix}, or set --training.global_batch_size to go on with another batch.")
+    return kept, (f"workbench: resuming with the checkpoint's global batch of {kept} rows: {dp} data-parallel "
+                  f"rank(s) x local batch {training.local_batch_size} x {kept // per_pass} accumulation step(s) "
+                  f"({was}).")
+
+
 def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) -> WorkbenchTrainer.Config:
     """Translates the workbench config into torchtitan's Trainer.Config (with the backend's ModelSpec)."""
     from workbench import backends
@@ -343,8 +469,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         ),
         training=TrainingConfig(
             local_batch_size=job.training.local_batch_size,
-            global_batch_size=(job.training.global_batch_size if job.training.global_batch_size > 0 else
-                               job.training.local_batch_size * dp * job.training.gradient_accumulation_steps),
+            global_batch_size=job.training.global_rows(dp),
             seq_len=job.training.seq_len, max_norm=job.training.max_norm, steps=job.training.steps,
             dtype="float32", mixed_precision_param=dtype,
             disable_cuda_graphs=True,
@@ -407,4 +532,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "build_titan_config", "loss_config", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "resume_batch", "build_titan_config", "loss_config", "quiet_titan_logs"]
