@@ -3,7 +3,7 @@
 Packing (GPT style): documents, each followed by <|endoftext|>, are concatenated in a seeded per-epoch order
 (`np.random.default_rng([seed, epoch]).permutation`) into one endless token stream, cut into rows of
 seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row. The last
-`training.holdout_docs` documents of the fixed order never enter it; `heldout_tokens` returns them for perplexity.
+`training.holdout_docs` documents of the fixed order never enter it; `heldout_sets` returns them for perplexity.
 
 Global row g goes to data-parallel rank g % dp_world_size. A rank computes where its rows start in the stream
 (a cumulative sum of document lengths per epoch: 16 bytes per document) and reads only those tokens through the
@@ -20,7 +20,6 @@ each row going to the member furthest below its share (deterministic; shares exa
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
-from workbench.data import source_root, tokenizer_hash
+from workbench.data import mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
 
 
@@ -57,62 +56,6 @@ def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", pr
     out = cache_root() / f"{root.name}-{key}"
     prepare(dataset, out, wait=True, text_field=text_field, tokenizer_path=tokenizer_path, progress=progress)
     return out
-
-
-def parse_mixture(dataset: str) -> list[tuple[str, float]]:
-    """`training.dataset` as written: [(dataset, weight)]. "A" (weight 1) or "A:0.7,B:0.3": a mixture names a weight
-    for every member, each a finite positive number.
-
-    Raises:
-        DatasetError: an empty member, a member without a weight, or a weight that is not a finite positive number.
-    """
-    if "," not in dataset:
-        name, _, w = dataset.rpartition(":")
-        weight = _number(w) if name else None
-        return [(dataset, 1.0)] if weight is None else [(name, _checked(dataset, name, w, weight))]  # None: a path
-    members = []
-    for i, part in enumerate(p.strip() for p in dataset.split(",")):
-        name, _, w = part.rpartition(":")
-        weight = _number(w) if name else None
-        if not part:
-            raise DatasetError(f"training.dataset={dataset!r}: member {i + 1} is empty.",
-                               "remove the stray comma: write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-        if weight is None:
-            raise DatasetError(f"training.dataset={dataset!r}: member {part!r} has no weight; a mixture needs one "
-                               "for every member.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-        members.append((name, _checked(dataset, name, w, weight)))
-    return members
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _checked(dataset: str, name: str, text: str, weight: float) -> float:
-    if not (weight > 0 and math.isfinite(weight)):
-        raise DatasetError(f"training.dataset={dataset!r}: the weight {text!r} of {name!r} is not a finite positive "
-                           "number.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-    return weight
-
-
-def mixture(dataset: str) -> list[tuple[str, float]]:
-    """`training.dataset` as [(dataset, share)]: the weights of `parse_mixture` normalised to sum to 1.
-
-    Raises:
-        DatasetError: see `parse_mixture`; weights so far apart that a share underflows to 0.
-    """
-    members = parse_mixture(dataset)
-    top = max(w for _, w in members)  # scaled by the largest first: 1e308 + 1e308 does not overflow
-    total = sum(w / top for _, w in members)
-    shares = [(d, w / top / total) for d, w in members]
-    small = [d for d, share in shares if not share > 0]
-    if small:
-        raise DatasetError(f"training.dataset={dataset!r}: the weight of {small[0]!r} is so much smaller than the "
-                           "largest one that its share is 0.", "give it a larger weight or leave it out.")
-    return shares
 
 
 def mixture_report(dataset: str, lengths: list[int], rows: int, row_len: int) -> tuple[list[str], list[str]]:
@@ -267,18 +210,13 @@ class PackedDataset(IterableDataset, Stateful):
 def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
                  text_field: str = "text") -> dict[str, torch.Tensor]:
     """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
-    perplexity; never trained on when the training run used the same `holdout_docs`)."""
+    perplexity; never trained on when the training run used the same `holdout_docs`). The one reader of held-out
+    data (`workbench.compare` measures with it)."""
     out = {}
     for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
         docs = range(max(len(p) - num_docs, 0), len(p))
         out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
     return out
-
-
-def heldout_tokens(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
-                   text_field: str = "text") -> torch.Tensor:
-    """The held-out token ids of `training.dataset` (every member's, in order; see `heldout_sets`)."""
-    return torch.cat(list(heldout_sets(dataset, tokenizer_path, num_docs, text_field).values()))
 
 
 class PackedTextDataLoader(ParallelAwareDataloader):
