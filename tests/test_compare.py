@@ -75,6 +75,30 @@ def test_heldout_perplexity_per_mixture_member(hf_dir, tmp_path, monkeypatch):
     assert cmp.heldout[f"ppl_b {a}"] == ppl[f"ppl_a {a}"]
 
 
+def test_runs_on_different_data_are_each_measured_on_their_own_held_out_set(hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
+    prose, numbers = tmp_path / "prose.txt", tmp_path / "numbers.txt"
+    prose.write_text("Now is the winter of our discontent. " * 40)
+    numbers.write_text("1, 2, 3, 4, 5, 6, 7, 8, 9, 10. " * 40)
+    model = load_model(ROOT / "configs/cpu_moe.toml", backend="native")
+    a, b = (compare.Loaded(f"native:{d.stem}", "native", model, "", compare.HeldOut(str(d))) for d in (prose, numbers))
+    cmp = compare.compare_models(a, b, **SMALL)
+
+    def alone(side):  # the model's perplexity on a side's held-out rows
+        rows = compare.heldout_rows(side.data, 32, 2, side.vocab_size)[0][""]
+        return compare.perplexity(model(rows[:, :-1]), rows[:, 1:])
+
+    assert cmp.heldout["ppl_a"] == alone(a) and cmp.heldout["ppl_b"] == alone(b) != alone(a)
+    assert cmp.settings["dataset"] == f"{prose} (a), {numbers} (b)"
+    assert cmp.notes == [f"a and b trained on different data (a: {prose}, b: {numbers}): each perplexity is on its "
+                         "own run's held-out documents; logits, top-1 and KL on a's."]
+    # --dataset: both on one corpus, whatever they trained on
+    assert compare.held_out(a, b, str(numbers)) == compare.held_out(b, a, str(numbers)) == b.data
+    hf_side = compare.Loaded("native:hf", "native", model)  # an HF directory says nothing of its data: the run's
+    assert compare.held_out(hf_side, b, None) == b.data and compare.held_out(hf_side, hf_side, None) == \
+        compare.HeldOut("shakespeare", 1)
+
+
 @pytest.mark.parametrize("backend", ["nki_moe", "huggingface_v5"])
 def test_two_backends_from_the_same_hf_checkpoint_agree(hf_dir, backend):
     cmp = compare.compare(hf_dir, hf_dir, backend_a="native", backend_b=backend, **SMALL)
