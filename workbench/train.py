@@ -58,8 +58,8 @@ def run(job: JobConfig, info=None) -> Path:
     run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
     quiet_titan_logs(job.job.verbose)
-    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
-        f"rank(s), run folder {run_dir}")
+    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, dataset {job.training.dataset}, device "
+        f"{info.kind} x {world_size} rank(s), run folder {run_dir}")
     if adjusted:
         say(f"workbench: neuron adjustments: {', '.join(adjusted)}")
     cfg = build_titan_config(job, info.kind, world_size)

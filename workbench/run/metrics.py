@@ -219,12 +219,6 @@ class MemberTally:
         return out
 
 
-def member_columns(records: list[dict[str, Any]], kind: str) -> dict[str, str]:
-    """member -> its "<kind> <member>" key in metrics records (kind "rows" or "loss"), in first-seen order."""
-    prefix = kind + " "
-    return {k[len(prefix):]: k for r in records for k in r if k.startswith(prefix)}
-
-
 class NonFiniteGradNorm(Exception):
     """Raised by `WorkbenchMetrics.log` on every rank (the norm is global); the trainer's `train_step` reports it."""
 
@@ -239,5 +233,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["METRICS_FILE", "read_metrics", "trim_metrics", "append_record", "MemberTally", "member_columns",
-           "NonFiniteGradNorm"]  # and WorkbenchMetrics
+__all__ = ["METRICS_FILE", "read_metrics", "trim_metrics", "append_record", "MemberTally",  # and WorkbenchMetrics
+           "NonFiniteGradNorm"]
