@@ -129,7 +129,7 @@ def run(target: str, timeout: float, children: int) -> dict:
 
 
 def table(summary: dict) -> str:
-    """The README's table of the last run: per target, mutants killed / tested (and not reached in its time)."""
+    """A markdown table of the last run: per target, mutants killed / tested (and not reached in its time)."""
     lines = ["| target | killed | survived | not reached | killed % | seconds | when |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in summary.items():

@@ -700,7 +700,8 @@ def trn2_plans_table(plans: dict[str, dict]) -> Table:
     headers = ["config · backend", *(report.SHORT[c] for c in tables.CATEGORIES), "peak", "memory", "headroom"]
     return Table.of(rows, headers, title="per-rank memory plans of the shipped trn2 configs (GiB, 64 ranks)",
                     footnotes=["params, grads, optimizer: the sharded training state; all-gathered: FSDP's unsharded "
-                               "copies; attention: SDPA's S x S scores (no fused kernel on neuron); other: "
+                               "copies; attention: SDPA's S x S scores (no fused kernel on neuron); mask: the "
+                               "block-causal mask of packed documents (training.document_mask); other: "
                                "other temporaries (the quoted plans keep them as one number; the table above splits "
                                "them for the plan traced here); runtime: the Neuron runtime's share."])
 
@@ -715,11 +716,12 @@ def plan_chart(plans: dict[str, dict], title: str = "per-rank memory plans"):
     labels = list(plans)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(labels) + 2.2), layout="constrained")
     plt.close(fig)
-    colours = plt.get_cmap("tab10").colors
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[::2] + tab20[1::2]  # tab10's ten, then their light shades: one colour per category
     left = [0.0] * len(labels)
     for i, cat in enumerate(tables.CATEGORIES):
         vals = [plans[k]["categories"].get(cat, 0) / 2**30 for k in labels]
-        ax.barh(labels, vals, left=left, label=cat, color=colours[i % 10])
+        ax.barh(labels, vals, left=left, label=cat, color=colours[i % len(colours)])
         left = [a + v for a, v in zip(left, vals, strict=True)]
     for y, k in enumerate(labels):
         cap = plans[k]["capacity_bytes"] / 2**30

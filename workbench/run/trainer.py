@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
-from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import TORCH_DTYPE_MAP, CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
@@ -320,12 +320,26 @@ class WorkbenchTrainer(Trainer):
 
     # ---- end of performance accounting ----------------------------------------------------------------------------
 
-    # ---- Mixtures: rows and loss per member -------------------------------------------------------------------------
-
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
-        """torchtitan's, after taking off the member each row came from (`PackedDataset`'s "member": no model input)."""
+        """torchtitan's, with the member each row came from taken off first (`PackedDataset`'s "member": no model
+        input; kept for `_tally_members`) and the attention masks of packed documents from
+        `attention.attention_masks` (fixed capacity: the same shapes every batch). Plain causal attention (no mask)
+        is torchtitan's path unchanged; otherwise torchtitan gets the batch without positions, so it builds no
+        per-batch flex/varlen mask of its own, and the positions (RoPE) and masks are added after it."""
+        from workbench.backends import attention
+
         self._batch_members = input_dict.pop("member", None)
-        return super().post_dataloading_process(input_dict, labels)
+        positions = input_dict.get("positions")
+        masks = attention.attention_masks(self.model_config, positions,
+                                          TORCH_DTYPE_MAP[self.config.training.mixed_precision_param])
+        if masks is None:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs, labels, extra_kwargs = super().post_dataloading_process(
+            {k: v for k, v in input_dict.items() if k != "positions"}, labels)
+        extra_kwargs.update(positions=positions, attention_masks=masks)
+        return inputs, labels, extra_kwargs
+
+    # ---- Mixtures: rows and loss per member -------------------------------------------------------------------------
 
     @torch.no_grad()
     def _tally_members(self, pred: torch.Tensor, labels: torch.Tensor, loss_kwargs: dict[str, Any]) -> None:
@@ -455,6 +469,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         dataloader=PackedTextDataLoader.Config(
             dataset=job.training.dataset, text_field=job.training.dataset_text_field,
             tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
+            document_mask=job.training.document_mask,
         ),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
             pattern=r".*", optimizer_name=opt.name,
