@@ -307,6 +307,11 @@ class Training:
     """Packed documents never see each other: positions restart at 0 at each document of a row (RoPE) and
     attention is block-causal, on every backend (docs/attention.md). Off: plain causal rows."""
 
+    def global_rows(self, dp: int) -> int:
+        """Rows per optimizer step over `dp` data-parallel ranks: global_batch_size, or local x dp x accumulation."""
+        return self.global_batch_size if self.global_batch_size > 0 else \
+            self.local_batch_size * dp * self.gradient_accumulation_steps
+
     def check(self, job: JobConfig, world_size: int) -> None:
         tp = job.parallelism.tp
         for key in ("local_batch_size", "seq_len", "steps", "gradient_accumulation_steps"):
