@@ -60,6 +60,10 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.trainer", "Trainer.__init__"): (
         "2d0b1a810a03eabe",
         "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
+    ("torchtitan.trainer", "Trainer.state_dict"): (
+        "3c94925f8c1fc6cb", "overridden by WorkbenchTrainer.state_dict (the token count over all ranks)"),
+    ("torchtitan.trainer", "Trainer.load_state_dict"): (
+        "41a45bdeb51c2a16", "overridden by WorkbenchTrainer.load_state_dict (the total count split over the ranks)"),
     ("torchtitan.components.metrics", "MetricsProcessor.log"): (
         "fe2e88a0f9ff3817", "overridden by WorkbenchMetrics.log (same arguments; metrics.jsonl and the progress line)"),
     ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (
@@ -80,7 +84,8 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     # workbench/backends/attention.py and WorkbenchTrainer.post_dataloading_process: packed documents' masks
     ("torchtitan.trainer", "Trainer.post_dataloading_process"): (
         "7f74090f0ca04a79", "wrapped: builds flex/varlen masks only from positions, so WorkbenchTrainer hands it the "
-        "batch without them and adds positions and the fixed-capacity masks after"),
+        "batch without them and adds positions and the fixed-capacity masks after (and takes the mixture member off "
+        "first)"),
     ("torchtitan.models.common.attention", "ScaledDotProductAttention.forward"): (
         "0cdfd7cf379d5551", "BlockCausalSDPA calls it without a mask, mirrors it (transposes, sdpa_kernel) with one"),
     ("torchtitan.models.common.attention", "VarlenMetadata"): (

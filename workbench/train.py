@@ -58,8 +58,8 @@ def run(job: JobConfig, info=None) -> Path:
     run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
     quiet_titan_logs(job.job.verbose)
-    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
-        f"rank(s), run folder {run_dir}")
+    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, dataset {job.training.dataset}, device "
+        f"{info.kind} x {world_size} rank(s), run folder {run_dir}")
     if adjusted:
         say(f"workbench: neuron adjustments: {', '.join(adjusted)}")
     cfg = build_titan_config(job, info.kind, world_size)
@@ -76,8 +76,9 @@ def run(job: JobConfig, info=None) -> Path:
     return run_dir
 
 
-def check_inputs(job: JobConfig) -> None:
-    """Checks the files the run needs (tokenizer, dataset) before any process group starts.
+def check_inputs(job: JobConfig, world_size: int = 1) -> None:
+    """Checks the files the run needs (tokenizer, dataset) before any process group starts, and says what a mixture
+    of datasets will give (`workbench.data.loader.mixture_report`).
 
     A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
     under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains. Conversations
@@ -88,7 +89,7 @@ def check_inputs(job: JobConfig) -> None:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
-    from workbench.data.loader import member_rows, open_dataset
+    from workbench.data.loader import member_rows, mixture_report, open_dataset
     from workbench.data.packing import ChatRows
 
     t = job.training
@@ -96,15 +97,20 @@ def check_inputs(job: JobConfig) -> None:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
-        rows = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
+    members = [member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
                            t.chat_options())  # refuses a holdout that leaves nothing
-        if isinstance(rows, ChatRows):
-            say(f"workbench: {rows.describe()}")
-            rows.check_dropped(t.max_dropped)
+               for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field)]
+    for m in members:
+        if isinstance(m, ChatRows):
+            say(f"workbench: {m.describe()}")
+            m.check_dropped(t.max_dropped)
             if not t.document_mask:
                 t.document_mask = True
-                say(f"workbench: training.document_mask on: {name} holds conversations, packed apart.")
+                say(f"workbench: training.document_mask on: {m.name} holds conversations, packed apart.")
+    rows = t.global_rows(world_size // job.parallelism.tp) * t.steps
+    lines, warnings = mixture_report(t.dataset, [m.total for m in members], rows, t.seq_len + 1)
+    for line in lines + warnings:
+        say(line)
 
 
 def _exit(e: WorkbenchError) -> None:
@@ -129,7 +135,7 @@ def preflight(argv: list[str], world_size: int):
     from workbench.platform import device
 
     job = load_config(argv=argv, world_size=world_size)
-    check_inputs(job)
+    check_inputs(job, world_size)
     info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
     check_device(job, info.kind)
     if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)

@@ -321,6 +321,11 @@ class Training:
     max_dropped: float = 0.05
     """Conversations: refuse the launch when more than this share of them is dropped (too long, nothing trained)."""
 
+    def global_rows(self, dp: int) -> int:
+        """Rows per optimizer step over `dp` data-parallel ranks: global_batch_size, or local x dp x accumulation."""
+        return self.global_batch_size if self.global_batch_size > 0 else \
+            self.local_batch_size * dp * self.gradient_accumulation_steps
+
     def check(self, job: JobConfig, world_size: int) -> None:
         tp = job.parallelism.tp
         for key in ("local_batch_size", "seq_len", "steps", "gradient_accumulation_steps"):

@@ -5,7 +5,7 @@ Packing (GPT style): documents, each followed by <|endoftext|>, are concatenated
 seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row; with
 `training.document_mask` the documents of a row are kept apart instead (`document_row`: positions restart at each
 document, no target crosses a document end; the attention side is `workbench.backends.attention`). The last
-`training.holdout_docs` documents of the fixed order never enter it; `heldout_tokens` returns them for perplexity.
+`training.holdout_docs` documents of the fixed order never enter it; `heldout_sets` returns them for perplexity.
 
 Global row g goes to data-parallel rank g % dp_world_size. A rank computes where its rows start in the stream
 (a cumulative sum of document lengths per epoch: 16 bytes per document) and reads only those tokens through the
@@ -38,7 +38,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
-from workbench.data import cache_root, source_root, tokenizer_hash
+from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.packing import ChatRows, PackSpec
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
 
@@ -59,26 +59,41 @@ def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", pr
     return out
 
 
-def mixture(dataset: str) -> list[tuple[str, float]]:
-    """`training.dataset` as [(dataset, weight)], weights summing to 1: "A" or "A:0.7,B:0.3" (weight default 1).
+def mixture_report(dataset: str, lengths: list[int], rows: int, row_len: int) -> tuple[list[str], list[str]]:
+    """What a launch says about a mixture: the weights normalised (when they do not sum to 1), and per member its
+    share, size and passes over its data in the run; warnings for members that repeat often.
 
-    Raises:
-        DatasetError: a weight that is not a positive number.
+    Args:
+        dataset: `training.dataset`.
+        lengths: tokens per epoch of each member (its training documents).
+        rows: rows of the whole run (global batch x steps).
+        row_len: tokens per row (seq_len + 1).
+
+    Returns:
+        (lines, warnings); both empty for a single dataset.
     """
-    parts = [p.strip() for p in dataset.split(",")] if "," in dataset else [dataset]
-    members = []
-    for p in parts:
-        name, _, w = p.rpartition(":")
-        try:
-            weight = float(w) if name else 1.0
-        except ValueError:
-            name, weight = p, 1.0  # a path with a colon and no weight
-        members.append((name or p, weight))
-        if not weight > 0 or weight == float("inf"):
-            raise DatasetError(f"training.dataset={dataset!r}: weight {w!r} of {name!r} is not a positive number.",
-                               "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-    total = sum(w for _, w in members)
-    return [(d, w / total) for d, w in members]
+    written = parse_mixture(dataset)
+    if len(written) < 2:
+        return [], []
+    shares = mixture(dataset)
+    lines = []
+    total = sum(w for _, w in written)
+    if abs(total - 1) > 1e-9:
+        lines.append(f"workbench: training.dataset weights {', '.join(f'{w:g}' for _, w in written)} sum to "
+                     f"{total:g}: normalised to shares {', '.join(f'{s:.4g}' for _, s in shares)}.")
+    warnings = []
+    for (name, share), tokens in zip(shares, lengths, strict=True):
+        epochs = share * rows * row_len / tokens
+        lines.append(f"workbench: mixture member {name}: share {share:.4g}, {tokens:,} tokens, {epochs:.3g} epoch(s) "
+                     f"over the run ({round(share * rows):,} rows of {row_len:,} tokens).")
+        if epochs > REPEAT_WARNING:
+            warnings.append(f"workbench: warning: mixture member {name} repeats {epochs:.3g} times over the run; "
+                            "lower its weight or give it more data if that is not intended.")
+    return lines, warnings
+
+
+REPEAT_WARNING = 4.0
+"""Passes over a mixture member's data in one run above which the launch warns."""
 
 
 def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
@@ -201,14 +216,14 @@ class PackedDataset(IterableDataset, Stateful):
             src = self.streams[member]  # have taken their row
             if isinstance(src, ChatRows):
                 ids, labels, pos = (torch.from_numpy(a) for a in src.row(index))
-                yield {"input": ids, "positions": pos}, labels
+                yield {"input": ids, "positions": pos, "member": torch.tensor(member)}, labels
                 continue
             starts: list[int] | None = [] if self.document_mask else None
             t = torch.from_numpy(src.read(index * row_len, row_len, starts))
-            if starts is None:
-                yield {"input": t[:-1], "positions": positions}, t[1:]
-            else:
-                yield document_row(t, starts)
+            inputs, labels = ({"input": t[:-1], "positions": positions}, t[1:]) if starts is None else \
+                document_row(t, starts)
+            # "member": which dataset of a mixture the row is from (the trainer takes it off before the model)
+            yield {**inputs, "member": torch.tensor(member)}, labels
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": self._state["row"], "counts": list(self._state["counts"])}
@@ -239,18 +254,13 @@ def document_row(row: torch.Tensor, starts: list[int]) -> tuple[dict[str, torch.
 def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
                  text_field: str = "text") -> dict[str, torch.Tensor]:
     """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
-    perplexity; never trained on when the training run used the same `holdout_docs`)."""
+    perplexity; never trained on when the training run used the same `holdout_docs`). The one reader of held-out
+    data (`workbench.compare` measures with it)."""
     out = {}
     for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
         docs = range(max(len(p) - num_docs, 0), len(p))
         out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
     return out
-
-
-def heldout_tokens(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
-                   text_field: str = "text") -> torch.Tensor:
-    """The held-out token ids of `training.dataset` (every member's, in order; see `heldout_sets`)."""
-    return torch.cat(list(heldout_sets(dataset, tokenizer_path, num_docs, text_field).values()))
 
 
 class PackedTextDataLoader(ParallelAwareDataloader):

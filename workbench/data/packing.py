@@ -271,6 +271,11 @@ class ChatRows:
         """Global row g: (input ids, labels, positions), int64 [seq_len] each."""
         return fill_row(self.p, self.row_pieces(g).tolist(), self.spec.seq_len, self.lut, self.pad_id)
 
+    @property
+    def total(self) -> int:
+        """An epoch in the token stream's unit: its rows x (seq_len + 1) (what a mixture's report counts in)."""
+        return (len(self.epoch(0)[1]) - 1) * (self.spec.seq_len + 1)
+
     def stats(self, epoch: int = 0) -> dict:
         """Rows, pad fraction, trained targets and the piece counts of one epoch (the launch prints them)."""
         pieces_, offsets = self.epoch(epoch)
