@@ -158,3 +158,19 @@ def test_the_fine_tuned_export_loads_in_transformers_and_its_reply_ends_at_im_en
         got[label] = model.generate(**prompt, max_new_tokens=16, do_sample=False)[0, n:].tolist()
     assert len(got["initial"]) == 16 and TURN_END not in got["initial"]
     assert got["fine-tuned"][-1] == TURN_END and len(got["fine-tuned"]) < 16
+
+
+def test_compare_measures_held_out_conversations_on_their_trained_tokens(sft_runs):
+    """The run held out chitchat's last conversation (training.holdout_docs = 1): compare measures both sides on it,
+    on the tokens training.loss_on trains (the assistant's replies), where the fine-tune beats its initial weights."""
+    from workbench import compare
+    from workbench.data.loader import resolve
+    from workbench.data.packing import PackSpec, heldout_rows
+    from workbench.data.prepare import Prepared
+
+    runs, _, init = sft_runs
+    cmp = compare.compare(runs["2x1"], init, seq_len=SEQ, max_new_tokens=2)
+    _, labels = heldout_rows(Prepared(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ), 1)
+    assert cmp.settings["dataset"] == "chitchat" and cmp.settings["rows"] == 1
+    assert cmp.heldout["tokens"] == int((labels != -100).sum()) == 18  # trained targets only, of 128 positions
+    assert cmp.heldout["ppl_a"] < cmp.heldout["ppl_b"]

@@ -39,7 +39,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
 from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
-from workbench.data.packing import ChatRows, PackSpec
+from workbench.data.packing import ChatRows, PackSpec, heldout_rows
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
 
 
@@ -251,13 +251,18 @@ def document_row(row: torch.Tensor, starts: list[int]) -> tuple[dict[str, torch.
     return {"input": row[:-1], "positions": positions}, labels
 
 
-def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
-                 text_field: str = "text") -> dict[str, torch.Tensor]:
-    """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
-    perplexity; never trained on when the training run used the same `holdout_docs`). The one reader of held-out
-    data (`workbench.compare` measures with it)."""
-    out = {}
+def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1, text_field: str = "text",
+                 seq_len: int = 128, loss_on: str = "assistant") -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Per member of `training.dataset`, its last `num_docs` documents in the fixed order (for perplexity; never
+    trained on when the training run used the same `holdout_docs`): a text member's token ids; a conversation
+    member's conversations one per row of `seq_len` (`packing.heldout_rows`) as (inputs, labels), the labels -100
+    where `loss_on` trains nothing. The one reader of held-out data (`workbench.compare` measures with it)."""
+    out: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
+        if p.chat:
+            rows = heldout_rows(p, PackSpec(seq_len=seq_len, loss_on=loss_on), num_docs, tokenizer_path)
+            out[name] = tuple(torch.from_numpy(a) for a in rows)
+            continue
         docs = range(max(len(p) - num_docs, 0), len(p))
         out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
     return out
