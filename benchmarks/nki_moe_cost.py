@@ -35,7 +35,7 @@ Printed: a table per direction, then as the LAST line a JSON object with
   bound                    the engine with the most modeled busy time (fwd + bwd); bound_fwd / bound_bwd per kernel
   sbuf_peak_bytes          the emulator's SBUF high-water mark per partition (fwd, bwd: the larger)
   sbuf_usable_bytes        nl.tile_size.total_available_sbuf_size, 212,464 B on trn2 (the capacity the emulator
-                           enforces; nki_emulator/_core.py cites it)
+                           enforces; nki_emulator/memory.py cites it)
   what_if                  (--what-if) name -> {model_ms, roofline_ratio} with one group of costs removed
                            (moe_cost.what_if_rates: loop control, DMA, Vector/Scalar/GpSimd, all three, the
                            Tensor Engine, all but the DMA, all but the PE's work and the DMA's bytes)
@@ -56,10 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from workbench.core.moe_blocks import kernel_block_size  # noqa: E402
 from workbench.kernels import nki_moe, plan_blocks  # noqa: E402
-from workbench.kernels.autograd import KernelPlan, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
 from workbench.kernels.nki_api import nl  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
+from workbench.kernels.nki_moe.tables import KernelPlan, tiles_per_sub  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 

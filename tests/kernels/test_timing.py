@@ -132,12 +132,12 @@ def _noop():
 
 
 def test_instructions_without_work_are_counted_unmodeled(monkeypatch):
-    from workbench.kernels.nki_emulator import _runtime
+    from workbench.kernels.nki_emulator import launch
 
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
 
     def custom_op():  # an instruction added to the emulator without a work descriptor
-        _runtime.emit("gpsimd", "custom_op", _noop)
+        launch.emit("gpsimd", "custom_op", _noop)
 
     @nki.jit
     def kernel(x):

@@ -13,13 +13,18 @@ import math
 import torch
 
 from . import (
-    _runtime,
     constants,  # noqa: F401 - nki.isa.constants
     dtypes,
     version,
 )
 from . import language as nl
-from ._core import (
+from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
+from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
+from .errors import violation
+from .launch import URL_BARRIER, call_site, current, require
+from .launch import emit as emit_instruction
+from .loops import VirtualRegister
+from .memory import (
     DOCS,
     FLOAT_DTYPES,
     GEMM_MOVING_FMAX,
@@ -29,15 +34,8 @@ from ._core import (
     SBUF,
     SHARED_HBM,
     URL_NKI_TENSOR,
-    AccessPattern,
-    Tensor,
-    View,
-    note_uses,
-    violation,
 )
-from ._runtime import VirtualRegister, current
-from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
-from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
+from .tensors import AccessPattern, Tensor, View, note_uses
 from .timing import dma_work, elementwise_work, matmul_work, transpose_work
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
@@ -68,10 +66,10 @@ def get_nc_version() -> nc_version:
 
 
 def emit(engine_name: str, op: str, run, work=None) -> None:
-    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (_runtime.emit) with
+    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (launch.emit) with
     its work descriptor for the time model (`timing.py`; None: not modelled, counted as such)."""
     note_uses(run)
-    _runtime.emit(engine_name, op, run, work)
+    emit_instruction(engine_name, op, run, work)
 
 
 # -- shared checks ---------------------------------------------------------------------------------------------------
@@ -1029,7 +1027,7 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=0, dma_engine=None,
     for each other (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.sendrecv.html,
     pairing: nki.lnc.sendrecv page). Modelled as a rendezvous of the two cores, like core_barrier."""
     op, url = "sendrecv", URL_SENDRECV
-    launch = _runtime.require(f"nisa.{op}", url)
+    launch = require(f"nisa.{op}", url)
     core = launch.core
     for what, t in (("src", src), ("dst", dst)):
         _view(t, what, op)
@@ -1145,21 +1143,21 @@ for _missing in ("quantize_mx", "nc_matmul_mx", "nc_match_replace8", "range_sele
 
 def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     """`nisa.core_barrier(data, cores)`: wait until both cores of the LNC reach this point."""
-    launch = _runtime.require("nisa.core_barrier", _runtime.URL_BARRIER)
+    launch = require("nisa.core_barrier", URL_BARRIER)
     if tuple(cores) != (0, 1):
-        raise violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", _runtime.URL_BARRIER)
+        raise violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
     if launch.lnc == 1 and not version.at_least("0.7.0"):
         raise violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: before NKI 0.7.0 the barrier "
                          "is only allowed when LNC is enabled (the paired physical core does not run this kernel); "
-                         "launch kernel[2] or drop the barrier at LNC 1", _runtime.URL_BARRIER)
+                         "launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
     if launch.lnc == 1:
         # The 2.33 (NKI 0.7.0) page: cores=(0, 1) "applies at LNC degree 1 and 2": at LNC 1 the barrier waits for the
         # paired physical core, which runs its own launch. One emulated launch has no such partner.
         raise NotImplementedError("nisa.core_barrier at LNC 1 waits for the paired physical core's own kernel "
                                   "launch (allowed from NKI 0.7.0); the emulator runs one launch, so it cannot "
-                                  f"emulate that partner ({_runtime.URL_BARRIER})")
+                                  f"emulate that partner ({URL_BARRIER})")
     if not isinstance(data, View) or data.buffer is not SHARED_HBM:
         raise violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
-                         f"argument or nl.shared_hbm), got {data!r}", _runtime.URL_BARRIER)
+                         f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
     # an instruction like any other: inside a compiled loop body it runs (and waits) once per iteration
-    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), _runtime.call_site())
+    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), call_site())

@@ -15,8 +15,8 @@ A DMA first generates its descriptors (hardware DGE, ~600 ns; an indirect gather
 then moves its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's
 share of HBM bandwidth. The DMA engines and the HBM link are booked by time (`_Booked`): a transfer takes the first
 idle gap at or after its descriptors exist, so a load ready early is not held behind a store the program issued
-before it but whose operands came later (descriptors reach the engines' rings in time order; until 2026-12-05 both
-were served in program order, which serialised every DMA of a kernel). A DMA that waits on another DMA's completion
+before it but whose operands came later (descriptors reach the engines' rings in time order; serving them in
+program order would serialise every DMA of a kernel). A DMA that waits on another DMA's completion
 pays the ~1.3 us semaphore latency. A compiled loop's branch costs every engine `branch_s`. The result: the
 launches' makespans (the headline `model_ms` of the MoE cost report), each engine's busy and waiting time, and the
 stalls by waiting source line and what it waited for. Not modelled: the compiler's reordering inside a basic block
@@ -109,7 +109,7 @@ class Dma(NamedTuple):
 
 def _operand_facts(t):
     """(itemsize, in PSUM, innermost stride 1, in SBUF) of an on-chip view."""
-    from ._core import PSUM, SBUF
+    from .memory import PSUM, SBUF
 
     data = getattr(t, "_data", None)
     contiguous = data is None or data.dim() == 0 or data.stride()[-1] == 1 or data.shape[-1] == 1
@@ -141,7 +141,7 @@ def elementwise_work(dst, *inputs) -> Elementwise:
 
 def dma_work(dst, *srcs) -> Dma:
     """A DMA writing dst from srcs (dma_compute: several sources)."""
-    from ._core import HBM, SBUF, SHARED_HBM
+    from .memory import HBM, SBUF, SHARED_HBM
 
     def nbytes(t):
         return math.prod(t.shape) * t.dtype.itemsize
