@@ -69,7 +69,7 @@ def test_every_rate_names_its_source():
         url, what = timing.SOURCES[f.name]
         assert (url.startswith("https://awsdocs-neuron.readthedocs-hosted.com/") or url == "assumption") and what
     assumptions = [k for k, (url, what) in timing.SOURCES.items() if "assumption" in url + what]
-    assert {"matmul_min_cycles", "gpsimd_hz", "access_overhead_cycles", "cores_per_chip", "dge_sw_s",
+    assert {"pe_tiles_concurrent", "gpsimd_hz", "access_overhead_cycles", "cores_per_chip", "dge_sw_s",
             "sequencer_s", "branch_s"} <= set(assumptions)
     assert "FITTED" in timing.SOURCES["dma_fixed_s"][1]
     # the trn1 rates (calibration only) differ from trn2's exactly where TRN1_SOURCES cites the NeuronCore-v2 figure

@@ -326,8 +326,10 @@ class AccessPattern:
             if name == "scalar_offset" and isinstance(off, VirtualRegister):
                 continue
             # an offset is an int32 SBUF tile or an access pattern over one (nki-library's MoE forward passes
-            # token_indices.ap(...) as vector_offset)
-            if off is not None and (not isinstance(off, View) or off.buffer is not SBUF or off.dtype != torch.int32):
+            # token_indices.ap(...) as vector_offset); a gather-transpose's row indices are uint32
+            # (nki.isa.dma_transpose: "indices.dtype is np.uint32")
+            ok = (torch.int32, torch.uint32) if name == "vector_offset" else (torch.int32,)
+            if off is not None and (not isinstance(off, View) or off.buffer is not SBUF or off.dtype not in ok):
                 raise violation("offset-tile", f"{name} must be an int32 SBUF tile, got {off!r}", URL_AP)
         if isinstance(scalar_offset, Tensor) and tuple(scalar_offset.shape) != (1, 1):
             raise violation("scalar-offset-shape", f"scalar_offset must be a (1, 1) int32 SBUF tile (or a "
@@ -337,10 +339,15 @@ class AccessPattern:
                             f"indirect_dim=0; got {root.buffer} with indirect_dim={indirect_dim}", URL_AP)
         if not 0 <= indirect_dim < root.ndim:
             raise ValueError(f"indirect_dim {indirect_dim} outside [0, {root.ndim})")
-        if vector_offset is not None and math.prod(vector_offset.shape) != pattern[0][1]:
-            raise violation("offset-tile", f"vector_offset has {math.prod(vector_offset.shape)} values but the "
-                            f"outer pattern dim iterates {pattern[0][1]} times", URL_AP)
+        if vector_offset is not None:
+            have, want = math.prod(vector_offset.shape), pattern[0][1]
+            # uint32 indices (a gather-transpose's) may outnumber the rows: "indices.shape[0] * indices.shape[1]
+            # must be >= src.shape[0]" (dma_transpose page); int32 row indices give one value per row
+            if have < want or (have > want and vector_offset.dtype != torch.uint32):
+                raise violation("offset-tile", f"vector_offset has {have} values but the outer pattern dim "
+                                f"iterates {want} times", URL_AP)
         self.pattern, self.offset = pattern, int(offset)
+        self.column_major = False  # a gather-transpose reads its [128, n] indices column by column
         self.scalar_offset, self.vector_offset, self.indirect_dim = scalar_offset, vector_offset, indirect_dim
 
     def _check_reinterpret(self, scalar_offset, vector_offset) -> None:
@@ -374,6 +381,37 @@ class AccessPattern:
         return ap
 
     shape = property(lambda self: tuple(n for _, n in self.pattern))
+
+    def __getitem__(self, index) -> AccessPattern:
+        """A basic slice of the view: per pattern dim a `start:stop[:step]` slice (or `nl.ds`), an int, or `...`; the
+        result is the access pattern of the elements picked (nki-library slices `TensorView(...).get_view()`
+        results, mlp_tkg_gate_up_projection.py:212). An int drops its dim, except the partition dim of an on-chip
+        view, which keeps one partition."""
+        index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), len(self.pattern))
+        if len(index) > len(self.pattern):
+            raise IndexError(f"{len(index)} indices for the {len(self.pattern)}-dim access pattern {self.pattern}")
+        index = tuple(index) + (slice(None),) * (len(self.pattern) - len(index))
+        offset, pattern = self.offset, []
+        for k in range(len(self.pattern)):
+            (step, n), ix = self.pattern[k], index[k]
+            if isinstance(ix, int) and not isinstance(ix, bool):
+                if not -n <= ix < n:
+                    raise IndexError(f"index {ix} out of range for dim {k} of size {n} of {self}")
+                start, count, stride = ix % n, 1, 1
+            elif isinstance(ix, slice):
+                start, stop, stride = ix.indices(n)
+                count = max(0, -(-(stop - start) // stride))
+            else:
+                raise NotImplementedError(f"access pattern index {ix!r}: only ints, slices and ... are emulated")
+            if k == 0 and self.vector_offset is not None and (start, count, stride) != (0, n, 1):
+                raise NotImplementedError("slicing the indirect (vector_offset) dim of an access pattern")
+            offset += start * step
+            if not isinstance(ix, int) or (k == 0 and self.root.buffer.on_chip):
+                pattern.append((step * stride, count))
+        ap = AccessPattern(self.root, pattern, offset, self.scalar_offset, self.vector_offset, self.indirect_dim,
+                           self.view_dtype)
+        ap.column_major = self.column_major
+        return ap
     dtype = property(lambda self: self.root.dtype if self.view_dtype is None else self.view_dtype)
     buffer = property(lambda self: self.root.buffer)
 
@@ -399,8 +437,10 @@ class AccessPattern:
                 continue
             if isinstance(off, VirtualRegister):
                 values = torch.tensor([off.runtime_value()], dtype=torch.int64)
+            elif name == "vector_offset" and self.column_major:  # "flat_indices = indices.T.flatten()"
+                values = off.read().reshape(off.shape).to(torch.int64).T.reshape(-1)[:self.pattern[0][1]]
             else:
-                values = off.read().reshape(-1).to(torch.int64)
+                values = off.read().reshape(-1).to(torch.int64)[:self.pattern[0][1]]
             bad = (values < 0) | (values >= shape[self.indirect_dim])
             if bool(bad.any()) and not skip:
                 raise violation("index-bounds", f"{name} values {values.tolist()} outside [0, "
