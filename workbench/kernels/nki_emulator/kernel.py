@@ -24,10 +24,10 @@ class Kernel:
     compiler's (`core.neuron_env.logical_nc_config()`: NEURON_LOGICAL_NC_CONFIG, 2 on trn2 when unset), else
     `lnc-degree` (NCC_EVRF066), checked before the kernel runs.
 
-    Call it with torch tensors or numpy arrays (they become shared HBM tensors). Returns torch tensors when any
-    argument was a torch tensor, numpy arrays otherwise (bfloat16 outputs come back as float32 numpy, numpy having
-    no bfloat16). `options` (e.g. platform_target) are accepted and ignored. The first call checks the kernel's
-    source (and the helpers it calls) against the NKI Python subset (`python_subset.py`).
+    Call it with torch tensors or numpy arrays, positional or keyword (they become shared HBM tensors). Returns
+    torch tensors when any argument was a torch tensor, numpy arrays otherwise (bfloat16 outputs come back as
+    float32 numpy, numpy having no bfloat16). `options` (e.g. platform_target) are accepted and ignored. The first
+    call checks the kernel's source (and the helpers it calls) against the NKI Python subset (`python_subset.py`).
     """
 
     def __init__(self, func, options: dict, lnc: int | None = None):
@@ -52,13 +52,15 @@ class Kernel:
                 _from_array(a, SHARED_HBM, f"arg{i}") if isinstance(a, (torch.Tensor, np.ndarray)) else a
                 for i, a in enumerate(args)
             ]
+            kwargs = {k: _from_array(v, SHARED_HBM, k) if isinstance(v, (torch.Tensor, np.ndarray)) else v
+                      for k, v in kwargs.items()}
             lnc = self.lnc if self.lnc is not None else unbracketed_lnc()
             _check_compiler_lnc(lnc, self.lnc is None)
             results = run_launch(lnc, lambda: self.func(*hbm_args, **kwargs), Budget)
             result = results[0]
-            outs = result if isinstance(result, tuple) else (result,)
+            outs = tuple(result) if isinstance(result, (tuple, list)) else (result,)  # nki-library returns lists
             for k, other in enumerate(results[1:], start=1):
-                other = other if isinstance(other, tuple) else (other,)
+                other = tuple(other) if isinstance(other, (tuple, list)) else (other,)
                 if len(other) != len(outs) or any(a is not b and getattr(a, "_storage", 0) is not
                                                   getattr(b, "_storage", 1) for a, b in zip(outs, other, strict=False)):
                     raise violation("kernel-output", f"core {k} returned different tensors than core 0: every core "
@@ -66,7 +68,7 @@ class Kernel:
             converted = tuple(_to_output(o, as_torch) for o in outs)
         finally:
             torch.set_num_threads(threads)
-        return converted if isinstance(result, tuple) else converted[0]
+        return converted if isinstance(result, (tuple, list)) else converted[0]
 
 
 URL_EVRF066 = f"{DOCS}/latest/compiler/error-codes/EVRF066.html"
