@@ -450,6 +450,8 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
         raise NotImplementedError("dma_compute(unique_indices=False) is outside the emulated subset")
     if not isinstance(srcs, (list, tuple)) or not srcs:
         raise TypeError("dma_compute: srcs must be a non-empty list of tensors")
+    if len(srcs) > 16:
+        raise violation("dma-compute-sources", f"dma_compute takes at most 16 source tensors, got {len(srcs)}", url)
     for what, t in [("dst", dst)] + [(f"srcs[{i}]", s) for i, s in enumerate(srcs)]:
         _view(t, what, op)
         if t.buffer is PSUM:

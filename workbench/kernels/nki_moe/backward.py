@@ -28,6 +28,7 @@ from .tiles import (
     load_block,
     load_feature_major,
     load_rows,
+    matmul,
     matmul_sum,
     piece_loop,
     register,
@@ -154,7 +155,7 @@ def broadcast_row(ws, slot_weight, grp, parts, B, ps):
     nisa.dma_copy(dst=ws.aff_row, src=slot_weight.ap(pattern=[[B, 1], [1, B]], offset=0, scalar_offset=grp,
                                                      indirect_dim=0))
     acc = ps.acc()[0:parts, 0:B]
-    nisa.nc_matmul(dst=acc, stationary=ws.ones[0:1, 0:parts], moving=ws.aff_row, accumulate=False)
+    matmul(acc, ws.ones[0:1, 0:parts], ws.aff_row, False)
     nisa.tensor_copy(dst=ws.aff_bcast, src=acc)
 
 
@@ -227,10 +228,8 @@ def dx_tile(ws, w, banks, i, fl, B):
             dl = width(D, P, j0)
             for k in range(n):
                 acc, c0 = banks[b][0:dl, k * B:(k + 1) * B], (j0 + k) * P
-                nisa.nc_matmul(dst=acc, stationary=w.gate[0:fl, i, c0:c0 + dl], moving=ws.dg[0:fl, i, 0:B],
-                               accumulate=i > 0)
-                nisa.nc_matmul(dst=acc, stationary=w.up[0:fl, i, c0:c0 + dl], moving=ws.du[0:fl, i, 0:B],
-                               accumulate=True)
+                matmul(acc, w.gate[0:fl, i, c0:c0 + dl], ws.dg[0:fl, i, 0:B], i > 0)
+                matmul(acc, w.up[0:fl, i, c0:c0 + dl], ws.du[0:fl, i, 0:B], True)
         return
     chunks = tiles.column_chunks(D)
     for s, s0, sl in slot_tiles(B):

@@ -11,8 +11,10 @@ from typing import NamedTuple
 from workbench.core.errors import check_argument
 from workbench.kernels.nki_api import nisa, nl
 
-from .layout import F32, I32, MOVING_FMAX, P, token_tiles
-from .tiles import block_column, column_chunks, zero_row_share
+from .layout import I32, P, token_tiles
+from .tiles import block_column, zero_row_share
+
+DMA_COMPUTE_SOURCES = 16  # the most sources of one dma_compute (its ISA page)
 
 
 class Scratch(NamedTuple):
@@ -41,55 +43,28 @@ def write_rows(dest, ws, s0, sl, first):
 
 
 def combine(out, rows, K, pid, lnc):
-    """out[t] = sum_k rows[t * K + k]: per token tile, K loads of its tokens' k-th rows (the pieces scattered them
-    token-major: `write_rows`), each one hardware-DGE DMA of TT rows at stride K rows (an indirect gather would
-    have GpSimd generate a descriptor per row), summed in fp32 PSUM by the Tensor Engine (identity^T @ rows
-    accumulates each token's K rows in order, as K fp32 adds would, without the Vector Engine's fp32 adds of
-    [128, D] row blocks). One caveat of the matmul: an inf in a loaded row meets the identity's zeros, so its whole
-    column of the tile becomes NaN instead of one token's inf (either way the step has overflowed).
+    """out[t] = sum_k rows[t * K + k], in the DMA engines: per token tile one `dma_compute` of K sources, the tile's
+    tokens' k-th rows (the pieces scattered them token-major: `write_rows`, so source k is TT rows at stride K rows),
+    summed in fp32 in order k = 0 .. K-1 (as K fp32 adds would) and cast to out's dtype on the way to HBM: no Tensor,
+    Vector or Scalar Engine work and no SBUF. dma_compute takes compile-time addresses only (its ISA page), so the
+    core's token tiles are unrolled (`nT / LNC` instructions per core).
 
-    Token tiles are split across the cores, the same number per core (`token_tiles`: one trip count for both
-    cores); `out` is [nT, TT, D] (tile t at `scalar_offset=t`).
+    Token tiles are split across the cores, the same number per core (`token_tiles`); `out` is [nT, TT, D].
 
     Dimensions:
-        nT, TT, K: token tiles, tokens per tile, experts per token;
-        D: hidden size (D <= 8 PSUM banks of 512 columns); the scratch `rows` has `assignment_rows` rows, whole
-        tiles of TT * K.
+        nT, TT, K: token tiles, tokens per tile, experts per token (K <= 16: dma_compute's most sources);
+        D: hidden size; the scratch `rows` has `assignment_rows` rows, whole tiles of TT * K.
     """
     nT, TT = out.shape[0], out.shape[1]
-    n_rows, D = rows.shape
-    chunks = column_chunks(D)
-    check_argument(len(chunks) <= 8, "rows", f"the combine sums a token tile's {D} columns in 8 PSUM banks of "
-                   f"{MOVING_FMAX}: D must be <= {8 * MOVING_FMAX}")
-    tiles = rows.reshape((n_rows // (TT * K), TT * K * D))  # tile t of the scratch at scalar_offset=t
+    D = rows.shape[1]
+    check_argument(K <= DMA_COMPUTE_SOURCES, "top_k", f"the combine sums a token's {K} rows in one dma_compute of at "
+                   f"most {DMA_COMPUTE_SOURCES} sources: top_k must be <= {DMA_COMPUTE_SOURCES}")
     per = nT // lnc  # nT is a multiple of LNC (`token_tiles`)
-    ones = nl.ndarray((TT, TT), dtype=rows.dtype, buffer=nl.sbuf, name="ones")
-    nisa.memset(dst=ones, value=1.0)
-    ident = nl.ndarray((TT, TT), dtype=rows.dtype, buffer=nl.sbuf, name="identity")
-    nisa.affine_select(dst=ident, pattern=[[-1, TT]], on_true_tile=ones, on_false_value=0.0, offset=0,
-                       channel_multiplier=1, cmp_op=nl.equal)  # 1 where partition p == column j
-    parts = []
-    for _ in range(2):  # load k + 1 while the Tensor Engine adds k
-        parts.append(nl.ndarray((TT, D), dtype=rows.dtype, buffer=nl.sbuf, name="assignment_rows"))
-    sums = []
-    for _ in chunks:
-        sums.append(nl.ndarray((TT, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_combine"))
-    result = nl.ndarray((TT, D), dtype=out.dtype, buffer=nl.sbuf, name="combined")
-
-    def token_tile(t):
+    for t in range(pid * per, (pid + 1) * per):
+        srcs = []
         for k in range(K):
-            part = parts[k % 2]
-            nisa.dma_copy(dst=part, src=tiles.ap(pattern=[[K * D, TT], [1, D]], offset=k * D, scalar_offset=t,
-                                                 indirect_dim=0))
-            for c, c0, cl in chunks:
-                nisa.nc_matmul(dst=sums[c][0:TT, 0:cl], stationary=ident, moving=part[0:TT, c0:c0 + cl],
-                               accumulate=k > 0)
-        for c, c0, cl in chunks:
-            engine = nisa.engine.scalar if c % 2 == 0 else nisa.engine.vector
-            nisa.tensor_copy(dst=result[0:TT, c0:c0 + cl], src=sums[c][0:TT, 0:cl], engine=engine)
-        nisa.dma_copy(dst=out.ap(pattern=[[D, TT], [1, D]], offset=0, scalar_offset=t, indirect_dim=0), src=result)
-
-    nl.fori_loop(pid * per, (pid + 1) * per, token_tile)
+            srcs.append(rows.ap(pattern=[[K * D, TT], [1, D]], offset=(t * TT * K + k) * D))
+        nisa.dma_compute(dst=out.ap(pattern=[[D, TT], [1, D]], offset=t * TT * D), srcs=srcs, reduce_op=nl.add)
 
 
 def zero_padded_tokens(rows, T, K, pid, lnc):

@@ -368,11 +368,30 @@ class PsumPool:
         return self.accs[n % len(self.accs)]
 
 
+PE_TILE = 32  # the narrowest PE column tile (NeuronCore-v3: 4 x 32)
+
+
+def matmul(dst, stationary, moving, accumulate):
+    """dst (PSUM) = (or +=) stationary^T @ moving. A matmul of at most 32 moving columns against a wider stationary
+    runs as column tiles of 32 side by side in the PE array: each costs max(min(64, 32), N) = 32 cycles where the
+    whole one costs max(min(64, M), N) = 64 (nc_matmul page), and the tiles run in parallel; tile c's result lands
+    in PSUM partitions [32c, 32c + 32), the rows of dst it computes (as nki-library's column-tiled kernels place
+    them)."""
+    k, m, n = stationary.shape[0], stationary.shape[1], moving.shape[1]
+    if n > PE_TILE or m <= PE_TILE:
+        nisa.nc_matmul(dst=dst, stationary=stationary, moving=moving, accumulate=accumulate)
+        return
+    for c0 in range(0, m, PE_TILE):
+        cw = min(PE_TILE, m - c0)
+        nisa.nc_matmul(dst=dst[c0:c0 + cw, 0:n], stationary=stationary[0:k, c0:c0 + cw], moving=moving,
+                       accumulate=accumulate, tile_position=(0, c0), tile_size=(P, PE_TILE))
+
+
 def matmul_sum(dst, terms):
     """dst (PSUM) = the sum over `terms` ((stationary, moving) pairs) of stationary^T @ moving, in order: the
-    first opens the accumulation group, the others add to it."""
+    first opens the accumulation group, the others add to it (`matmul`)."""
     for k in range(len(terms)):
-        nisa.nc_matmul(dst=dst, stationary=terms[k][0], moving=terms[k][1], accumulate=k > 0)
+        matmul(dst, terms[k][0], terms[k][1], k > 0)
 
 
 def transposes_into(dst, srcs, ps):
