@@ -578,6 +578,16 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert what_if["DMA free"]["model_ms"] < result["model_ms"]  # toy shapes: DMA latencies dominate
     assert all(v["roofline_ratio"] == pytest.approx(v["model_ms"] / result["roofline_ms"], rel=2e-3)
                for v in what_if.values())
+    # the sensitivity range: each marked assumption at its low and high end; an end at the modeled value replays
+    # the modeled time, a slower Vector Engine or a larger DMA fixed cost never shortens it
+    sens = result["sensitivity"]
+    assert set(sens) == {"concurrent PE tiles", "DMA transpose cost", "DMA fixed cost", "Vector rate"}
+    assert sens["concurrent PE tiles"]["model_ms"][1] == sens["Vector rate"]["model_ms"][1] == result["model_ms"]
+    assert sens["Vector rate"]["model_ms"][0] >= result["model_ms"] >= sens["DMA fixed cost"]["model_ms"][0]
+    assert sens["DMA fixed cost"]["model_ms"][1] >= result["model_ms"]
+    ratios = [x for v in sens.values() for x in v["roofline_ratio"]]
+    assert result["roofline_ratio_range"] == [min(ratios), max(ratios)]
+    assert min(ratios) <= result["roofline_ratio"] <= max(ratios)
 
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")
