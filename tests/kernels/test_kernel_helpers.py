@@ -6,22 +6,13 @@ import pytest
 import torch
 
 from tests.kernels.test_nki_emulator import load, raises, store
+from tests.kernels.test_tiling_and_dma_transpose import CYCLE, _one_core, rand  # noqa: F401 - _one_core: autouse
 from workbench.kernels import nki_emulator as nki
 from workbench.kernels.nki_emulator import counters
 from workbench.kernels.nki_emulator.timing import Matmul, schedule
 from workbench.kernels.nki_moe import combine, tiles
 
 nl, nisa = nki.language, nki.isa
-CYCLE = 1 / 2.4e9
-
-
-@pytest.fixture(autouse=True)
-def _one_core(monkeypatch):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-
-
-def rand(*shape, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
 def product(stationary, moving):
