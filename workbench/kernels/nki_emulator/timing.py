@@ -102,8 +102,9 @@ class Elementwise(NamedTuple):
 
 class Dma(NamedTuple):
     """One DMA transfer: `nbytes` moved, `hbm_bytes` of them read or written in HBM (x2 for HBM -> HBM), over
-    `partitions` SBUF partitions (the SBUF side; 1 for HBM -> HBM); `rows`: the rows of an indirect (vector_offset)
-    gather or scatter, whose descriptors software DGE generates on GpSimd (0: hardware DGE)."""
+    `partitions` SBUF partitions (the SBUF side; HBM -> HBM: the destination's outer dim, `dma_work`); `rows`: the
+    rows of an indirect (vector_offset) gather or scatter, whose descriptors software DGE generates on GpSimd (0:
+    hardware DGE)."""
 
     nbytes: int
     hbm_bytes: int
