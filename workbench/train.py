@@ -29,6 +29,7 @@ from pathlib import Path
 
 from workbench.core.config import JobConfig, check_device, help_text, load_config
 from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.files import write_atomic
 from workbench.platform.dist_utils import StopRequest, rank
 
 
@@ -181,7 +182,7 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         extra_args = None
     job.run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = job.run_dir / "launch.toml"
-    cfg_path.write_text(job.to_toml())
+    write_atomic(cfg_path, job.to_toml())
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", "-m", "workbench.train", "--job.config_file", str(cfg_path),
            *(extra_args or [])]

@@ -40,6 +40,7 @@ from torchtitan.trainer import Trainer
 from workbench import data
 from workbench.core.config import JobConfig, resolved_dtype
 from workbench.core.errors import NonFiniteError, RunError, RunFolderError, StoppedError
+from workbench.core.files import open_for_append, write_atomic
 from workbench.data.loader import PackedTextDataLoader
 from workbench.platform import neuron_adjustments
 from workbench.platform.dist_utils import StopRequest, broadcast, say
@@ -149,7 +150,7 @@ class WorkbenchMetrics(MetricsProcessor):
         self.logger.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step)
         if _rank() == 0:
             if cfg.jsonl_path:
-                with open(cfg.jsonl_path, "a") as f:
+                with open_for_append(cfg.jsonl_path) as f:  # never through a link planted in the run folder
                     f.write(json.dumps(record) + "\n")
             width = len(str(cfg.total_steps))
             say(
@@ -212,9 +213,9 @@ class WorkbenchTrainer(Trainer):
             try:
                 self.run_lock = RunLock(run_dir)
                 outcome = self.run_lock.acquire()
-                (run_dir / "config.toml").write_text(self.job.to_toml())
+                write_atomic(run_dir / "config.toml", self.job.to_toml())
                 # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
-                (run_dir / "shape.json").write_text(json.dumps(flavors.describe(self.job.shape), indent=2))
+                write_atomic(run_dir / "shape.json", json.dumps(flavors.describe(self.job.shape), indent=2))
             except RunError as e:
                 outcome = e
             except OSError as e:
@@ -366,7 +367,7 @@ class WorkbenchTrainer(Trainer):
                 "train_seconds": time.perf_counter() - t_start,
                 "run_dir": str(run_dir),
             }
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
             say(
                 f"done: {summary['backend']} {summary['flavor']} steps {summary['resumed_from'] + 1}-{self.step}  "
                 f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}  "
