@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 from workbench.core.config import JobConfig, check_device, help_text, load_config
-from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.errors import ConfigError, DatasetError, StoppedError, WorkbenchError, announce, recognised
 from workbench.core.files import write_atomic
 from workbench.platform.dist_utils import StopRequest, rank
 
@@ -96,6 +96,11 @@ def check_inputs(job: JobConfig) -> None:
     for name, prepared, _ in open_dataset(job.training.dataset, job.model.tokenizer_path,
                                           job.training.dataset_text_field):
         Stream(prepared, job.job.seed, job.training.holdout_docs, name)  # refuses a holdout that leaves nothing
+        if prepared.manifest["vocab_size"] > job.shape.vocab_size:  # ids past the embedding table would crash a step
+            raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
+                               f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
+                               f"{job.shape.vocab_size:,}.", "prepare the data with the model's tokenizer "
+                               "(--tokenizer), or train a model whose vocabulary holds the tokenizer's.")
 
 
 def _exit(e: WorkbenchError) -> None:

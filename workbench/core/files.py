@@ -90,19 +90,26 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def create_new(path: str | os.PathLike):
+    """`path` created afresh for binary writing: whatever name was there (a leftover, a planted link) is unlinked
+    first, and the new file is opened with O_EXCL | O_NOFOLLOW, so nothing outside is ever written."""
+    path = Path(path)
+    try:
+        os.unlink(path)  # the name only, never a link's target
+    except FileNotFoundError:
+        pass
+    return os.fdopen(_open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Writes `data` to `path` atomically and durably: a temp file next to it (created new: O_EXCL, never a link
     followed), fsync, rename over `path` (which replaces a link there instead of writing through it), fsync of
     the folder. A reader sees the old content or the new, never a part."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # one per writer: no two collide
+    f = create_new(tmp)
     try:
-        os.unlink(tmp)  # a leftover of a killed writer, or a planted link: the name only, never its target
-    except FileNotFoundError:
-        pass
-    fd = _open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    try:
-        with os.fdopen(fd, "wb") as f:
+        with f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
@@ -253,5 +260,5 @@ def find_link(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-__all__ = ["LinkError", "LockUnsupportedError", "NotRegularError", "write_atomic", "open_for_append", "FileLock",
+__all__ = ["LinkError", "LockUnsupportedError", "NotRegularError", "create_new", "write_atomic", "open_for_append", "FileLock",
            "fsync_dir", "check_regular", "open_regular", "read_bytes", "read_json", "inside", "find_link"]
