@@ -46,19 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.core import files
 from workbench.core.errors import EXIT_CHECKPOINT, DatasetError
-from workbench.core.files import (
-    FileLock,
-    LinkError,
-    NotRegularError,
-    create_new,
-    find_link,
-    inside,
-    open_regular,
-    read_bytes,
-    read_json,
-    write_atomic,
-)
+from workbench.core.files import read_bytes, write_atomic
 from workbench.core.schema import check
 from workbench.data import (
     DOC_SEPARATOR,
@@ -101,14 +91,14 @@ def is_prepared(path: str | Path) -> bool:
     return p.is_dir() and ((p / "manifest.json").is_file() or (p / "plan.json").is_file())
 
 
-def _lock(out: Path, wait: bool, say) -> FileLock:
+def _lock(out: Path, wait: bool, say) -> files.FileLock:
     """The exclusive flock on OUT/.lock (released by the kernel if the holder dies); a folder holding a symbolic
     link is refused first (prepare writes there, and a link would carry a write outside it)."""
     out.mkdir(parents=True, exist_ok=True)
-    link = find_link(out)
+    link = files.find_link(out)
     if link is not None:
-        raise LinkError(link)
-    lock = FileLock(out / ".lock")
+        raise files.LinkError(link)
+    lock = files.FileLock(out / ".lock")
     if not lock.acquire():
         holder = lock.holder().decode(errors="replace").strip() or "another process"
         if not wait:
@@ -126,11 +116,11 @@ DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPER
 def _write_failed(e: OSError, out: Path) -> DatasetError:
     """One line for a folder prepare cannot write: a link or special file planted in it (exit 2), or a read-only or
     full file system (exit 4, like every disk failure)."""
-    if isinstance(e, (LinkError, NotRegularError)):
+    if isinstance(e, (files.LinkError, files.NotRegularError)):
         return DatasetError(f"{e}.", f"remove it, or prepare into a new folder instead of {out}.")
     error = DatasetError(f"writing {e.filename or out} failed: {e.strerror}; nothing half-written was kept.",
                          f"prepare into a writable folder with free space instead of {out}.")
-    error.exit_code = EXIT_CHECKPOINT
+    error.exit_code, error.kind = EXIT_CHECKPOINT, "disk error"
     return error
 
 
@@ -185,7 +175,7 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
         finally:
             lock.release()
     except OSError as e:
-        if isinstance(e, (LinkError, NotRegularError)) or e.errno in DISK_ERRNOS:
+        if isinstance(e, (files.LinkError, files.NotRegularError)) or e.errno in DISK_ERRNOS:
             raise _write_failed(e, out) from None
         raise
 
@@ -268,7 +258,7 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
 def _check(record: dict) -> dict:
     if "error" in record:
         error = DatasetError(record["error"], record["fix"])
-        error.exit_code = record.get("exit_code", error.exit_code)
+        error.exit_code, error.kind = record.get("exit_code", error.exit_code), record.get("kind", error.kind)
         raise error
     return record
 
@@ -276,7 +266,7 @@ def _check(record: dict) -> dict:
 def _json_or_none(path: Path):
     """The JSON in a file the workbench wrote earlier, or None where it is unreadable (then it is redone)."""
     try:
-        return read_json(path)
+        return files.read_json(path)
     except (OSError, ValueError):
         return None
 
@@ -391,7 +381,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
         return _write_shard(task, report)
     except OSError as e:
         error = _write_failed(e, sdir.parent)
-        return {"error": error.message, "fix": error.fix, "exit_code": error.exit_code}
+        return {"error": error.message, "fix": error.fix, "exit_code": error.exit_code, "kind": error.kind}
     finally:
         for suffix in SHARD_FILES:
             (sdir / f"{name}.{suffix}.tmp").unlink(missing_ok=True)
@@ -417,7 +407,7 @@ def _write_shard(task: tuple[int, list], report) -> dict:
     batch: list[str] = []
     batch_chars = 0
     tmp = sdir / f"{name}.tokens.tmp"
-    with create_new(tmp) as f:
+    with files.create_new(tmp) as f:
 
         def flush() -> None:
             nonlocal n_tokens, batch_chars
@@ -471,13 +461,13 @@ def _write_shard(task: tuple[int, list], report) -> dict:
     write_atomic(sdir / f"{name}.docs", np.asarray(ends, dtype=np.int64).tobytes())
     os.replace(tmp, sdir / f"{name}.tokens")
     send(max(sum(u["bytes"] for u in units) - reported, 0), 0)  # the rest of the shard's bytes (JSON, escapes)
-    files = {}
+    digests = {}
     for suffix in SHARD_FILES:  # every file of the shard: a crc per block beside it, bytes and sha256 in the record
-        crcs, files[suffix] = digest(sdir / f"{name}.{suffix}")
+        crcs, digests[suffix] = digest(sdir / f"{name}.{suffix}")
         write_atomic(sdir / f"{name}.{suffix}.crc", crcs)
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
               "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "vocab_size": w["vocab"],
-              "files": files}
+              "files": digests}
     write_atomic(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
     return record
 
@@ -485,7 +475,7 @@ def _write_shard(task: tuple[int, list], report) -> dict:
 def _map_tokens(path: Path) -> mmap.mmap:
     """A shard's tokens mapped read-only, advised random access: rows are read in a shuffled order, so the kernel
     reads ahead nothing into this process."""
-    with open_regular(path) as f:
+    with files.open_regular(path) as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     mm.madvise(mmap.MADV_RANDOM)
     return mm
@@ -498,7 +488,7 @@ def _verified_record(sdir: Path, i: int) -> dict | None:
     try:
         check(rec, RECORD, "record")
         for suffix, want in rec["files"].items():
-            crcs, got = digest(inside(sdir, f"{name}.{suffix}"))
+            crcs, got = digest(files.inside(sdir, f"{name}.{suffix}"))
             if got != want or read_bytes(sdir / f"{name}.{suffix}.crc") != crcs:
                 return None
     except (OSError, ValueError):
@@ -546,7 +536,7 @@ class Prepared:
                     f"{src} changed since it was prepared into {self.folder} (source fingerprint "
                     f"{self.manifest['fingerprint'][:16]} then, {now[:16]} now).",
                     f"prepare it again into a new folder (or delete {self.folder} first).")
-        link = find_link(self.folder)
+        link = files.find_link(self.folder)
         if link is not None:  # a shard is read from this folder only, never through a link to elsewhere
             raise DatasetError(f"{link} is a symbolic link; a prepared folder is read from its own files only.",
                                f"prepare again into a new folder: python -m workbench.data prepare SRC {self.folder}.")
@@ -630,14 +620,15 @@ class Prepared:
             if checked[blk]:
                 continue
             if data is None:
-                with open_regular(path) as f:
+                with files.open_regular(path) as f:
                     chunk = os.pread(f.fileno(), BLOCK_BYTES, blk * BLOCK_BYTES)
             else:
                 chunk = data[blk * BLOCK_BYTES:(blk + 1) * BLOCK_BYTES]
             fix = f"prepare again: delete {self.folder} and run python -m workbench.data prepare SRC {self.folder}."
             if zlib.crc32(chunk) != int(crcs[blk]):
+                tokens = f", tokens {blk * BLOCK_TOKENS:,}+" if kind == "tokens" else ""
                 raise DatasetError(f"shard {path} is corrupt: checksum mismatch in block {blk} (bytes "
-                                   f"{blk * BLOCK_BYTES:,}+, tokens {blk * BLOCK_TOKENS:,}+).", fix)
+                                   f"{blk * BLOCK_BYTES:,}+{tokens}).", fix)
             ids = np.frombuffer(chunk, dtype=np.uint32) if kind == "tokens" else None
             if ids is not None and ids.size and int(ids.max()) >= self.manifest["vocab_size"]:
                 at = blk * BLOCK_TOKENS + int(np.argmax(ids >= self.manifest["vocab_size"]))

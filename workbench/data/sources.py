@@ -14,6 +14,7 @@ file that cannot be decoded (a damaged parquet or arrow file); it is reported as
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,8 +174,8 @@ def _parse(data: bytes, line: bool) -> tuple[object, str]:
         return None, f"not JSON ({e.msg} at {'' if line else f'line {e.lineno}, '}column {e.colno})"
     except RecursionError:
         return None, "nested too deeply to read"
-    except ValueError as e:  # an integer of more digits than Python converts (int_max_str_digits)
-        return None, f"not readable JSON ({_first_line(e)})"
+    except ValueError:  # an integer of more digits than Python converts (sys.int_max_str_digits)
+        return None, f"an integer of over {sys.get_int_max_str_digits():,} digits"
 
 
 def _jsonl_row(where: str, line: bytes, field: str) -> Iterator[tuple[str, str | None, str]]:
