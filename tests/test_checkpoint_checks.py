@@ -100,9 +100,10 @@ def test_unfinished_or_unreadable_bookkeeping(steps):
                                                   "not finish)"
     step = steps / "step-9"
     (step / "checksums.json").write_text("{not json")
-    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (JSONDecodeError)"
+    assert check_checkpoint(step) == (f"{step / 'checksums.json'} is not JSON (Expecting property name enclosed in "
+                                      "double quotes at line 1, column 2)")
     (step / "checksums.json").write_text("{}")
-    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (KeyError)"
+    assert check_checkpoint(step) == f"{step / 'checksums.json'}: files is missing"
 
 
 def test_metadata_problems(steps):
@@ -184,11 +185,19 @@ def test_resume_takes_the_newest_verified_step(steps, capsys):
                            "--checkpoint.on_corrupt fallback.")
 
 
-def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
+def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path, capsys):
+    """Saves that never finished (a double Ctrl-C during the first save) leave nothing to resume: the relaunch starts
+    from step 1, saying so. A finished checkpoint that is damaged is another matter: refused, nothing deleted."""
     folder = tmp_path / "checkpoint"
     save_step(folder, 3, complete=False)
     save_step(folder, 5, complete=False)
-    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 3: ") as e:
+    assert manager(folder)._find_load_step() == -1
+    out = capsys.readouterr().out
+    assert f"no checkpoint in {folder} was finished (step 5: " in out and "starts from step 1" in out
+    f = shard(save_step(folder, 4))
+    f.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 4: .*truncated"
+                       ) as e:
         manager(folder)._find_load_step()
     assert e.value.fix == f"restore a checkpoint there, or move {tmp_path} away to start from scratch."
     assert manager(tmp_path / "empty")._find_load_step() == -1

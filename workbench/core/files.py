@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import json
 import os
+import shutil
+import socket
 import stat
 import threading
 from pathlib import Path, PurePosixPath
@@ -250,6 +253,32 @@ def inside(folder: str | os.PathLike, name: str) -> Path:
     return Path(folder) / name
 
 
+def owner_tag() -> str:
+    """host-pid-thread of this writer: the suffix of its temporary folders, so that a later writer can tell an
+    abandoned one (its process is gone) from one being written (`remove_abandoned`)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}"
+
+
+def remove_abandoned(parent: str | os.PathLike, prefix: str) -> list[Path]:
+    """Removes the folders `<parent>/<prefix><owner_tag>` whose writer was killed: of this host, its process gone.
+    Those of live writers and of other hosts (whose processes cannot be asked) are left. Returns the removed."""
+    removed = []
+    for p in sorted(Path(parent).glob(f"{glob.escape(prefix)}*")):
+        host, pid, _ = p.name[len(prefix):].rsplit("-", 2) if p.name.count("-") >= 2 else ("", "", "")
+        if host != socket.gethostname() or not pid.isdigit() or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive: being written
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
 def find_link(folder: str | os.PathLike) -> Path | None:
     """The first symbolic link inside `folder` (its tree walked without following links), or None."""
     for root, dirs, names in os.walk(folder):
@@ -260,5 +289,6 @@ def find_link(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-__all__ = ["LinkError", "LockUnsupportedError", "NotRegularError", "create_new", "write_atomic", "open_for_append", "FileLock",
-           "fsync_dir", "check_regular", "open_regular", "read_bytes", "read_json", "inside", "find_link"]
+__all__ = ["LinkError", "LockUnsupportedError", "NotRegularError", "create_new", "write_atomic", "open_for_append",
+           "FileLock", "fsync_dir", "check_regular", "open_regular", "read_bytes", "read_json", "inside", "owner_tag",
+           "remove_abandoned", "find_link"]

@@ -54,11 +54,17 @@ from workbench.core.errors import (
     UnsafeCheckpointError,
     WorkbenchError,
 )
+from workbench.core.files import inside, read_bytes, read_json, write_atomic
+from workbench.core.schema import Choice, DictOf, Int, Obj, Str, check
 from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank, say
 from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20
+CHECKSUMS_SPEC = Obj({"files": DictOf(Obj({"bytes": Int(0), HASH: Str(r"[0-9a-f]{16}", what="16 hex digits")}),
+                                      key=Str(r"[^/\\\0]{1,255}", what="a file name in the step folder"))},
+                     {"hash": Choice((HASH,))})
+"""What `checksums.json` must hold: file name (in its step folder) -> its size and xxh3-64."""
 
 
 # ---- cheap checks of a DCP checkpoint folder --------------------------------------------------------------------
@@ -127,7 +133,7 @@ def read_metadata(path: Path):
         UnsafeCheckpointError: the pickle names a class outside the allowlist.
     """
     f = path / ".metadata"
-    data = f.read_bytes()
+    data = read_bytes(f)
     if is_complete(path):
         entry = read_checksums(path).get(".metadata")
         if entry is None:
@@ -203,8 +209,20 @@ class _AllowlistPlanner(DefaultLoadPlanner):
 
 
 def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
-    """file name -> {"bytes": n, "xxh3_64": hex} of a step folder's `checksums.json`."""
-    return json.loads((path / CHECKSUMS).read_text())["files"]
+    """file name -> {"bytes": n, "xxh3_64": hex} of a step folder's `checksums.json`, checked against
+    `CHECKSUMS_SPEC` (every name a file of the step folder itself) before any file it names is opened.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, or a wrong key (the file and the key named).
+    """
+    f = path / CHECKSUMS
+    try:
+        files = check(read_json(f), CHECKSUMS_SPEC, str(f))["files"]
+        for name in files:
+            inside(path, name)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{e}".removesuffix(".")) from None
+    return files
 
 
 def file_checksum(path: Path) -> str:
@@ -233,8 +251,8 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
         return f"{path / CHECKSUMS} is missing (the save did not finish)"
     try:
         sums = read_checksums(path)
-    except (OSError, ValueError, KeyError) as e:
-        return f"{path / CHECKSUMS} is unreadable ({type(e).__name__})"
+    except CheckpointError as e:
+        return e.message
     for name, entry in sorted(sums.items()):
         f = path / name
         if not f.is_file():
@@ -251,6 +269,12 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
         return e.message
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
         return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+    for info in storage.values():  # DCP opens <step>/<relative_path>: a plain name in the step folder only
+        name = getattr(info, "relative_path", None)
+        try:
+            inside(path, name)
+        except ValueError:
+            return f"{path / '.metadata'} names a file outside its step folder ({str(name)[:80]!r}); nothing was read"
     unlisted = sorted({info.relative_path for info in storage.values()} - set(sums))
     if unlisted:
         f = path / unlisted[0]
@@ -376,7 +400,11 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                       f"move {self._create_checkpoint_id(step)} away to resume from an older "
                                       "checkpoint, or set --checkpoint.on_corrupt fallback.")
             say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
-        if bad:
+        if bad and all("did not finish" in b for b in bad):  # e.g. a double Ctrl-C during the first save
+            say(f"workbench: warning: no checkpoint in {self.folder} was finished ({'; '.join(bad)}): nothing to "
+                "resume from, so the run starts from step 1 (an unfinished step folder is replaced when it is saved "
+                "again).")
+        elif bad:
             raise CheckpointError(
                 f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
                 f"restore a checkpoint there, or move {Path(self.folder).parent} away to start from scratch.")
@@ -544,12 +572,7 @@ def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata) -> N
     problems += [f"{path / name} was written without a checksum" for name in sorted(written - set(every))]
     if rank() == 0 and not problems:
         try:
-            tmp = path / (CHECKSUMS + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump({"hash": HASH, "files": dict(sorted(every.items()))}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path / CHECKSUMS)
+            write_atomic(path / CHECKSUMS, json.dumps({"hash": HASH, "files": dict(sorted(every.items()))}, indent=1))
         except OSError as e:  # a full disk can strike here too: every rank must hear of it
             problems.append(f"writing {path / CHECKSUMS} failed: {e.strerror}")
     problems = broadcast(problems)
