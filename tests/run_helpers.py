@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from workbench.run.run_folder import read_metrics  # noqa: F401  (re-exported for the tests)
@@ -173,6 +174,24 @@ def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tup
         (run_dir,) = [p for p in (slot / "out").iterdir() if p.is_dir()]
         _SESSION_RUNS[key] = (run_dir, stdout.read_text())
     return _SESSION_RUNS[key]
+
+
+def unblock_later(fifo: Path, after_s: float = 8.0) -> threading.Event:
+    """Opens `fifo` for writing after `after_s` seconds (which frees a reader blocked on it) and sets the returned
+    event if a reader was blocked: the proof that the code under test hung."""
+    hung = threading.Event()
+
+    def unblock() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            hung.set()
+        except OSError:  # ENXIO: nobody was reading it
+            pass
+
+    timer = threading.Timer(after_s, unblock)
+    timer.daemon = True
+    timer.start()
+    return hung
 
 
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:

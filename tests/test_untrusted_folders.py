@@ -13,7 +13,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+from run_helpers import unblock_later
 from workbench.core import errors, files, flavors
 from workbench.core.config import load_config
 from workbench.run.checkpoint import check_checkpoint, checksumming_writer, commit_checksums, read_metadata
@@ -181,24 +181,6 @@ def test_a_killed_exports_partial_folder_is_cleaned_by_the_next_export(run_sourc
 
 
 # ---- 3. nothing hangs: a FIFO is refused; absurd shapes are refused by range --------------------------------------
-
-def unblock_later(fifo: Path, after_s: float = 8.0) -> threading.Event:
-    """Opens `fifo` for writing after `after_s` seconds (which frees a reader blocked on it) and sets the returned
-    event if a reader was blocked: the proof that the code under test hung."""
-    hung = threading.Event()
-
-    def unblock() -> None:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            hung.set()
-        except OSError:  # ENXIO: nobody was reading it
-            pass
-
-    timer = threading.Timer(after_s, unblock)
-    timer.daemon = True
-    timer.start()
-    return hung
-
 
 def test_a_fifo_named_safetensors_is_refused_not_read(tmp_path):
     from workbench.backends import hf
