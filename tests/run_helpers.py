@@ -6,11 +6,11 @@ ambiguous.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from workbench.run.run_folder import read_metrics  # noqa: F401  (re-exported for the tests)
@@ -176,22 +176,32 @@ def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tup
     return _SESSION_RUNS[key]
 
 
-def unblock_later(fifo: Path, after_s: float = 8.0) -> threading.Event:
-    """Opens `fifo` for writing after `after_s` seconds (which frees a reader blocked on it) and sets the returned
-    event if a reader was blocked: the proof that the code under test hung."""
-    hung = threading.Event()
+_UNBLOCKER = """
+import os, sys, time
+fifo, flag, every = sys.argv[1], sys.argv[2], float(sys.argv[3])
+while True:
+    time.sleep(every)
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        open(flag, "w").close()
+    except OSError:
+        pass
+"""
 
-    def unblock() -> None:
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            hung.set()
-        except OSError:  # ENXIO: nobody was reading it
-            pass
 
-    timer = threading.Timer(after_s, unblock)
-    timer.daemon = True
-    timer.start()
-    return hung
+@contextlib.contextmanager
+def unblocking(fifo: Path, every_s: float = 5.0):
+    """While in the block, a helper process opens `fifo` for writing every `every_s` seconds, which frees a reader
+    blocked on it (a blocked `open` holds the GIL in some readers, so no thread of this process could); yields a
+    function that says whether a reader ever was blocked: the proof that the code under test hung, where without the
+    helper the test would hang instead of failing."""
+    flag = Path(f"{fifo}.was-blocked")
+    helper = subprocess.Popen([sys.executable, "-c", _UNBLOCKER, str(fifo), str(flag), str(every_s)])
+    try:
+        yield flag.exists
+    finally:
+        helper.kill()
+        helper.wait()
 
 
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:

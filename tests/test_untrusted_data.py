@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from run_helpers import unblock_later
+from run_helpers import unblocking
 from workbench.core.errors import EXIT_CHECKPOINT, EXIT_CONFIG, DatasetError
 from workbench.data import prepare as prep
 from workbench.data.loader import PackedDataset
-from workbench.data.manifest import digest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +45,8 @@ def prepared(tmp_path_factory) -> Path:
 
 def _reseal(out: Path, kind: str) -> None:
     """Makes a changed shard file's crc file and manifest entry match it again (a crafted folder, not damage)."""
+    from workbench.data.manifest import digest
+
     f = out / "shards" / f"00000.{kind}"
     crcs, entry = digest(f)
     Path(f"{f}.crc").write_bytes(crcs)
@@ -174,8 +176,18 @@ def test_strict_takes_effect_on_a_rerun(tmp_path):
 # ---- 3. nothing hangs: a failing tokenizer stops the pool; a FIFO source is refused -------------------------------
 
 def _prepare_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workbench.data", "prepare", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """`python -m workbench.data prepare ARGS` in its own session; past `timeout` its whole group is killed (its
+    workers too) and the test fails."""
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.data", "prepare", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"prepare {' '.join(args)} did not end within {timeout} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_a_tokenizer_that_fails_in_the_workers_stops_the_pool_with_one_line(tmp_path):
@@ -195,10 +207,9 @@ def test_a_tokenizer_that_fails_in_the_workers_stops_the_pool_with_one_line(tmp_
 
 def test_a_fifo_source_is_refused_not_read(tmp_path):
     os.mkfifo(tmp_path / "rows.jsonl")
-    hung = unblock_later(tmp_path / "rows.jsonl")
-    with pytest.raises(DatasetError) as refused:
+    with unblocking(tmp_path / "rows.jsonl") as hung, pytest.raises(DatasetError) as refused:
         prep.prepare(str(tmp_path / "rows.jsonl"), tmp_path / "p", workers=1, progress=False)
-    assert not hung.is_set(), "prepare blocked on the FIFO"
+    assert not hung(), "prepare blocked on the FIFO"
     assert f"{tmp_path / 'rows.jsonl'} is a FIFO, not a regular file" in refused.value.one_line()
 
 

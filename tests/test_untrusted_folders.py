@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from run_helpers import unblock_later
-from workbench.core import errors, files, flavors
+from run_helpers import unblocking
+from workbench.core import errors, flavors
 from workbench.core.config import load_config
 from workbench.run.checkpoint import check_checkpoint, checksumming_writer, commit_checksums, read_metadata
 from workbench.run.run_folder import RunLock
@@ -90,6 +90,8 @@ def test_a_link_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, na
 
 def test_run_folder_files_are_never_written_through_a_link(tmp_path):
     """Past the launch's check (a link planted later, a hard link): appends refuse, atomic writes replace the name."""
+    from workbench.core import files
+
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me")
     run = tmp_path / "run"
@@ -189,10 +191,9 @@ def test_a_fifo_named_safetensors_is_refused_not_read(tmp_path):
     d.mkdir()
     flavors.hf_config(TINY).save_pretrained(str(d))
     os.mkfifo(d / "model.safetensors")
-    hung = unblock_later(d / "model.safetensors")
-    with pytest.raises(errors.HFCheckpointError) as refused:
+    with unblocking(d / "model.safetensors") as hung, pytest.raises(errors.HFCheckpointError) as refused:
         hf.table_of_contents(d)
-    assert not hung.is_set(), "the reader blocked on the FIFO"
+    assert not hung(), "the reader blocked on the FIFO"
     assert f"{d / 'model.safetensors'} is a FIFO, not a regular file" in refused.value.one_line()
 
 

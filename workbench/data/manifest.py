@@ -23,18 +23,19 @@ SHARD_FILES = ("tokens", "docs")  # a shard's files: each gets a crc per block a
 BLOCK_TOKENS = 16384  # 64 KiB of uint32: the unit of the read-time crc check
 BLOCK_BYTES = BLOCK_TOKENS * 4  # the crc block of every shard file
 
+_COUNT = Int(0, 2**63 - 1)  # what an int64 holds
 _HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 (64 hex digits)")
-_FILES = DictOf(Obj({"bytes": Int(0), "sha256": _HEX64}), key=Str(r"[a-z]{1,16}", what="a file kind ('tokens')"))
+_FILES = DictOf(Obj({"bytes": _COUNT, "sha256": _HEX64}), key=Str(r"[a-z]{1,16}", what="a file kind ('tokens')"))
 _NAME = Str(r"\d{5}", what="a shard name of 5 digits (a file in shards/)")
 MANIFEST = Obj({
     "format": Choice((FORMAT,)), "source": Str(), "fingerprint": _HEX64, "tokenizer_sha256": _HEX64,
-    "text_field": Str(), "documents": Int(0), "tokens": Int(0), "first_text_document": Int(-1),
-    "bad_rows": Int(0), "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32),
-    "shards": ListOf(Obj({"name": _NAME, "documents": Int(0), "tokens": Int(0), "files": _FILES}))},
-    {"text_documents": Int(0), "dtype": Choice(("uint32",)), "separator": AnyOf((Str(), NULL))})
+    "text_field": Str(), "documents": _COUNT, "tokens": _COUNT, "first_text_document": Int(-1),
+    "bad_rows": _COUNT, "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32),
+    "shards": ListOf(Obj({"name": _NAME, "documents": _COUNT, "tokens": _COUNT, "files": _FILES}))},
+    {"text_documents": _COUNT, "dtype": Choice(("uint32",)), "separator": AnyOf((Str(), NULL))})
 """The manifest a reader trusts: every key it uses, with its type and range."""
-RECORD = Obj({"name": _NAME, "documents": Int(0), "tokens": Int(0), "text_documents": Int(0), "first_text": Int(-1),
-              "bad_rows": Int(0), "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32), "files": _FILES})
+RECORD = Obj({"name": _NAME, "documents": _COUNT, "tokens": _COUNT, "text_documents": _COUNT, "first_text": Int(-1),
+              "bad_rows": _COUNT, "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32), "files": _FILES})
 
 
 def read_manifest(folder: str | Path) -> dict:
