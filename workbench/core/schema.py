@@ -126,6 +126,8 @@ NULL = Choice((None,))
 
 @dataclass(frozen=True)
 class ListOf:
+    """A list of `item`s, at most `max_len` of them."""
+
     item: Any
     max_len: int | None = None
 
@@ -135,6 +137,8 @@ class ListOf:
 
 @dataclass(frozen=True)
 class DictOf:
+    """An object whose every key meets `key` and every value `value` (a map such as a weight map)."""
+
     value: Any
     key: Str = field(default_factory=Str)
 
