@@ -83,7 +83,7 @@ def check_counts(section: str, obj: Any, lows: dict[str, int]) -> None:
             check_range(f"{section}.{key}", value, low, COUNT_MAX)
 
 
-def check_folder_name(key: str, name: str) -> None:
+def check_folder_name(key: str, name: str, where: str = "inside the run folder", example: str = "checkpoint") -> None:
     """`name` is one folder name: not empty, no separator, not `.` or `..`, no NUL, at most NAME_MAX bytes.
 
     Raises:
@@ -94,10 +94,8 @@ def check_folder_name(key: str, name: str) -> None:
         (("/" in name or os.sep in name) and "holds a path separator") or ("\0" in name and "holds a NUL byte") or \
         (len(name.encode()) > NAME_MAX and f"is over {NAME_MAX} bytes")
     if bad:
-        raise ConfigError(f"{key}={name[:60]!r} {bad}: it must be one folder name, the run folder being "
-                          "<job.dump_folder>/<job.experiment_name> (anything else would put the run elsewhere, or make "
-                          "the dump folder itself the run folder).", "give a plain name, e.g. --job.experiment_name "
-                          "my_run.")
+        raise ConfigError(f"{key}={name[:60]!r} {bad}: it must be one folder name, {where}; anything else would "
+                          "write elsewhere.", f"give a plain name, e.g. --{key} {example}.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,7 +125,9 @@ class Job:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         check_range("job.seed", self.seed, 0, 2**63 - 1)  # torch.manual_seed's range, as a TOML (int64) writes it
-        check_folder_name("job.experiment_name", self.experiment_name)
+        check_folder_name("job.experiment_name", self.experiment_name, "the run folder being "
+                          "<job.dump_folder>/<job.experiment_name> (an empty one would make the dump folder the run "
+                          "folder)", "my_run")
 
 
 @dataclass
@@ -474,7 +474,7 @@ class Profiling:
     def check(self, job: JobConfig, world_size: int) -> None:
         steps = job.training.steps
         check_counts("profiling", self, {"start_step": 0, "steps": 0})
-        check_folder_name("profiling.folder", self.folder)
+        check_folder_name("profiling.folder", self.folder, example="profiling")
         if self.enable and (self.steps <= 0 or not 1 <= self.start_step <= steps):
             raise ConfigError(
                 f"profiling: start_step={self.start_step}, steps={self.steps} must profile at least one "
