@@ -401,10 +401,13 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                       "checkpoint, or set --checkpoint.on_corrupt fallback.")
             say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
         if bad and all("did not finish" in b for b in bad):  # e.g. a double Ctrl-C during the first save
-            say(f"workbench: warning: no checkpoint in {self.folder} was finished ({'; '.join(bad)}): nothing to "
-                "resume from, so the run starts from step 1 (an unfinished step folder is replaced when it is saved "
-                "again).")
-        elif bad:
+            unfinished = " ".join(str(self._create_checkpoint_id(s)) for s in steps)
+            raise CheckpointError(
+                f"no usable checkpoint in {self.folder} ({'; '.join(bad)}): no save there finished, so there is "
+                "nothing to resume; nothing was deleted.",
+                f"to start from step 1, delete the unfinished saves (rm -r {unfinished}) and relaunch the same "
+                "command; or restore a finished checkpoint there.")
+        if bad:
             raise CheckpointError(
                 f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
                 f"restore a checkpoint there, or move {Path(self.folder).parent} away to start from scratch.")
