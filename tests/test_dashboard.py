@@ -116,10 +116,10 @@ def test_status_names_the_phase_after_a_step_and_the_device_in_the_title(tmp_pat
     """After a step that saves a checkpoint, and after the last one when the run exports, the live status says so
     (those phases print no step line for seconds); the title's "auto" device becomes the one the trainer reports."""
     metrics = tmp_path / "metrics.jsonl"
-    board = Dashboard(tmp_path, total_steps=8, title="cpu_dense.toml · native · tiny · 8 steps · auto · 1 rank(s)",
-                      live=False, checkpoint_steps={4, 8}, export=True)
-    board("workbench: backend native, flavor tiny, device cpu x 1 rank(s), run folder /x\n")
-    assert board.title == "cpu_dense.toml · native · tiny · 8 steps · cpu · 1 rank(s)"
+    board = Dashboard(tmp_path, total_steps=8, live=False, checkpoint_steps={4, 8}, export=True,
+                      title="cpu_dense.toml · native · tiny · shakespeare · 8 steps · auto · 1 rank(s)")
+    board("workbench: backend native, flavor tiny, dataset shakespeare, device cpu x 1 rank(s), run folder /x\n")
+    assert board.title == "cpu_dense.toml · native · tiny · shakespeare · 8 steps · cpu · 1 rank(s)"
     metrics.write_text("".join(record(s) for s in (1, 2, 3, 4)))
     board("step 4/8\n")
     assert board._status_html(board.records[-1]).endswith("<br><b>saving checkpoint step 4…</b>")
@@ -130,3 +130,16 @@ def test_status_names_the_phase_after_a_step_and_the_device_in_the_title(tmp_pat
     board.poll()
     assert board._status_html(board.records[-1]).endswith(
         "<b>saving checkpoint step 8 · exporting Hugging Face weights…</b>")
+
+
+def test_a_mixture_plots_each_members_loss(tmp_path):
+    """metrics.jsonl of a mixture: the loss figure has the pooled loss and one dashed line per member."""
+    lines = [json.dumps({**json.loads(record(s, 5.0 - s)), "loss /d/web.jsonl": 5.2 - s, "loss /d/code.jsonl": 4.8 - s,
+                         "rows /d/web.jsonl": 2 * s, "rows /d/code.jsonl": 2 * s}) + "\n" for s in (1, 2, 3)]
+    board = Dashboard(tmp_path, total_steps=3, title="mix", live=False)
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    assert board.poll() == 3
+    ax_loss = board.figure().axes[0]
+    assert [line.get_label() for line in ax_loss.lines] == ["all", "web.jsonl", "code.jsonl"]
+    assert list(ax_loss.lines[1].get_ydata()) == [4.2, 3.2, 2.2] and ax_loss.lines[2].get_linestyle() == "--"
+    assert [t.get_text() for t in ax_loss.get_legend().get_texts()] == ["all", "web.jsonl", "code.jsonl"]

@@ -19,8 +19,15 @@ import torch
 
 from workbench import data
 from workbench.core.errors import DatasetError
+from workbench.data import dataset_label, mixture
 from workbench.data import prepare as prep
-from workbench.data.loader import PackedDataset, PackedTextDataLoader, Stream, heldout_sets, heldout_tokens
+from workbench.data.loader import (
+    PackedDataset,
+    PackedTextDataLoader,
+    Stream,
+    heldout_sets,
+    mixture_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,6 +167,11 @@ def test_mixture_shares_and_heldout_per_dataset(cache, tmp_path):
         next(it)
     counts = ds.state_dict()["counts"]
     assert sum(counts) == 10_000 and abs(counts[0] / 10_000 - 0.7) < 0.01 and abs(counts[1] / 10_000 - 0.3) < 0.01
+    # every row says which member it is from: the rows of b are b's documents
+    tok = data.load_tokenizer()
+    for row, _ in take(PackedDataset(spec, "", 8, seed=1, holdout_docs=2), 20):
+        text = tok.decode(row["input"].tolist())
+        assert row["member"].item() == (1 if "beta" in text else 0) or not ("alpha" in text or "beta" in text)
     # Elastic and deterministic with a mixture too: 3 ranks' rows interleave into the 1-rank stream.
     whole = labels(PackedDataset(spec, "", 8, seed=1, holdout_docs=2), 9)
     ranks = [labels(PackedDataset(spec, "", 8, r, 3, seed=1, holdout_docs=2), 3) for r in range(3)]
@@ -168,7 +180,42 @@ def test_mixture_shares_and_heldout_per_dataset(cache, tmp_path):
     tok = data.load_tokenizer()
     assert list(held) == [str(out_a), str(out_b)]
     assert tok.decode(held[str(out_b)].tolist()).startswith("beta 28 ")  # the last 2 documents of b
-    assert torch.equal(heldout_tokens(spec, num_docs=2), torch.cat(list(held.values())))
+
+
+@pytest.mark.parametrize(("spec", "refused"), [
+    ("/d/a,/d/b", "member '/d/a' has no weight; a mixture needs one for every member"),
+    ("/d/a:0.5,", "member 2 is empty"),
+    (",/d/a:0.5", "member 1 is empty"),
+    ("/d/a:nan,/d/b:1", "the weight 'nan' of '/d/a' is not a finite positive number"),
+    ("/d/a:inf,/d/b:1", "the weight 'inf' of '/d/a' is not a finite positive number"),
+    ("/d/a:0,/d/b:1", "the weight '0' of '/d/a' is not a finite positive number"),
+    ("/d/a:-2", "the weight '-2' of '/d/a' is not a finite positive number"),
+    ("/d/a:1e-300,/d/b:1e300", "the weight of '/d/a' is so much smaller than the largest one that its share is 0"),
+])
+def test_mixture_weights_are_given_for_every_member_and_finite(spec, refused):
+    with pytest.raises(DatasetError, match="training.dataset=") as e:
+        mixture(spec)
+    assert refused in e.value.message
+
+
+def test_mixture_weights_are_normalised_and_the_launch_says_what_each_member_gives():
+    assert mixture("/d/a:0.7,/d/b:0.7") == [("/d/a", 0.5), ("/d/b", 0.5)]
+    assert mixture("/d/a:1e308,/d/b:1e308") == [("/d/a", 0.5), ("/d/b", 0.5)]  # no overflow to inf (shares 0)
+    assert mixture("/d/x:y") == [("/d/x:y", 1.0)] and mixture("/d/x:2") == [("/d/x", 1.0)]  # one dataset
+    assert mixture_report("/d/a", [100], 10, 9) == ([], [])
+    # 1,000 rows of 9 tokens at 0.7 / 0.3 over members of 63,000 and 270 tokens
+    lines, warnings = mixture_report("/d/a:0.7,/d/b:0.7,/d/c:0.6", [63_000, 270, 10_000], 1000, 9)
+    assert lines == [
+        "workbench: training.dataset weights 0.7, 0.7, 0.6 sum to 2: normalised to shares 0.35, 0.35, 0.3.",
+        "workbench: mixture member /d/a: share 0.35, 63,000 tokens, 0.05 epoch(s) over the run (350 rows of 9 "
+        "tokens).",
+        "workbench: mixture member /d/b: share 0.35, 270 tokens, 11.7 epoch(s) over the run (350 rows of 9 tokens).",
+        "workbench: mixture member /d/c: share 0.3, 10,000 tokens, 0.27 epoch(s) over the run (300 rows of 9 tokens)."]
+    assert warnings == ["workbench: warning: mixture member /d/b repeats 11.7 times over the run; lower its weight "
+                        "or give it more data if that is not intended."]
+    assert mixture_report("/d/a:0.5,/d/b:0.5", [1000, 1000], 10, 9)[0][0].startswith("workbench: mixture member")
+    assert dataset_label("/data/web.prepared:0.7,/x/code.jsonl:0.7") == "web.prepared 0.5 + code.jsonl 0.5"
+    assert dataset_label("shakespeare") == "shakespeare" and dataset_label("/d/c.prepared/") == "c.prepared"
 
 
 def test_kill_9_during_prepare_then_resume(tmp_path):

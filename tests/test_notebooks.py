@@ -86,6 +86,15 @@ def test_notebook_is_committed_clean_and_parameterized(name):
                     f"checked cell without its expected output:\n{cell.source}")
 
 
+def test_every_notebook_that_trains_or_measures_takes_a_dataset():
+    """`dataset` (a plain literal, `training.dataset` syntax) in every notebook that trains or measures data: 01-06
+    train (05 also measures held-out perplexity), 08 prepares and counts; 00 and 07 read no data."""
+    declared = {name: runner.declared_parameters(ROOT / "notebooks" / f"{name}.ipynb") for name in NOTEBOOKS}
+    takes = {name for name, params in declared.items() if "dataset" in params}
+    assert takes == set(NOTEBOOKS) - {"00_setup", "07_memory_plan"}
+    assert all(declared[name]["dataset"].default == "shakespeare" for name in takes)
+
+
 def test_clean_keeps_only_checked_outputs(tmp_path):
     nb = new_notebook(cells=[new_code_cell("1 + 1"), new_code_cell(f"{NBVAL_MARK}\n2 + 2")])
     for i, c in enumerate(nb.cells):
@@ -149,6 +158,9 @@ def test_workbench_rejections_and_types(tmp_path):
     assert bad_override.returncode == 2 and "Did you mean 'training.steps'?" in bad_override.stderr
     no_notebook = cli("run", "07_nothing", "--out", out)
     assert no_notebook.returncode == 2 and "Available: 00_setup" in no_notebook.stderr
+    mixture = cli("run", "08", "-p", "dataset", "/d/web.jsonl:0.7,/d/code.jsonl:0.3", "--out", out)
+    assert mixture.returncode == 2 and ("mixtures are not shown here; pass one member, e.g. dataset='/d/web.jsonl'"
+                                        in mixture.stderr), mixture.stderr
 
 
 def test_params_file_per_notebook_section(tmp_path):
@@ -181,21 +193,27 @@ def test_failing_notebook_exits_nonzero_and_prints_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_notebook_with_non_default_parameters(tmp_path):
-    """Command-line parameters reach the notebook: another flavor, fewer steps, FSDP over 2 ranks. And what only the
-    batch runner's saved copy shows (nbval runs every notebook with its defaults, and checks each training
+def test_notebook_with_non_default_parameters(tmp_path, monkeypatch):
+    """Command-line parameters reach the notebook: another flavor and dataset, fewer steps, FSDP over 2 ranks. And
+    what only the batch runner's saved copy shows (nbval runs every notebook with its defaults, and checks each training
     notebook's steps, backend and falling loss): the dashboard degraded to its static figure, the summary line, no
     dead widgets. The dashboard code is the same in the three training notebooks: one run covers it."""
+    own = tmp_path / "own.jsonl"  # the dataset parameter: data of one's own
+    own.write_text("".join(json.dumps({"text": f"Note {i}: the tide came in over the flats. " * 4}) + "\n"
+                           for i in range(20)))
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
     proc = cli("run", "02_native", "-p", "flavor", "tiny-moe", "-p", "steps", "3", "-p", "seq_len", "32",
-               "-p", "nproc", "2", "-p", "overrides", "{optimizer.lr: 1e-3}", "--out", str(tmp_path))
+               "-p", "nproc", "2", "-p", "overrides", "{optimizer.lr: 1e-3}", "-p", "dataset", str(own),
+               "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "outputs" / "nb02_native"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     resolved = (run_dir / "config.toml").read_text()
     assert 'flavor = "tiny-moe"' in resolved and "seq_len = 32" in resolved and "lr = 0.001" in resolved
+    assert f'dataset = "{own}"' in resolved
     text = outputs_text(tmp_path / "02_native.ipynb")
-    assert "2 rank(s)" in text
+    assert "2 rank(s)" in text and " · own.jsonl · 3 steps · cpu · " in text  # the dataset in the title
     assert {r["backend"] for r in records} == {"native"} and (tmp_path / "summary.csv").is_file()
     assert "finished · backend" in text and "✗" not in text
     assert re.search(r"✓\s+loss decreased \(last < first\)", text), text

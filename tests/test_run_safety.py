@@ -23,7 +23,8 @@ import torch
 from run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
 from workbench.core import errors
 from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
-from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs, trim_metrics
+from workbench.run.metrics import trim_metrics
+from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 

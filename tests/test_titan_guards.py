@@ -60,6 +60,10 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.trainer", "Trainer.__init__"): (
         "2d0b1a810a03eabe",
         "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),
+    ("torchtitan.trainer", "Trainer.state_dict"): (
+        "3c94925f8c1fc6cb", "overridden by WorkbenchTrainer.state_dict (the token count over all ranks)"),
+    ("torchtitan.trainer", "Trainer.load_state_dict"): (
+        "41a45bdeb51c2a16", "overridden by WorkbenchTrainer.load_state_dict (the total count split over the ranks)"),
     ("torchtitan.components.metrics", "MetricsProcessor.log"): (
         "fe2e88a0f9ff3817", "overridden by WorkbenchMetrics.log (same arguments; metrics.jsonl and the progress line)"),
     ("torchtitan.components.metrics", "MetricsProcessor.__init__"): (
@@ -77,6 +81,20 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
         "99338c24f9dc1947", "private builder called by flavors.titan_model_config (MoE)"),
     ("torchtitan.models.qwen3", "_qwen3_norm"): (
         "ee1c24f12a9940ce", "private helper called by flavors.titan_model_config"),
+    # workbench/backends/attention.py and WorkbenchTrainer.post_dataloading_process: packed documents' masks
+    ("torchtitan.trainer", "Trainer.post_dataloading_process"): (
+        "7f74090f0ca04a79", "wrapped: builds flex/varlen masks only from positions, so WorkbenchTrainer hands it the "
+        "batch without them and adds positions and the fixed-capacity masks after (and takes the mixture member off "
+        "first)"),
+    ("torchtitan.models.common.attention", "ScaledDotProductAttention.forward"): (
+        "0cdfd7cf379d5551", "BlockCausalSDPA calls it without a mask, mirrors it (transposes, sdpa_kernel) with one"),
+    ("torchtitan.models.common.attention", "VarlenMetadata"): (
+        "8055791428996524", "built by attention.varlen_metadata (fixed-capacity cu_seqlens, max_q = max_k = S)"),
+    ("torchtitan.models.common.attention", "create_attention_mask"): (
+        "2ec2eb485f593c89", "called by attention.flex_block_mask off CPU (torchtitan's compiled create_block_mask)"),
+    ("transformers.masking_utils", "_preprocess_mask_arguments"): (
+        "e63dcd220bb4b1d0", "returns a 4-D attention_mask as given (huggingface_v5's block-causal mask); without one "
+        "it infers packing from position_ids, which the workbench never relies on"),
     # workbench/run/checkpoint.py: WorkbenchCheckpointManager overrides these and calls each through super()
     ("torchtitan.components.checkpointer.dcp", "CheckpointManager._find_load_step"): (
         "58210d23f832ed61", "overridden: resume from the newest *verified* step (fallback on a corrupt one)"),

@@ -54,11 +54,11 @@ COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--checkpo
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, float]:
-    """The reference curve: the shared 2-rank launch, 12 steps of the same 30-step lr schedule as COMMON (saving
-    checkpoints changes no number, so the launch without them serves)."""
+def uninterrupted(tmp_path_factory) -> dict[int, dict]:
+    """The reference records by step: the shared 2-rank launch, 12 steps of the same 30-step lr schedule as COMMON
+    (saving checkpoints changes no number, so the launch without them serves)."""
     run_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
-    return losses_by_step(run_dir)
+    return {m["step"]: m for m in read_metrics(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +86,25 @@ def test_sigkill_loses_at_most_one_interval(uninterrupted, killed, tmp_path):
     assert f"steps {resume_from + 1}-12" in proc.stdout
     after = losses_by_step(tmp_path / "cpu_dense")
     for step in range(resume_from + 1, 13):
-        assert abs(after[step] - uninterrupted[step]) <= 1e-6, (step, after[step], uninterrupted[step])
+        assert abs(after[step] - uninterrupted[step]["loss"]) <= 1e-6, (step, after[step], uninterrupted[step])
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_rank(uninterrupted, killed, tmp_path):
-    """The killed 2-rank run's checkpoint resumed on 1 rank with the same global batch (local batch 2 x 2): the data
-    position is global, so the next steps see the same rows; only the order of the fp32 reductions differs."""
+def test_resume_two_ranks_to_one_to_two_keeps_the_batch_and_the_counts(uninterrupted, killed, tmp_path):
+    """The killed 2-rank run (local batch 2) resumed on 1 rank with the same command, then on 2 again: the
+    checkpoint's global batch of 4 rows is kept (2 accumulation steps on 1 rank, said at launch), the data position
+    is global, so every step sees the uninterrupted run's rows (only the order of fp32 reductions differs), and
+    n_tokens_seen counts every rank's tokens across both resumes."""
     src, _, resume_from = killed
     shutil.copytree(src, tmp_path, dirs_exist_ok=True)
-    last = min(resume_from + 3, 12)
-    proc = run_train(DENSE, *COMMON, "--job.dump_folder", str(tmp_path), "--training.steps", str(last),
-                     "--training.local_batch_size", "4", nproc=1)
-    assert f"steps {resume_from + 1}-{last}" in proc.stdout
-    one = losses_by_step(tmp_path / "cpu_dense")
-    for step in range(resume_from + 1, last + 1):
-        assert abs(one[step] - uninterrupted[step]) <= 1e-4, (step, one[step], uninterrupted[step])
+    mid = min(resume_from + 2, 11)
+    one = run_train(DENSE, *COMMON, "--job.dump_folder", str(tmp_path), "--training.steps", str(mid), nproc=1)
+    assert (f"workbench: resuming with the checkpoint's global batch of 4 rows: 1 data-parallel rank(s) x local batch "
+            f"2 x 2 accumulation step(s) (step {resume_from} trained with 2 data-parallel rank(s) x local batch 2 x 1 "
+            "accumulation step(s)).") in one.stdout
+    assert f"steps {resume_from + 1}-{mid}" in one.stdout
+    two = run_train(DENSE, *COMMON, "--job.dump_folder", str(tmp_path), "--training.steps", str(mid + 1), nproc=2)
+    assert f"steps {mid + 1}-{mid + 1}" in two.stdout and "resuming with" not in two.stdout  # the config's batch
+    records = {m["step"]: m for m in read_metrics(tmp_path / "cpu_dense")}
+    for step in range(resume_from + 1, mid + 2):
+        assert abs(records[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-4, (step, records[step])
+        assert records[step]["n_tokens_seen"] == uninterrupted[step]["n_tokens_seen"] == step * 4 * 128

@@ -55,7 +55,7 @@ import pandas as pd
 
 from workbench.core.config import BACKENDS, DEFAULT_BACKEND, NKI_KERNEL_BACKENDS, load_config
 from workbench.core.errors import ConfigError, announce, recognised
-from workbench.run.run_folder import read_metrics
+from workbench.run.metrics import read_metrics
 
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
 # Every config change the matrix makes to each run: nothing but training is timed.

@@ -1,10 +1,12 @@
 """Compare two checkpoints of any backend in Hugging Face key space: weights, held-out logits and perplexity, and
 greedy generations side by side.
 
-    python -m workbench.compare A B [--backend-a native] [--backend-b huggingface_v5] [--out DIR]
+    python -m workbench.compare A B [--backend-a native] [--backend-b huggingface_v5] [--dataset D] [--out DIR]
     cmp = workbench.compare.compare("outputs/run_a", "outputs/run_b/hf", backend_b="huggingface_v5")
     cmp.tensors      # DataFrame: key, hf, shape_a, shape_b, max_abs, rel_norm, status
-    cmp.heldout      # dict: logits_max_abs_diff, logits_mean_abs_diff, top1_agreement, ppl_a, ppl_b, tokens
+    cmp.heldout      # dict: logits_max_abs_diff, logits_mean_abs_diff, top1_agreement, ppl_a, ppl_b, tokens,
+                     #   "ppl_a <member>" / "ppl_b <member>" for a mixture
+    cmp.notes        # list: what to know when reading them (runs on different data, short held-out sets)
     cmp.generations  # DataFrame: prompt, a, b, same
 
 A checkpoint is any of:
@@ -18,9 +20,12 @@ Weights are compared after mapping each model's `state_dict()` to HF keys with i
 key for key. State the HF format cannot hold is compared too, under the model's own key (column `hf` False):
 torchtitan's aux-loss-free `expert_bias_E` buffers change routing, so a DCP checkpoint trained with
 `model.moe_load_balance_coeff > 0` and its HF export have equal weights but different logits; a side without
-such a buffer counts as zeros (routing without a bias). Logits and perplexity use the first rows of a held-out
-slice of the corpus (`workbench.data.loader.heldout_tokens`: the last document in the fixed order); generations use the
-real tokenizer (`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
+such a buffer counts as zeros (routing without a bias). Logits and perplexity use the first rows of the documents
+each run held out of training (its `training.dataset` and `training.holdout_docs`, read by
+`workbench.data.loader.heldout_sets`; `dataset=` / `--dataset` measures both on another corpus); for a mixture also
+per member. Runs trained on different data are each measured on their own held-out documents (said in `notes`);
+a held-out set shorter than one row is measured on what there is. Generations use the real tokenizer
+(`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ class Loaded:
         backend: the backend whose model holds the weights.
         model: fp32 CPU model in eval mode from `workbench.model` (`model(input_ids)` -> logits [B, S, vocab]).
         tokenizer_path: the tokenizer directory ("" = the bundled Qwen3 tokenizer).
+        data: see below.
     """
 
     label: str
     backend: str
     model: torch.nn.Module
     tokenizer_path: str = ""
+    data: HeldOut | None = None
+    """The data its run trained on and held out (None: an HF directory, which does not say)."""
 
     @property
     def vocab_size(self) -> int:
@@ -79,11 +87,28 @@ def _run_of(step_dir: Path) -> Path:
                       "its model config is unknown. Pass the run folder or a Hugging Face export instead.")
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The documents a checkpoint is measured on: the last `docs` of each member of `dataset` in its fixed order,
+    which its run never trained on when `docs` is the run's `training.holdout_docs`."""
+
+    dataset: str = "shakespeare"
+    docs: int = 1
+    text_field: str = "text"
+    tokenizer_path: str = ""
+
+    @classmethod
+    def of_run(cls, job) -> HeldOut:
+        t = job.training
+        return cls(t.dataset, t.holdout_docs, t.dataset_text_field, job.model.tokenizer_path)
+
+
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
     from workbench.model import load_run
 
     model, job, step_dir = load_run(run, backend, step, step_dir)
-    return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, job.model.tokenizer_path)
+    return Loaded(f"{job.model.backend}:{step_dir}", job.model.backend, model, job.model.tokenizer_path,
+                  HeldOut.of_run(job))
 
 
 def load_checkpoint(path: str | os.PathLike, backend: str | None = None, step: int | None = None) -> Loaded:
@@ -165,24 +190,42 @@ def tensor_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, hf: 
     return pd.DataFrame(rows, columns=["key", "hf", "shape_a", "shape_b", "max_abs", "rel_norm", "status"])
 
 
-def heldout_batch(seq_len: int, rows: int, vocab_size: int, dataset: str = "shakespeare",
-                  tokenizer_path: str = "") -> torch.Tensor:
-    """[rows, seq_len + 1] token ids from the held-out slice (ids folded into `vocab_size` for trimmed test vocabs).
+def held_out(side: Loaded, other: Loaded, dataset: str | None) -> HeldOut:
+    """What `side` is measured on: `dataset` when given, else its run's data, else the other side's, else the
+    bundled corpus; with its run's `holdout_docs` (at least one document) and its own tokenizer."""
+    own = side.data or other.data or HeldOut()
+    return HeldOut(dataset or own.dataset, max(own.docs, 1), own.text_field, side.tokenizer_path)
+
+
+def heldout_rows(held: HeldOut, seq_len: int, rows: int, vocab_size: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The held-out rows: "" -> the pooled rows of every member, plus one entry per member of a mixture; and notes
+    on sets shorter than one row (measured on what there is). Ids are folded into `vocab_size` (trimmed test vocabs).
 
     Raises:
-        ValueError: the held-out slice is shorter than one row.
+        ConfigError: a held-out set of fewer than 2 tokens (nothing to predict).
     """
-    from workbench.data.loader import heldout_tokens
+    from workbench.data.loader import heldout_sets
 
-    return _rows(heldout_tokens(dataset, tokenizer_path), seq_len, rows, vocab_size)
+    sets = heldout_sets(held.dataset, held.tokenizer_path, held.docs, held.text_field)
+    named = {"": torch.cat(list(sets.values())), **(sets if len(sets) > 1 else {})}
+    out, notes = {}, []
+    for name, tokens in named.items():
+        what = f"the held-out set of {name or held.dataset} ({held.docs} document(s))"
+        if len(tokens) < 2:
+            raise ConfigError(f"{what} has {len(tokens)} token(s): nothing to measure.",
+                              "hold out more documents (training.holdout_docs) or pass --dataset.")
+        if len(tokens) < seq_len + 1:
+            notes.append(f"{what} has {len(tokens):,} tokens, fewer than one row of {seq_len + 1}: measured on all "
+                         f"of it ({len(tokens) - 1:,} predicted tokens).")
+        out[name] = _rows(tokens, seq_len, rows, vocab_size)
+    return out, notes
 
 
 def _rows(tokens: torch.Tensor, seq_len: int, rows: int, vocab_size: int) -> torch.Tensor:
-    rows = min(rows, len(tokens) // (seq_len + 1))
-    if rows < 1:
-        raise ValueError(f"The held-out slice has {len(tokens)} tokens, fewer than one row of {seq_len + 1}; "
-                         "use a smaller seq_len.")
-    return tokens[: rows * (seq_len + 1)].view(rows, seq_len + 1) % vocab_size
+    """[rows, seq_len + 1] from the start of `tokens`; one shorter row when there are fewer tokens than one row."""
+    length = min(seq_len + 1, len(tokens))
+    rows = max(min(rows, len(tokens) // length), 1)
+    return tokens[: rows * length].view(rows, length) % vocab_size
 
 
 def perplexity(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -208,19 +251,10 @@ def heldout_eval(a: Loaded, b: Loaded, batch: torch.Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
-def heldout_per_member(a: Loaded, b: Loaded, dataset: str, seq_len: int, rows: int) -> dict[str, float]:
-    """For a mixture `training.dataset` ("A:0.7,B:0.3"): both perplexities on each member's held-out rows, as
-    "ppl_a <member>" / "ppl_b <member>"; nothing for a single dataset."""
-    from workbench.data.loader import heldout_sets, mixture
-
-    if len(mixture(dataset)) < 2:
-        return {}
-    out = {}
-    for name, tokens in heldout_sets(dataset, a.tokenizer_path).items():
-        batch = _rows(tokens, seq_len, rows, a.vocab_size)
-        for side, m in (("a", a), ("b", b)):
-            out[f"ppl_{side} {name}"] = perplexity(m.model(batch[:, :-1]).float(), batch[:, 1:])
-    return out
+def side_perplexities(loaded: Loaded, side: str, batches: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`loaded`'s perplexity on each member's held-out rows of a mixture, as "ppl_<side> <member>"."""
+    return {f"ppl_{side} {name}": perplexity(loaded.model(batch[:, :-1]).float(), batch[:, 1:])
+            for name, batch in batches.items() if name}
 
 
 @torch.no_grad()
@@ -256,6 +290,8 @@ class Comparison:
     heldout: dict[str, float]
     generations: pd.DataFrame
     settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """What to know when reading the numbers: data that differ between the runs, short held-out sets."""
 
     def summary(self) -> dict[str, Any]:
         """Headline numbers: largest weight differences, key mismatches, held-out metrics, generations that agree."""
@@ -270,6 +306,9 @@ class Comparison:
                 **self.heldout, "generations_same": int(self.generations.same.sum()),
                 "generations": len(self.generations), **self.settings}
 
+    def notes_lines(self) -> list[str]:
+        return [f"note: {n}" for n in self.notes]
+
     def save(self, out: str | os.PathLike) -> Path:
         """Writes tensors.csv, generations.csv, summary.json and compare.md into `out`."""
         from workbench.run.profiling import markdown_table
@@ -282,7 +321,8 @@ class Comparison:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         worst = self.tensors.sort_values("rel_norm", ascending=False, na_position="first").head(15)
         (out / "compare.md").write_text("\n".join([
-            "# Checkpoint comparison", "", f"- a: `{self.a}`", f"- b: `{self.b}`", "",
+            "# Checkpoint comparison", "", f"- a: `{self.a}`", f"- b: `{self.b}`", *(f"- {n}" for n in self.notes),
+            "",
             markdown_table(pd.DataFrame([summary]).drop(columns=["a", "b"]).T.reset_index()
                            .set_axis(["metric", "value"], axis=1)),
             "## Largest weight differences", "", markdown_table(worst.astype({"shape_a": str, "shape_b": str})),
@@ -292,20 +332,35 @@ class Comparison:
 
 def compare_models(a: Loaded, b: Loaded, *, seq_len: int = 128, rows: int = 4,
                    prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 16,
-                   dataset: str = "shakespeare") -> Comparison:
+                   dataset: str | None = None) -> Comparison:
     """Compares two loaded checkpoints (see `compare` for the arguments)."""
     (hf_a, extra_a), (hf_b, extra_b) = comparable_state(a), comparable_state(b)
     tensors = pd.concat([tensor_diffs(hf_a, hf_b), tensor_diffs(extra_a, extra_b, hf=False)], ignore_index=True)
-    batch = heldout_batch(seq_len, rows, a.vocab_size, dataset, a.tokenizer_path)
-    heldout = heldout_eval(a, b, batch) | heldout_per_member(a, b, dataset, seq_len, rows)
-    return Comparison(a.label, b.label, tensors, heldout, generations(a, b, prompts, max_new_tokens),
-                      {"seq_len": batch.shape[1] - 1, "rows": batch.shape[0], "dataset": dataset})
+    data_a, data_b = held_out(a, b, dataset), held_out(b, a, dataset)
+    rows_a, notes = heldout_rows(data_a, seq_len, rows, a.vocab_size)
+    heldout = heldout_eval(a, b, rows_a[""]) | side_perplexities(a, "a", rows_a)
+    settings = {"seq_len": rows_a[""].shape[1] - 1, "rows": rows_a[""].shape[0], "dataset": data_a.dataset,
+                "holdout_docs": data_a.docs}
+    if data_b == data_a:
+        heldout |= side_perplexities(b, "b", rows_a)
+    else:  # each model on its own run's held-out documents; logits, top-1 and KL on a's
+        rows_b, notes_b = heldout_rows(data_b, seq_len, rows, b.vocab_size)
+        heldout |= {"ppl_b": perplexity(b.model(rows_b[""][:, :-1]).float(), rows_b[""][:, 1:]),
+                    "tokens_b": rows_b[""][:, 1:].numel()} | side_perplexities(b, "b", rows_b)
+        settings |= {"dataset": f"{data_a.dataset} (a), {data_b.dataset} (b)", "holdout_docs_b": data_b.docs}
+        notes += notes_b + [f"a and b trained on different data (a: {data_a.dataset}, b: {data_b.dataset}): each "
+                            "perplexity is on its own run's held-out documents; logits, top-1 and KL on a's."]
+    for side, loaded in (("a", a), ("b", b)):
+        if loaded.data and loaded.data.docs == 0:
+            notes.append(f"{side}'s run held out no document (training.holdout_docs = 0): its perplexity is on its "
+                         "last document, which it trained on.")
+    return Comparison(a.label, b.label, tensors, heldout, generations(a, b, prompts, max_new_tokens), settings, notes)
 
 
 def compare(a: str | os.PathLike, b: str | os.PathLike, *, backend_a: str | None = None,
             backend_b: str | None = None, step_a: int | None = None, step_b: int | None = None, seq_len: int = 128,
             rows: int = 4, prompts: Sequence[str] = DEFAULT_PROMPTS, max_new_tokens: int = 16,
-            dataset: str = "shakespeare") -> Comparison:
+            dataset: str | None = None) -> Comparison:
     """Compares two checkpoints (any kind, any backend): weights, held-out logits / perplexity, generations.
 
     Args:
@@ -314,7 +369,7 @@ def compare(a: str | os.PathLike, b: str | os.PathLike, *, backend_a: str | None
         step_a, step_b: for run folders, the DCP step (default the newest).
         seq_len, rows: held-out rows of `seq_len` tokens for logits and perplexity.
         prompts, max_new_tokens: greedy generations.
-        dataset: the corpus whose held-out slice is used (`training.dataset` syntax).
+        dataset: measure both on this corpus (`training.dataset` syntax) instead of each run's own (`held_out`).
     """
     return compare_models(load_checkpoint(a, backend_a, step_a), load_checkpoint(b, backend_b, step_b),
                           seq_len=seq_len, rows=rows, prompts=prompts, max_new_tokens=max_new_tokens, dataset=dataset)
@@ -332,16 +387,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4, help="held-out rows (default 4)")
     parser.add_argument("--prompt", action="append", default=None, help="generation prompt (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    parser.add_argument("--dataset", default=None, help="held-out documents of this dataset (training.dataset "
+                        "syntax; default: each run's own training.dataset and holdout_docs)")
     parser.add_argument("--out", default=None, help="write tensors.csv, generations.csv, summary.json, compare.md")
     args = parser.parse_args(argv)
     try:
         cmp = compare(args.a, args.b, backend_a=args.backend_a, backend_b=args.backend_b, step_a=args.step_a,
                       step_b=args.step_b, seq_len=args.seq_len, rows=args.rows,
-                      prompts=args.prompt or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens)
+                      prompts=args.prompt or DEFAULT_PROMPTS, max_new_tokens=args.max_new_tokens,
+                      dataset=args.dataset)
     except (WorkbenchError, FileNotFoundError) as e:
         return announce(recognised(e))
     for key, value in cmp.summary().items():
         print(f"{key:>22}: {value}")
+    for line in cmp.notes_lines():
+        print(line)
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         print(cmp.generations.to_string(index=False))
     if args.out:

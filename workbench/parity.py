@@ -20,6 +20,12 @@ plain loop (no FSDP: sharding does not change the math and is tested by the trai
 Output: a pandas DataFrame (one row per model, reference first) and, when asked, a JSON file with the same rows
 plus the settings. Command line: `python -m workbench.parity CHECKPOINT_DIR [--steps 20] [--out parity.json]`.
 
+`--packed` checks packed documents instead (`run_packed_parity`): each backend, built with
+`training.document_mask`, reads ONE row packing `Settings.doc_lengths` documents (positions restarting at 0 in
+each, the block-causal mask of `workbench.backends.attention`); transformers reads each document alone, no
+packing. Per backend: `packed_max_abs`, the max-abs difference of the two logits, and `causal_max_abs`, the same
+row with plain causal attention and continuous positions (what isolation takes away).
+
 Checkpoints with a trimmed vocabulary (test models) get the tokenizer's ids folded modulo their vocab size.
 """
 
@@ -55,6 +61,8 @@ class Settings:
     weight_decay: float = 0.0
     seed: int = 0
     dataset: str = "shakespeare"
+    doc_lengths: tuple[int, ...] = (24, 17, 23)
+    """`--packed`: the documents of the packed row (each the start of another row of the training stream)."""
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids [B, S], labels [B, S])
@@ -107,8 +115,10 @@ def reference_model(checkpoint_dir: str | Path) -> tuple[torch.nn.Module, Forwar
     return model, lambda ids: model(input_ids=ids, use_cache=False).logits
 
 
-def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> tuple[torch.nn.Module, Forward]:
-    """One backend's model for the checkpoint, weights loaded through the backend's own HF key mapping.
+def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings,
+                  document_mask: bool = False) -> tuple[torch.nn.Module, Forward]:
+    """One backend's model for the checkpoint, weights loaded through the backend's own HF key mapping
+    (`document_mask`: built as `training.document_mask` builds it).
 
     Raises:
         BackendUnavailable: the backend does not apply to this model (e.g. nki_moe on a dense checkpoint).
@@ -121,7 +131,7 @@ def backend_model(name: str, checkpoint_dir: str | Path, settings: Settings) -> 
         job = load_config(
             None,
             model={"backend": name, "hf_checkpoint": str(checkpoint_dir), "moe_load_balance_coeff": 0.0},
-            training={"seq_len": settings.seq_len},
+            training={"seq_len": settings.seq_len, "document_mask": document_mask},
             job={"seed": settings.seed},
         )
     except ConfigError as e:
@@ -240,6 +250,69 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
     return table
 
 
+def packed_documents(settings: Settings, vocab_size: int) -> list[torch.Tensor]:
+    """The documents of the packed row: document i is the first `doc_lengths[i]` tokens of row i of the training
+    stream, ids folded into the vocab."""
+    from workbench.data.loader import PackedDataset
+
+    rows = iter(PackedDataset(settings.dataset, "", max(settings.doc_lengths), seed=settings.seed))
+    return [next(rows)[0]["input"][:n] % vocab_size for n in settings.doc_lengths]
+
+
+@torch.no_grad()
+def packed_logits(model: torch.nn.Module, docs: list[torch.Tensor], isolate: bool = True) -> torch.Tensor:
+    """A backend model's logits [S, V] on one row packing `docs`: positions restarting at 0 in each document and
+    the model's attention masks (`attention.forward_kwargs`), or (`isolate` False) continuous positions, no mask."""
+    from workbench.backends import attention
+
+    model.eval()
+    row = torch.cat(docs)[None]
+    if not isolate:
+        return model(row)[0].float()
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    return model(row, **attention.forward_kwargs(model.workbench_info.model_config, positions))[0].float()
+
+
+def run_packed_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS,
+                      settings: Settings | None = None, out_json: str | Path | None = None):
+    """Every backend's logits on one packed row against transformers' logits of each document run alone.
+
+    Returns:
+        pandas DataFrame, one row per backend: model, status, note, packed_max_abs, causal_max_abs (see the module
+        docstring); `out_json` also gets {"checkpoint", "settings", "rows"}.
+    """
+    import pandas as pd
+
+    from workbench.platform import titan_device
+
+    titan_device.prepare("cpu")
+    settings = settings or Settings()
+    if len(settings.doc_lengths) < 3 or sum(settings.doc_lengths) > settings.seq_len:
+        raise ConfigError(f"--packed needs at least 3 documents within seq_len {settings.seq_len}; got lengths "
+                          f"{settings.doc_lengths}.")
+    ref, _ = reference_model(checkpoint_dir)
+    ref.eval()
+    docs = packed_documents(settings, ref.config.vocab_size)
+    with torch.no_grad():
+        expected = torch.cat([ref(input_ids=d[None], use_cache=False).logits[0].float() for d in docs])
+    rows = []
+    for name in backends:
+        try:
+            model, _ = backend_model(name, checkpoint_dir, settings, document_mask=True)
+        except BackendUnavailable as e:
+            rows.append({"model": name, "status": "skipped", "note": str(e), "packed_max_abs": math.nan,
+                         "causal_max_abs": math.nan})
+            continue
+        rows.append({"model": name, "status": "ok", "note": "",
+                     "packed_max_abs": float((packed_logits(model, docs) - expected).abs().max()),
+                     "causal_max_abs": float((packed_logits(model, docs, isolate=False) - expected).abs().max())})
+    table = pd.DataFrame(rows)
+    if out_json is not None:
+        Path(out_json).write_text(json.dumps(
+            {"checkpoint": str(checkpoint_dir), "settings": asdict(settings), "rows": rows}, indent=2))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="transformers checkpoint directory (config.json + *.safetensors)")
@@ -249,9 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=Settings.seq_len)
     parser.add_argument("--lr", type=float, default=Settings.lr)
     parser.add_argument("--out", default=None, help="JSON report path")
+    parser.add_argument("--packed", action="store_true",
+                        help="packed documents: one row of >= 3 documents per backend against each alone")
     args = parser.parse_args(argv)
     settings = Settings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
     try:
+        if args.packed:
+            table = run_packed_parity(args.checkpoint, backends=args.backends.split(","), settings=settings,
+                                      out_json=args.out)
+            print(table.to_string(index=False))
+            return 0
         table = run_parity(args.checkpoint, backends=args.backends.split(","), settings=settings, out_json=args.out)
     except (WorkbenchError, FileNotFoundError) as e:
         return announce(recognised(e))
@@ -259,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Settings", "BackendUnavailable", "run_parity", "reference_model", "backend_model", "make_batches",
-           "load_hf_state_dict", "train_losses", "logits_of", "main", "BACKENDS", "REFERENCE"]
+__all__ = ["Settings", "BackendUnavailable", "run_parity", "run_packed_parity", "packed_documents", "packed_logits",
+           "reference_model", "backend_model", "make_batches", "load_hf_state_dict", "train_losses", "logits_of",
+           "main", "BACKENDS", "REFERENCE"]
 
 
 if __name__ == "__main__":

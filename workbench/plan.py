@@ -17,7 +17,9 @@ by `benchmarks/plan_validation.py`.
 
 Categories (bytes per rank at the step's peak): sharded parameters, gradients, optimizer state, all-gathered
 parameters (FSDP's unsharded copies + all-gather buffers), activations (what the AC mode keeps for backward),
-attention scores (tensors ending in [seq, seq]: only SDPA's math path makes them), logits and loss (every tensor
+attention scores (tensors ending in [seq, seq]: only SDPA's math path makes them), attention mask (what the step
+builds for packed documents with `training.document_mask`: the dense [B, 1, S, S] bool block-causal mask of SDPA,
+or flex's BlockMask / varlen's cu_seqlens; traced from rows of two documents each), logits and loss (every tensor
 whose last dim is the local vocabulary: logits, their fp32 copies, softmax and gradients), nki kernel buffers
 (on trn2, everything the nki_moe experts allocate per call: the kernels' own HBM tensors and the autograd glue's
 copies), other temporaries, and device runtime (HBM the device's runtime holds outside the tensors: `TRN2_RUNTIME`,

@@ -59,8 +59,8 @@ def run(job: JobConfig, info=None) -> Path:
     run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
     quiet_titan_logs(job.job.verbose)
-    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, device {info.kind} x {world_size} "
-        f"rank(s), run folder {run_dir}")
+    say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, dataset {job.training.dataset}, device "
+        f"{info.kind} x {world_size} rank(s), run folder {run_dir}")
     if adjusted:
         say(f"workbench: neuron adjustments: {', '.join(adjusted)}")
     cfg = build_titan_config(job, info.kind, world_size)
@@ -77,8 +77,9 @@ def run(job: JobConfig, info=None) -> Path:
     return run_dir
 
 
-def check_inputs(job: JobConfig) -> None:
-    """Checks the files the run needs (tokenizer, dataset) before any process group starts.
+def check_inputs(job: JobConfig, world_size: int = 1) -> None:
+    """Checks the files the run needs (tokenizer, dataset) before any process group starts, and says what a mixture
+    of datasets will give (`workbench.data.loader.mixture_report`).
 
     A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
     under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains.
@@ -87,20 +88,26 @@ def check_inputs(job: JobConfig) -> None:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
-    from workbench.data.loader import Stream, open_dataset
+    from workbench.data.loader import Stream, mixture_report, open_dataset
+    from workbench.platform.dist_utils import say
 
     try:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    for name, prepared, _ in open_dataset(job.training.dataset, job.model.tokenizer_path,
-                                          job.training.dataset_text_field):
-        Stream(prepared, job.job.seed, job.training.holdout_docs, name)  # refuses a holdout that leaves nothing
+    t = job.training
+    streams = []
+    for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
+        streams.append(Stream(prepared, job.job.seed, t.holdout_docs, name))  # refuses a holdout leaving nothing
         if prepared.manifest["vocab_size"] > job.shape.vocab_size:  # ids past the embedding table would crash a step
             raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
                                f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
                                f"{job.shape.vocab_size:,}.", "prepare the data with the model's tokenizer "
                                "(--tokenizer), or train a model whose vocabulary holds the tokenizer's.")
+    rows = t.global_rows(world_size // job.parallelism.tp) * t.steps
+    lines, warnings = mixture_report(t.dataset, [s.total for s in streams], rows, t.seq_len + 1)
+    for line in lines + warnings:
+        say(line)
 
 
 def _exit(e: WorkbenchError) -> None:
@@ -125,7 +132,7 @@ def preflight(argv: list[str], world_size: int):
     from workbench.platform import device
 
     job = load_config(argv=argv, world_size=world_size)
-    check_inputs(job)
+    check_inputs(job, world_size)
     info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
     check_device(job, info.kind)
     if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)

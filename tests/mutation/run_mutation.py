@@ -43,9 +43,9 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
                                                    "verify_checkpoint", "stale_checkpoints", "shape_mismatches"),
                           (("WorkbenchCheckpointManager", "_find_load_step"),)),
                    ["tests/test_checkpoint_checks.py", "tests/test_checkpoint_recovery.py"], ""),
-    "run_folder": (["workbench/run/run_folder.py"],
-                   _names("workbench.run.run_folder", ("read_metrics", "trim_metrics", "is_complete", "step_dirs",
-                                                   "step_dir")),
+    "run_folder": (["workbench/run/run_folder.py", "workbench/run/metrics.py"],
+                   _names("workbench.run.metrics", ("_parse", "read_metrics", "trim_metrics"))
+                   + _names("workbench.run.run_folder", ("is_complete", "step_dirs", "step_dir")),
                    ["tests/test_checkpoint_checks.py", "tests/test_run_safety.py", "tests/test_bench.py"], ""),
     "metrics": (["workbench/notebook/dashboard.py", "workbench/bench.py"],
                 _names("workbench.bench", ("summarize_run", "_percentile"))
@@ -129,7 +129,7 @@ def run(target: str, timeout: float, children: int) -> dict:
 
 
 def table(summary: dict) -> str:
-    """The README's table of the last run: per target, mutants killed / tested (and not reached in its time)."""
+    """A markdown table of the last run: per target, mutants killed / tested (and not reached in its time)."""
     lines = ["| target | killed | survived | not reached | killed % | seconds | when |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in summary.items():

@@ -17,6 +17,10 @@ The modeling code is transformers 5.x, unchanged: attention through its "sdpa" f
     `mlp.experts.down_proj` [E, H, I]) to/from the published per-expert keys (`mlp.experts.N.gate_proj.weight`
     ...), which is what `save_pretrained` writes and what the native backend's adapter reads.
 
+Packed documents (`training.document_mask`): transformers' sdpa gets the block-causal mask as an explicit 4-D
+boolean mask (`workbench.backends.attention`), which transformers uses as given (it never infers packing from
+`position_ids` then).
+
 Devices: CPU (gloo) and CUDA use the same code. Neuron (TorchNeuron): transformers' sdpa path is plain
 `torch.nn.functional.scaled_dot_product_attention` and `torch._grouped_mm` is listed as supported; written from
 the docs, unverified (no Trainium here). Flex attention is never used.
@@ -130,6 +134,8 @@ class HFQwen3(BaseModel):
         """Architecture (translated with `flavors.hf_config`)."""
         experts_implementation: str = EXPERTS_IMPLEMENTATION
         """transformers' experts kernel for MoE flavors."""
+        document_mask: bool = False
+        """Packed documents never see each other: forward takes the block-causal mask (`attention.mask_kind`)."""
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             return nparams_and_flops(model, self.shape, seq_len)
@@ -152,23 +158,24 @@ class HFQwen3(BaseModel):
         """transformers' output projection (what torchtitan's ChunkedLossWrapper applies per chunk)."""
         return self.hf.lm_head
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """Logits [B, S, vocab] of transformers' forward (plain causal attention within each row).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                attention_masks: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Logits [B, S, vocab] of transformers' forward.
 
         Args:
             tokens: token ids [B, S].
             positions: RoPE positions [B, S] or [S] (default 0..S-1).
+            attention_masks: bool [B, 1, S, S] (`attention.block_causal_mask`), handed to transformers as its 4-D
+                attention mask; None: plain causal within each row.
         """
         if kwargs:
-            raise TypeError(
-                f"huggingface_v5 forward takes tokens and positions only; got {sorted(kwargs)}. Masks other than "
-                "causal (e.g. per-document attention) are not wired for this path; use --model.backend native."
-            )
+            raise TypeError(f"huggingface_v5 forward takes tokens, positions, attention_masks; got {sorted(kwargs)}.")
         if positions is not None and positions.dim() == 1:
             positions = positions.unsqueeze(0)
+        args = dict(input_ids=tokens, position_ids=positions, attention_mask=attention_masks, use_cache=False)
         if self._skip_lm_head:
-            return self.hf.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-        return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+            return self.hf.model(**args).last_hidden_state
+        return self.hf(**args).logits
 
     def verify_module_protocol(self) -> None:
         """transformers' submodules are plain `nn.Module`s by design (not torchtitan `Module`s); their
@@ -388,7 +395,8 @@ def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
 
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape) -> HFQwen3.Config:
     """The torchtitan model config for a job (validated by `config.check_huggingface_v5`)."""
-    return HFQwen3.Config(shape=shape, experts_implementation=HF_EXPERTS[job.model.moe_experts_impl])
+    return HFQwen3.Config(shape=shape, experts_implementation=HF_EXPERTS[job.model.moe_experts_impl],
+                          document_mask=job.training.document_mask)
 
 
 def model_spec(job: JobConfig, flavor: str, shape: flavors.Qwen3Shape) -> ModelSpec:

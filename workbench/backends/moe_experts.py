@@ -17,7 +17,7 @@ transformers' own registered implementations (`HF_EXPERTS`). tests/test_moe_expe
 gradients of every choice against grouped_mm (1e-5, fp32).
 
 Both fallbacks read the group sizes on the host (`.tolist()` / `.item()`): fine for a fallback, but on a compiling
-device the batched capacity is a dynamic shape. Caveat documented in README "Devices".
+device the batched capacity is a dynamic shape. Caveat documented in docs/devices.md.
 """
 
 from __future__ import annotations

@@ -9,17 +9,21 @@ from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 
+from workbench.backends.attention import use_block_causal_sdpa
 from workbench.backends.moe_experts import use_fallback_experts
 from workbench.core import flavors
 from workbench.core.config import JobConfig
 
 
 def model_config(job: JobConfig, shape: flavors.Qwen3Shape):
-    """torchtitan Qwen3Model.Config for the job (attention backend, MoE balancing and experts impl from [model])."""
+    """torchtitan Qwen3Model.Config for the job (attention backend, MoE balancing and experts impl from [model];
+    with `training.document_mask`, SDPA takes the block-causal mask: `attention.BlockCausalSDPA`)."""
     cfg = flavors.titan_model_config(
         shape, attn_backend=job.model.attn_backend, moe_load_balance_coeff=job.model.moe_load_balance_coeff
     )
     use_fallback_experts(cfg, job.model.moe_experts_impl)
+    if job.training.document_mask:
+        use_block_causal_sdpa(cfg)
     return cfg
 
 

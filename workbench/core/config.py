@@ -148,7 +148,7 @@ class Model:
     hf_checkpoint: str = ""
     """Directory with config.json + *.safetensors to start from (published Qwen3 weights)."""
     attn_backend: Literal["sdpa", "flex", "varlen"] = "sdpa"
-    """Attention kernel for native/nki_moe; sdpa runs everywhere (flex/varlen: CUDA only)."""
+    """Attention kernel for native/nki_moe; sdpa runs everywhere (flex/varlen: CUDA and Neuron)."""
     moe_load_balance_coeff: float = 0.0
     """torchtitan's aux-loss-free expert-bias rate (its default is 1e-3); 0 = Qwen3/HF routing. The bias has no
     Hugging Face equivalent, so with > 0 an HF export routes differently from the trained model (export warns)."""
@@ -340,6 +340,14 @@ class Training:
     [tokens, vocab] logits never exist at once; same loss and gradients. 0 = plain loss."""
     holdout_docs: int = 1
     """Documents at the end of the dataset's fixed order kept out of training (held-out perplexity); 0 = none."""
+    document_mask: bool = False
+    """Packed documents never see each other: positions restart at 0 at each document of a row (RoPE) and
+    attention is block-causal, on every backend (docs/attention.md). Off: plain causal rows."""
+
+    def global_rows(self, dp: int) -> int:
+        """Rows per optimizer step over `dp` data-parallel ranks: global_batch_size, or local x dp x accumulation."""
+        return self.global_batch_size if self.global_batch_size > 0 else \
+            self.local_batch_size * dp * self.gradient_accumulation_steps
 
     def check(self, job: JobConfig, world_size: int) -> None:
         tp = job.parallelism.tp
@@ -769,10 +777,10 @@ def check_device(cfg: JobConfig, device_kind: str) -> None:
     Raises:
         ConfigError: naming the setting, the device and the fix.
     """
-    if cfg.model.attn_backend != "sdpa" and device_kind != "cuda":
-        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r} runs on CUDA only (torchtitan's "
-                          f"{cfg.model.attn_backend} attention); this device is {device_kind}: set "
-                          "--model.attn_backend sdpa.")
+    if cfg.model.attn_backend != "sdpa" and device_kind not in ("cuda", "neuron"):
+        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r} runs on CUDA and Neuron only "
+                          f"(torchtitan's {cfg.model.attn_backend} attention); this device is {device_kind}: set "
+                          "--model.attn_backend sdpa (block-causal with training.document_mask too).")
 
 
 def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:

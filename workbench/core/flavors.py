@@ -140,7 +140,7 @@ def titan_model_config(
     Args:
         shape: the architecture.
         attn_backend: "sdpa" (plain causal attention; works on CPU, CUDA and Neuron), "flex" or
-            "varlen" (torchtitan's masked backends; CUDA only here).
+            "varlen" (torchtitan's masked backends; CUDA and Neuron, masks from `backends.attention`).
         moe_load_balance_coeff: torchtitan's aux-loss-free expert-bias update rate (torchtitan uses 1e-3);
             0/None disables it: Qwen3 / Hugging Face routing, the workbench default.
     """
@@ -151,7 +151,8 @@ def titan_model_config(
     rope = CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_seq_len, theta=shape.rope_theta)
     # torchtitan refuses "sdpa" for language models because its loaders emit per-document positions
     # (block-causal masks). Our loader packs documents GPT-style into plain causal rows, for which SDPA's
-    # is_causal is exact, and which Hugging Face's modeling code computes identically.
+    # is_causal is exact, and which Hugging Face's modeling code computes identically; with
+    # training.document_mask the backend swaps in SDPA given the block-causal mask (backends.attention).
     builder_backend = "flex" if attn_backend == "sdpa" else attn_backend
     common = dict(
         n_layers=shape.n_layers, dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,

@@ -6,7 +6,8 @@ A user's own tokenizer directory and own data work through `model.tokenizer_path
 
 The package, torch-free except `loader`:
 
-* this module: the tokenizer, the bundled assets, and `document_sources` (which files a dataset is made of);
+* this module: the tokenizer, the bundled assets, `training.dataset`'s mixture syntax (`mixture`), and
+  `document_sources` (which files a dataset is made of);
 * `sources`: reading the documents of one file, skipping bad rows with their locations;
 * `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest) and
   `Prepared`, the memory-mapped reader of such a folder;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import math
 from pathlib import Path
 
 from workbench.core.errors import DatasetError
@@ -94,6 +96,71 @@ def separator_id(tok) -> int:
     if tid is None:
         raise ValueError(f"The tokenizer has no {DOC_SEPARATOR!r} token to separate documents.")
     return tid
+
+
+def parse_mixture(dataset: str) -> list[tuple[str, float]]:
+    """`training.dataset` as written: [(dataset, weight)]. "A" (weight 1) or "A:0.7,B:0.3": a mixture names a weight
+    for every member, each a finite positive number.
+
+    Raises:
+        DatasetError: an empty member, a member without a weight, or a weight that is not a finite positive number.
+    """
+    if "," not in dataset:
+        name, _, w = dataset.rpartition(":")
+        weight = _number(w) if name else None
+        return [(dataset, 1.0)] if weight is None else [(name, _checked(dataset, name, w, weight))]  # None: a path
+    members = []
+    for i, part in enumerate(p.strip() for p in dataset.split(",")):
+        name, _, w = part.rpartition(":")
+        weight = _number(w) if name else None
+        if not part:
+            raise DatasetError(f"training.dataset={dataset!r}: member {i + 1} is empty.",
+                               "remove the stray comma: write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+        if weight is None:
+            raise DatasetError(f"training.dataset={dataset!r}: member {part!r} has no weight; a mixture needs one "
+                               "for every member.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+        members.append((name, _checked(dataset, name, w, weight)))
+    return members
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _checked(dataset: str, name: str, text: str, weight: float) -> float:
+    if not (weight > 0 and math.isfinite(weight)):
+        raise DatasetError(f"training.dataset={dataset!r}: the weight {text!r} of {name!r} is not a finite positive "
+                           "number.", "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
+    return weight
+
+
+def mixture(dataset: str) -> list[tuple[str, float]]:
+    """`training.dataset` as [(dataset, share)]: the weights of `parse_mixture` normalised to sum to 1.
+
+    Raises:
+        DatasetError: see `parse_mixture`; weights so far apart that a share underflows to 0.
+    """
+    members = parse_mixture(dataset)
+    top = max(w for _, w in members)  # scaled by the largest first: 1e308 + 1e308 does not overflow
+    total = sum(w / top for _, w in members)
+    shares = [(d, w / top / total) for d, w in members]
+    small = [d for d, share in shares if not share > 0]
+    if small:
+        raise DatasetError(f"training.dataset={dataset!r}: the weight of {small[0]!r} is so much smaller than the "
+                           "largest one that its share is 0.", "give it a larger weight or leave it out.")
+    return shares
+
+
+def dataset_label(dataset: str) -> str:
+    """`training.dataset` in a few words for titles: "shakespeare", a folder's or file's name, or a mixture's members
+    ("web.prepared 0.7 + code.prepared 0.3")."""
+    members = parse_mixture(dataset)
+    if len(members) == 1:
+        return Path(members[0][0]).name or members[0][0]
+    return " + ".join(f"{Path(name).name or name} {share:.3g}" for name, share in mixture(dataset))
 
 
 def source_root(dataset: str, arg: str = TRAINING_ARGS[0]) -> Path:

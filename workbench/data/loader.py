@@ -2,8 +2,10 @@
 
 Packing (GPT style): documents, each followed by <|endoftext|>, are concatenated in a seeded per-epoch order
 (`np.random.default_rng([seed, epoch]).permutation`) into one endless token stream, cut into rows of
-seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row. The last
-`training.holdout_docs` documents of the fixed order never enter it; `heldout_tokens` returns them for perplexity.
+seq_len + 1 tokens (input = row[:-1], labels = row[1:]). Attention is plainly causal within a row; with
+`training.document_mask` the documents of a row are kept apart instead (`document_row`: positions restart at each
+document, no target crosses a document end; the attention side is `workbench.backends.attention`). The last
+`training.holdout_docs` documents of the fixed order never enter it; `heldout_sets` returns them for perplexity.
 
 Global row g goes to data-parallel rank g % dp_world_size. A rank computes where its rows start in the stream
 (a cumulative sum of document lengths per epoch: 16 bytes per document) and reads only those tokens through the
@@ -33,7 +35,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
-from workbench.data import source_root, tokenizer_hash
+from workbench.data import mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
 
 
@@ -58,26 +60,41 @@ def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", pr
     return out
 
 
-def mixture(dataset: str) -> list[tuple[str, float]]:
-    """`training.dataset` as [(dataset, weight)], weights summing to 1: "A" or "A:0.7,B:0.3" (weight default 1).
+def mixture_report(dataset: str, lengths: list[int], rows: int, row_len: int) -> tuple[list[str], list[str]]:
+    """What a launch says about a mixture: the weights normalised (when they do not sum to 1), and per member its
+    share, size and passes over its data in the run; warnings for members that repeat often.
 
-    Raises:
-        DatasetError: a weight that is not a positive number.
+    Args:
+        dataset: `training.dataset`.
+        lengths: tokens per epoch of each member (its training documents).
+        rows: rows of the whole run (global batch x steps).
+        row_len: tokens per row (seq_len + 1).
+
+    Returns:
+        (lines, warnings); both empty for a single dataset.
     """
-    parts = [p.strip() for p in dataset.split(",")] if "," in dataset else [dataset]
-    members = []
-    for p in parts:
-        name, _, w = p.rpartition(":")
-        try:
-            weight = float(w) if name else 1.0
-        except ValueError:
-            name, weight = p, 1.0  # a path with a colon and no weight
-        members.append((name or p, weight))
-        if not weight > 0 or weight == float("inf"):
-            raise DatasetError(f"training.dataset={dataset!r}: weight {w!r} of {name!r} is not a positive number.",
-                               "write the mixture as 'PATH_A:0.7,PATH_B:0.3'.")
-    total = sum(w for _, w in members)
-    return [(d, w / total) for d, w in members]
+    written = parse_mixture(dataset)
+    if len(written) < 2:
+        return [], []
+    shares = mixture(dataset)
+    lines = []
+    total = sum(w for _, w in written)
+    if abs(total - 1) > 1e-9:
+        lines.append(f"workbench: training.dataset weights {', '.join(f'{w:g}' for _, w in written)} sum to "
+                     f"{total:g}: normalised to shares {', '.join(f'{s:.4g}' for _, s in shares)}.")
+    warnings = []
+    for (name, share), tokens in zip(shares, lengths, strict=True):
+        epochs = share * rows * row_len / tokens
+        lines.append(f"workbench: mixture member {name}: share {share:.4g}, {tokens:,} tokens, {epochs:.3g} epoch(s) "
+                     f"over the run ({round(share * rows):,} rows of {row_len:,} tokens).")
+        if epochs > REPEAT_WARNING:
+            warnings.append(f"workbench: warning: mixture member {name} repeats {epochs:.3g} times over the run; "
+                            "lower its weight or give it more data if that is not intended.")
+    return lines, warnings
+
+
+REPEAT_WARNING = 4.0
+"""Passes over a mixture member's data in one run above which the launch warns."""
 
 
 def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
@@ -119,8 +136,9 @@ class Stream:
             self._epochs[epoch] = perm, np.cumsum(self.lengths[perm])
         return self._epochs[epoch]
 
-    def read(self, start: int, n: int) -> np.ndarray:
-        """Tokens [start, start + n) of the stream, as int64."""
+    def read(self, start: int, n: int, starts: list[int] | None = None) -> np.ndarray:
+        """Tokens [start, start + n) of the stream, as int64; `starts` (if given) gets the offsets in the window
+        where a document begins."""
         out = np.empty(n, dtype=np.int64)
         filled = 0
         while filled < n:
@@ -129,6 +147,8 @@ class Stream:
             k = int(np.searchsorted(cum, off, side="right"))
             doc, length = int(perm[k]), int(self.lengths[perm[k]])
             a = off - (int(cum[k]) - length)
+            if a == 0 and starts is not None:
+                starts.append(filled)
             take = min(length - a, n - filled)
             self.prepared.copy_into(out[filled:filled + take], doc, a, a + take)
             filled += take
@@ -147,15 +167,18 @@ class PackedDataset(IterableDataset, Stateful):
         seed: seeds the per-epoch document order.
         text_field: key/column of the text in raw jsonl/parquet/arrow.
         holdout_docs: documents at the end of each member's fixed order reserved for evaluation (excluded here).
+        document_mask: positions restart at 0 at each document start inside a row (the row's first token is
+            position 0 either way), and no target crosses a document end (-100): `document_row`.
     """
 
     def __init__(self, dataset: str, tokenizer_path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
-                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0):
+                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0, document_mask: bool = False):
         members = open_dataset(dataset, tokenizer_path, text_field)
         self.names = [m[0] for m in members]
         self.streams = [Stream(p, seed, holdout_docs, name) for name, p, _ in members]
         self.weights = np.asarray([w for *_, w in members])
         self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
+        self.document_mask = document_mask
         self._state = {"row": 0, "counts": [0] * len(members)}
 
     def _assign(self, row: int, counts: list[int]) -> int:
@@ -177,8 +200,12 @@ class PackedDataset(IterableDataset, Stateful):
             if len(counts) == 1:
                 counts[0] += self.dp_world_size
             self._state = {"row": g + self.dp_world_size, "counts": counts}  # the global position once all ranks
-            t = torch.from_numpy(self.streams[member].read(index * row_len, row_len))  # have taken their row
-            yield {"input": t[:-1], "positions": positions}, t[1:]
+            starts: list[int] | None = [] if self.document_mask else None
+            t = torch.from_numpy(self.streams[member].read(index * row_len, row_len, starts))  # have taken their row
+            inputs, labels = ({"input": t[:-1], "positions": positions}, t[1:]) if starts is None else \
+                document_row(t, starts)
+            # "member": which dataset of a mixture the row is from (the trainer takes it off before the model)
+            yield {**inputs, "member": torch.tensor(member)}, labels
 
     def state_dict(self) -> dict[str, Any]:
         return {"row": self._state["row"], "counts": list(self._state["counts"])}
@@ -191,21 +218,31 @@ class PackedDataset(IterableDataset, Stateful):
         self._state = {"row": int(state_dict["row"]), "counts": [int(c) for c in state_dict["counts"]]}
 
 
+def document_row(row: torch.Tensor, starts: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A packed row of seq_len + 1 tokens with its documents kept apart (`training.document_mask`): input =
+    row[:-1], positions restarting at 0 at each document start (`starts`, offsets in the row), and labels = row[1:]
+    less the targets that are the next document's first token (-100): no loss term crosses a document end."""
+    S = row.numel() - 1
+    index = torch.arange(S)
+    begins = torch.zeros(S, dtype=torch.bool)
+    begins[[s for s in starts if s < S]] = True
+    begins[0] = True
+    positions = index - torch.cummax(torch.where(begins, index, 0), 0).values
+    labels = row[1:].clone()
+    labels[[s - 1 for s in starts if s > 0]] = -100  # IGNORE_INDEX of torchtitan's loss
+    return {"input": row[:-1], "positions": positions}, labels
+
+
 def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
                  text_field: str = "text") -> dict[str, torch.Tensor]:
     """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
-    perplexity; never trained on when the training run used the same `holdout_docs`)."""
+    perplexity; never trained on when the training run used the same `holdout_docs`). The one reader of held-out
+    data (`workbench.compare` measures with it)."""
     out = {}
     for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
         docs = range(max(len(p) - num_docs, 0), len(p))
         out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
     return out
-
-
-def heldout_tokens(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
-                   text_field: str = "text") -> torch.Tensor:
-    """The held-out token ids of `training.dataset` (every member's, in order; see `heldout_sets`)."""
-    return torch.cat(list(heldout_sets(dataset, tokenizer_path, num_docs, text_field).values()))
 
 
 class PackedTextDataLoader(ParallelAwareDataloader):
@@ -224,12 +261,13 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         tokenizer_path: str = ""
         seed: int = 0
         holdout_docs: int = 0
+        document_mask: bool = False
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # the prepared folders hold token ids already
         self.packed = PackedDataset(config.dataset, config.tokenizer_path, seq_len, dp_rank, dp_world_size,
-                                    config.seed, config.text_field, config.holdout_docs)
+                                    config.seed, config.text_field, config.holdout_docs, config.document_mask)
         super().__init__(self.packed, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
                          num_workers=0, snapshot_every_n_steps=snapshot_every_n_steps)
 

@@ -213,6 +213,7 @@ ATTENTION_KERNELS = {  # the SDPA operators a trace records, in words
     "aten._scaled_dot_product_flash_attention": "fused flash attention (no S x S scores)",
     "aten._scaled_dot_product_efficient_attention": "fused memory-efficient attention (no S x S scores)",
     "aten._scaled_dot_product_cudnn_attention": "fused cuDNN attention (no S x S scores)",
+    "torch_attn._varlen_attn": "varlen flash attention over cu_seqlens (no S x S scores)",
 }
 
 
@@ -299,8 +300,8 @@ def render(p: dict) -> str:
 
 SHORT = {"sharded parameters": "params", "gradients": "grads", "optimizer state": "optimizer",
          "all-gathered parameters": "all-gathered", "activations": "activations", "attention scores": "attention",
-         "logits and loss": "logits+loss", "nki kernel buffers": "nki kernels", "other temporaries": "other",
-         "device runtime": "runtime"}
+         "attention mask": "mask", "logits and loss": "logits+loss", "nki kernel buffers": "nki kernels",
+         "other temporaries": "other", "device runtime": "runtime"}
 
 
 def quote(p: dict, backend: str) -> str:

@@ -68,7 +68,8 @@ NO_FUSED_SDPA = ("no fused SDPA kernel is known on the neuron device: TorchNeuro
                  "SDPA wrapper allows CUDNN/FLASH/MATH only); planned as SDPA's math path (fp32 S x S scores)")
 
 CATEGORIES = ("sharded parameters", "gradients", "optimizer state", "all-gathered parameters", "activations",
-              "attention scores", "logits and loss", "nki kernel buffers", "other temporaries", "device runtime")
+              "attention scores", "attention mask", "logits and loss", "nki kernel buffers", "other temporaries",
+              "device runtime")
 OTHER_PARTS = {  # the parts of "other temporaries": the tracker's reference types
     "backward temporaries": "Temp", "unsharded gradients": "Unsharded Grad", "reduce-scatter buffers": "Reduce Scatter",
     "inputs": "Inputs",
@@ -77,7 +78,8 @@ REF_CATEGORY = {  # the tracker's reference type (value) -> the plan's category,
     "Sharded Param": "sharded parameters", "Buffer": "sharded parameters", "Sharded Grad": "gradients",
     "OptState": "optimizer state", "Unsharded Param": "all-gathered parameters",
     "All Gather": "all-gathered parameters",
-    "Activation": "activations", "Attention scores": "attention scores", "Logits": "logits and loss",
+    "Activation": "activations", "Attention scores": "attention scores", "Attention mask": "attention mask",
+    "Logits": "logits and loss",
     "NKI kernels": "nki kernel buffers", **{ref: part for part, ref in OTHER_PARTS.items()},
 }
 LARGE = 0.10

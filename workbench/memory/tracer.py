@@ -27,17 +27,24 @@ forward when the experts' backward first reads its saved tensors, i.e. inside th
 module forward started there pushes "recompute", so what the recompute allocates is not filed as theirs."""
 
 
+_MASK_SCOPE: list[str] = []
+""""mask" while the step builds its attention masks (`attention.forward_kwargs`): what that allocates (the dense
+block-causal mask, or flex's BlockMask / varlen's cu_seqlens, and the document ids) is filed under "attention mask"."""
+
+
 def tracker_class(vocab_local: int, seq_len: int):
     """FSDPMemTracker that files tensors by what they are: the vocabulary as last dim -> 'logits and loss',
-    [.., seq, seq] -> 'attention scores', allocated by the nki_moe kernels or glue -> 'nki kernel buffers'; and
-    that records the SDPA kernels the step dispatched (`sdpa_ops`)."""
+    [.., seq, seq] -> 'attention scores', allocated by the nki_moe kernels or glue -> 'nki kernel buffers', built
+    for the attention masks -> 'attention mask'; and that records the SDPA kernels the step dispatched
+    (`sdpa_ops`)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, get_untyped_storages
 
     # A str enum with the tracker's own values plus ours: its snapshot dicts are keyed by value (str equality),
     # so the tracker's internal `_FSDPRefType.X` lookups and ours hit the same entries.
     ref = enum.Enum("PlanRefType", {**{m.name: m.value for m in _FSDPRefType}, "LOGITS": "Logits",
-                                    "SCORES": "Attention scores", "NKI": "NKI kernels"}, type=str)
+                                    "SCORES": "Attention scores", "NKI": "NKI kernels", "MASK": "Attention mask"},
+                     type=str)
 
     class Tracker(FSDPMemTracker):
         def __init__(self, *args, **kwargs):
@@ -49,8 +56,9 @@ def tracker_class(vocab_local: int, seq_len: int):
             self.at_peak: list[tuple[int, str, tuple]] = []  # (bytes, reftype, origin) of every storage at the peak
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
-                self.sdpa_ops.add(f"aten.{func.__name__.split('.')[0]}")
+            name = func.__name__.split(".")[0]
+            if name.startswith(("_scaled_dot_product", "_varlen_attn")) and "backward" not in name:
+                self.sdpa_ops.add(f"{func.namespace}.{name}")
             self._op = f"aten.{func.__name__.split('.')[0]}"
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
@@ -84,7 +92,9 @@ def tracker_class(vocab_local: int, seq_len: int):
 
         def _track(self, reftype, t):
             if reftype in (_FSDPRefType.ACT, _FSDPRefType.TEMP):
-                if _NKI_SCOPE and _NKI_SCOPE[-1] != "recompute":
+                if _MASK_SCOPE:
+                    reftype = ref.MASK
+                elif _NKI_SCOPE and _NKI_SCOPE[-1] != "recompute":
                     reftype = ref.NKI
                 elif t.dim() >= 2 and t.shape[-1] == vocab_local:
                     reftype = ref.LOGITS
@@ -112,6 +122,7 @@ def categories_at_peak(snap: dict) -> dict[str, int]:
         "all-gathered parameters": g("Unsharded Param", "All Gather"),
         "activations": g("Activation"),
         "attention scores": g("Attention scores"),
+        "attention mask": g("Attention mask"),
         "logits and loss": g("Logits"),
         "nki kernel buffers": g("NKI kernels"),
         "other temporaries": g(*tables.OTHER_PARTS.values()),
@@ -180,14 +191,40 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     return Built(cfg, model, loss_fn, optimizers, job.shape.vocab_size // job.parallelism.tp)
 
 
-def training_step(b: Built, tokens, labels) -> None:
-    """One micro-batch forward + backward with torchtitan's loss contract (sum / global valid tokens)."""
+def training_step(b: Built, tokens, labels, positions=None) -> None:
+    """One micro-batch forward + backward with torchtitan's loss contract (sum / global valid tokens); with
+    `positions`, the model also gets the attention masks training builds from them (`attention.forward_kwargs`)."""
     import torch
+    from torchtitan.config import TORCH_DTYPE_MAP
 
-    pred = b.model(tokens)
+    from workbench.backends import attention
+
+    _MASK_SCOPE.append("mask")
+    try:
+        kwargs = attention.forward_kwargs(b.cfg.model_spec.model, positions,
+                                          TORCH_DTYPE_MAP[b.cfg.training.mixed_precision_param])
+    finally:
+        _MASK_SCOPE.pop()
+    pred = b.model(tokens, **kwargs)
     loss, _ = b.loss_fn(pred, labels, torch.tensor(float(labels.numel())))
     del pred
     loss.backward()
+
+
+def step_positions(b: Built, batch: int, seq_len: int):
+    """The traced step's positions, from which it builds its attention masks as training does (their sizes depend
+    on [batch, seq_len] only): rows of two documents with `training.document_mask`, of one when the attention takes
+    a mask anyway (flex, varlen), none for plain causal SDPA."""
+    import torch
+
+    from workbench.backends import attention
+
+    if b.cfg.job.training.document_mask:
+        half = seq_len // 2
+        return torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch, seq_len)
+    if attention.mask_kind(b.cfg.model_spec.model):
+        return torch.arange(seq_len).expand(batch, seq_len)
+    return None
 
 
 def warm_optimizer(b: Built, accumulation_steps: int = 1) -> None:
@@ -410,12 +447,13 @@ def trace(job: JobConfig, device: str, world_size: int, progress=to_stderr) -> d
             ckpt = checkpoint_bytes([b.model], b.optimizers)
             t = job.training
             tokens = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.long)
+            positions = step_positions(b, t.local_batch_size, t.seq_len)
             tracker = tracker_class(b.vocab_local, t.seq_len)(
                 b.model, b.optimizers.optimizers[0] if hasattr(b.optimizers, "optimizers") else b.optimizers)
             tracker.track_inputs((tokens,))
             progress(f"tracing one training step ({time.perf_counter() - t0:.0f} s so far)")
             with tracker:
-                training_step(b, tokens, tokens.clone())
+                training_step(b, tokens, tokens.clone(), positions)
                 b.optimizers.step()
                 b.optimizers.zero_grad(set_to_none=True)
             snap = next(iter(tracker.get_tracker_snapshot("peak").values()))

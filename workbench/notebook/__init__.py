@@ -17,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     # params
     "job_from_params": "params", "repo_root": "params", "resolve_path": "params", "PARAM_KEYS": "params",
+    "resolve_dataset": "params",
     "bench_jobs": "params", "write_job_toml": "params",
     # reports
     "environment_report": "reports", "asset_facts": "reports", "config_table": "reports",

@@ -461,7 +461,8 @@ def train_with_dashboard(job: JobConfig, nproc: int = 1, extra_args: list[str] |
         nproc: ranks on this machine (torchrun --nproc_per_node).
         extra_args: more `--section.key value` overrides for the launch.
         live: force the dashboard mode (None = detect, see `live_frontend`).
-        title: heading (default "<config> · <backend> · <flavor> · <steps> steps · <device> · <nproc> rank(s)").
+        title: heading (default "<config> · <backend> · <flavor> · <dataset> · <steps> steps · <device> · <nproc>
+            rank(s)").
         echo: print every output line of the training processes as well.
         fresh: start from scratch: remove an earlier run folder of the same name first (`fresh_run_dir`).
             Otherwise an existing run folder with DCP checkpoints is resumed, as on the command line.

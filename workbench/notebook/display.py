@@ -128,14 +128,16 @@ def checks(rows: Iterable[tuple[str, bool, Any, Any]], title: str = "checks") ->
 
 
 def plot_title(job, steps: int | None = None, device: str | None = None, what: str = "") -> str:
-    """A figure title naming what was run: config, backend, flavor, steps and device."""
+    """A figure title naming what was run: config, backend, flavor, dataset, steps and device."""
+    from workbench.data import dataset_label
     from workbench.platform import titan_device
 
     config = job.job.config_file.rsplit("/", 1)[-1] if job.job.config_file else "defaults"
     kind = device or titan_device.prepared_kind() or job.job.device  # "auto" until a run reports its device
     steps = job.training.steps if steps is None else steps
     head = f"{what} · " if what else ""
-    return f"{head}{config} · {job.model.backend} · {job.model.flavor or 'from checkpoint'} · {steps} steps · {kind}"
+    return (f"{head}{config} · {job.model.backend} · {job.model.flavor or 'from checkpoint'} · "
+            f"{dataset_label(job.training.dataset)} · {steps} steps · {kind}")
 
 
 __all__ = ["Table", "number", "memory", "memory_unit", "percent", "key_values", "checks", "plot_title", "MISSING"]

@@ -5,7 +5,7 @@ and a cell tagged `config` turns them into a job with `job_from_params`. The bat
 those two cells (plus papermill's injected values) *before* the notebook itself, so a bad value fails fast with
 the workbench's own `ConfigError` message instead of somewhere in the middle of a kernel run.
 
-Paths in parameters (`config`, `hf_checkpoint`, `dump_folder`) may be relative: a path that exists relative
+Paths in parameters (`config`, `hf_checkpoint`, `dataset`, `dump_folder`) may be relative: a path that exists relative
 to the current directory is taken as is, anything else is resolved against the repository root (the folder
 holding `configs/`). Notebook kernels run in `notebooks/` (JupyterLab, nbval) or in the caller's directory
 (papermill), and the same parameter values must mean the same files in all of them.
@@ -50,12 +50,35 @@ def resolve_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
     return resolved
 
 
+def resolve_dataset(dataset: str, one: bool = False) -> str:
+    """A `dataset` parameter (`training.dataset` syntax) with its paths resolved as `resolve_path` does: "shakespeare"
+    as is, each member of a mixture on its own.
+
+    Args:
+        dataset: the parameter.
+        one: refuse a mixture (a notebook that shows one dataset).
+
+    Raises:
+        ConfigError: a mixture where `one` (the message names a member to pass), or a malformed one.
+    """
+    from workbench.data import dataset_label, parse_mixture
+
+    members = parse_mixture(dataset)
+    if one and len(members) > 1:
+        raise ConfigError(f"dataset={dataset!r} is a mixture ({dataset_label(dataset)}): mixtures are not shown here; "
+                          f"pass one member, e.g. dataset={members[0][0]!r}.")
+    if len(members) == 1:
+        return dataset if dataset == "shakespeare" else str(resolve_path(dataset))
+    return ",".join(f"{name if name == 'shakespeare' else resolve_path(name)}:{w!r}" for name, w in members)
+
+
 # Notebook parameter name -> config key. Only parameters given as something other than None are applied;
 # "" is a real value (e.g. hf_checkpoint = "" means "no checkpoint", flavor = "" means "from the checkpoint").
 PARAM_KEYS: dict[str, str] = {
     "backend": "model.backend",
     "flavor": "model.flavor",
     "hf_checkpoint": "model.hf_checkpoint",
+    "dataset": "training.dataset",
     "steps": "training.steps",
     "seq_len": "training.seq_len",
     "batch_size": "training.local_batch_size",
@@ -75,7 +98,8 @@ def job_from_params(config: str | os.PathLike | None = None, *, nproc: int = 1,
         nproc: ranks the job will run with (the parallel degrees are validated for that world size).
         overrides: any other fields as {"section.key": value} (e.g. {"optimizer.lr": 1e-3}).
         **params: the notebook's named parameters, see `PARAM_KEYS` (backend, flavor, steps, seq_len,
-            batch_size, hf_checkpoint, lr, seed, experiment_name, dump_folder). None = keep the TOML's value.
+            batch_size, hf_checkpoint, dataset, lr, seed, experiment_name, dump_folder). None = keep the TOML's
+            value.
 
     Returns:
         The validated `JobConfig`; `job.dump_folder` is absolute so the torchrun child writes where the
@@ -96,6 +120,8 @@ def job_from_params(config: str | os.PathLike | None = None, *, nproc: int = 1,
             continue
         if name in ("hf_checkpoint", "dump_folder") and value != "":
             value = str(resolve_path(value, must_exist=(name == "hf_checkpoint")))
+        elif name == "dataset":
+            value = resolve_dataset(value)
         kw[PARAM_KEYS[name].replace(".", "__")] = value
     for key, value in (overrides or {}).items():
         if not isinstance(key, str) or "." not in key:
@@ -135,4 +161,4 @@ def write_job_toml(job: JobConfig, path: str | os.PathLike) -> Path:
 
 
 __all__ = ["PARAM_KEYS", "job_from_params", "bench_jobs", "write_job_toml", "repo_root",
-           "resolve_path"]
+           "resolve_path", "resolve_dataset"]

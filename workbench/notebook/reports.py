@@ -21,7 +21,7 @@ import pandas as pd
 from workbench.core.config import JobConfig
 from workbench.notebook.display import MISSING, Table, checks, key_values, memory_unit, number, percent
 from workbench.notebook.params import repo_root
-from workbench.run.run_folder import read_metrics
+from workbench.run.metrics import read_metrics
 
 # ------------------------------------------------------------------------------------------------
 # Environment (00_setup)
@@ -412,7 +412,8 @@ COMPARISON_ROWS = {  # summary key -> (label, how to show the value)
     "tokens": ("held-out tokens", number),
     "generations_same": ("greedy generations identical", number), "generations": ("prompts", number),
     "seq_len": ("held-out row length (tokens)", number), "rows": ("held-out rows", number),
-    "dataset": ("corpus", str),
+    "dataset": ("held-out data (each run's training.dataset)", str),
+    "holdout_docs": ("held-out documents (training.holdout_docs)", number),
 }
 
 
@@ -421,9 +422,11 @@ def comparison_summary(cmp) -> Table:
     not exist (a dense model has no buffers outside the HF keys)."""
     s = _summary(cmp)
     rows = [(label, show(s[k])) for k, (label, show) in COMPARISON_ROWS.items() if k in s]
+    rows += [(f"held-out perplexity, {k[4]}, on {Path(k[6:]).name}", number(v, 4))  # a mixture's members
+             for k, v in s.items() if k[:6] in ("ppl_a ", "ppl_b ")]
     missing = any(v == MISSING for _, v in rows)
     return Table.of(rows, ["metric", "value"], footnotes=[
-        f"a: {s['a']}", f"b: {s['b']}",
+        f"a: {s['a']}", f"b: {s['b']}", *cmp.notes,
         *(["—: nothing to measure (no such tensors in this model)."] if missing else [])])
 
 
@@ -697,7 +700,8 @@ def trn2_plans_table(plans: dict[str, dict]) -> Table:
     headers = ["config · backend", *(report.SHORT[c] for c in tables.CATEGORIES), "peak", "memory", "headroom"]
     return Table.of(rows, headers, title="per-rank memory plans of the shipped trn2 configs (GiB, 64 ranks)",
                     footnotes=["params, grads, optimizer: the sharded training state; all-gathered: FSDP's unsharded "
-                               "copies; attention: SDPA's S x S scores (no fused kernel on neuron); other: "
+                               "copies; attention: SDPA's S x S scores (no fused kernel on neuron); mask: the "
+                               "block-causal mask of packed documents (training.document_mask); other: "
                                "other temporaries (the quoted plans keep them as one number; the table above splits "
                                "them for the plan traced here); runtime: the Neuron runtime's share."])
 
@@ -712,11 +716,12 @@ def plan_chart(plans: dict[str, dict], title: str = "per-rank memory plans"):
     labels = list(plans)
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(labels) + 2.2), layout="constrained")
     plt.close(fig)
-    colours = plt.get_cmap("tab10").colors
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[::2] + tab20[1::2]  # tab10's ten, then their light shades: one colour per category
     left = [0.0] * len(labels)
     for i, cat in enumerate(tables.CATEGORIES):
         vals = [plans[k]["categories"].get(cat, 0) / 2**30 for k in labels]
-        ax.barh(labels, vals, left=left, label=cat, color=colours[i % 10])
+        ax.barh(labels, vals, left=left, label=cat, color=colours[i % len(colours)])
         left = [a + v for a, v in zip(left, vals, strict=True)]
     for y, k in enumerate(labels):
         cap = plans[k]["capacity_bytes"] / 2**30
@@ -737,8 +742,14 @@ def plan_chart(plans: dict[str, dict], title: str = "per-rank memory plans"):
 # ------------------------------------------------------------------------------------------------
 
 
+def member_losses(df: pd.DataFrame) -> list[str]:
+    """The "loss <member>" columns of a mixture's metrics."""
+    return [c for c in df.columns if c.startswith("loss ")]
+
+
 def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = "", *, fig=None):
-    """Loss and tokens/s per step, side by side; one line per run when given {label: frame}.
+    """Loss and tokens/s per step, side by side; one line per run when given {label: frame}, and dashed lines of
+    each member's loss for a mixture ("loss <member>" in metrics.jsonl).
 
     Args:
         frames: a `metrics_frame` or {label: metrics_frame}.
@@ -759,8 +770,10 @@ def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = ""
     frames = frames if isinstance(frames, dict) else {"": frames}
     for label, df in frames.items():
         if len(df):
-            ax_loss.plot(df.index, df["loss"], marker=".", label=label or None)
+            ax_loss.plot(df.index, df["loss"], marker=".", label=label or ("all" if member_losses(df) else None))
             ax_tps.plot(df.index, df["tokens_per_second"], marker=".", label=label or None)
+        for col in member_losses(df):  # a mixture: each member's loss (its rows of the step)
+            ax_loss.plot(df.index, df[col], linestyle="--", marker=".", label=f"{label} {Path(col[5:]).name}".strip())
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_tps.set(xlabel="step", ylabel="tokens/s per device", title="throughput")
     steps = [i for df in frames.values() for i in df.index]
@@ -769,7 +782,7 @@ def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = ""
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         if steps and min(steps) == max(steps):  # one step so far: whole steps around it, not 0.945 ... 1.05
             ax.set_xlim(min(steps) - 1, max(steps) + 1)
-        if any(frames):
+        if ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)

@@ -17,7 +17,9 @@ config asks for; see tests/test_neuron_path.py). Nothing here has run on a Train
    CUDNN / FLASH / MATH. Out-of-tree (PrivateUse1) devices register their fused attention under
    `SDPBackend.OVERRIDEABLE` (https://docs.pytorch.org/docs/stable/backends.html#torch.nn.attention.SDPBackend);
    without it Neuron could only run MATH (an S x S score tensor per head). We put OVERRIDEABLE first and keep the
-   rest, so CPU/CUDA dispatch is unchanged.
+   rest, so CPU/CUDA dispatch is unchanged. The SDPA of packed documents (`backends.attention.BlockCausalSDPA`,
+   a subclass) reads the same list. Flex and varlen attention need nothing here: `model.attn_backend` flex/varlen
+   run torchtitan's modules as AWS's TorchTitan Neuron recipes do (torch-neuronx v2.34.0 release notes; unverified).
 4. Timeouts (`neuron.init_timeout_s`, `neuron.step_timeout_s`). neuronx-cc compiles the graphs during start-up and
    the first step, on every rank; torchtitan's 300 s collective timeouts can expire meanwhile. `comm_timeouts`
    gives `workbench.run.trainer` the values (torchtitan switches to the step timeout after step 1 by itself).

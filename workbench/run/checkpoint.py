@@ -65,6 +65,8 @@ CHECKSUMS_SPEC = Obj({"files": DictOf(Obj({"bytes": Int(0), HASH: Str(r"[0-9a-f]
                                       key=Str(r"[^/\\\0]{1,255}", what="a file name in the step folder"))},
                      {"hash": Choice((HASH,))})
 """What `checksums.json` must hold: file name (in its step folder) -> its size and xxh3-64."""
+TRAIN_STATE = "train_state.json"
+"""What a resume keeps of the run that saved a step (its global batch and how it was made), beside DCP's files."""
 
 
 # ---- cheap checks of a DCP checkpoint folder --------------------------------------------------------------------
@@ -206,6 +208,21 @@ class _AllowlistPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def read_train_state(path: Path) -> dict[str, int] | None:
+    """A step folder's `train_state.json` (`TRAIN_STATE`), hashed against `checksums.json` before it is parsed; None
+    for a step without one (or one that does not match: the resume's verification then names the step)."""
+    try:
+        data = read_bytes(path / TRAIN_STATE)
+        if xxhash.xxh3_64_hexdigest(data) != read_checksums(path)[TRAIN_STATE][HASH]:
+            return None
+        record = json.loads(data)
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return None
+    keys = ("global_batch_size", "local_batch_size", "data_parallel_ranks", "gradient_accumulation_steps")
+    ok = isinstance(record, dict) and all(type(record.get(k)) is int and 0 < record[k] < 2**31 for k in keys)
+    return {k: record[k] for k in keys} if ok else None
 
 
 def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
@@ -375,6 +392,8 @@ class WorkbenchCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
         self.wb_config = config
+        self.train_state: dict[str, int] | None = None
+        """Written as `TRAIN_STATE` into every step folder (the trainer sets it)."""
 
     # ---- resume -----------------------------------------------------------------------------------------------
 
@@ -513,7 +532,8 @@ class WorkbenchCheckpointManager(CheckpointManager):
         # Tests only: hold every save between its shard files and its .metadata, so a kill -9 lands inside a save.
         delay = float(os.environ.get("WORKBENCH_TEST_SAVE_DELAY_S", "0") or 0)
         metadata = dcp.save(state_dict, storage_writer=checksumming_writer(checkpoint_id, sums, delay))
-        commit_checksums(Path(checkpoint_id), sums, metadata)
+        extra = {TRAIN_STATE: json.dumps(self.train_state).encode()} if self.train_state else {}
+        commit_checksums(Path(checkpoint_id), sums, metadata, extra)
         return None
 
     def _purge_stale_checkpoints(self):
@@ -561,15 +581,24 @@ class WorkbenchCheckpointManager(CheckpointManager):
         return int(getattr(train_state, "step", 0) or 0)
 
 
-def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata) -> None:
-    """After DCP's save (on every rank): each rank reads its own files back against the checksums taken while they
-    were written; if all match, rank 0 writes `checksums.json` (temp file + fsync + rename), the commit point.
+def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata, files: dict[str, bytes] | None = None
+                     ) -> None:
+    """After DCP's save (on every rank): rank 0 writes `files` (name -> bytes: the train state) beside DCP's; each
+    rank reads its own files back against the checksums taken while they were written; if all match, rank 0 writes
+    `checksums.json` (temp file + fsync + rename), the commit point.
 
     Raises:
         CheckpointError: on every rank, naming the first file that read back differently or was not hashed
             (`_save` turns it into the one-line save failure).
     """
-    problems = [p for p in all_gather(verify_files(path, sums, sorted(sums))) if p]
+    failed = None
+    for name, data in (files or {}).items() if rank() == 0 else ():
+        try:
+            (path / name).write_bytes(data)
+        except OSError as e:
+            failed = f"writing {path / name} failed: {e.strerror}"
+        sums[name] = {"bytes": len(data), HASH: xxhash.xxh3_64_hexdigest(data)}
+    problems = [p for p in all_gather(failed or verify_files(path, sums, sorted(sums))) if p]
     every = {k: v for part in all_gather(sums) for k, v in part.items()}
     written = {info.relative_path for info in (metadata.storage_data or {}).values()} | {".metadata"}
     problems += [f"{path / name} was written without a checksum" for name in sorted(written - set(every))]
@@ -640,7 +669,8 @@ def checksumming_writer(path: str, sums: dict[str, dict[str, Any]], delay: float
 
 
 __all__ = ["WorkbenchCheckpointManager", "check_checkpoint", "verify_checkpoint", "verify_files", "file_checksum",
-           "read_checksums", "commit_checksums", "newest_complete", "stale_checkpoints", "HASH"]
+           "read_checksums", "read_train_state", "commit_checksums", "newest_complete", "stale_checkpoints", "HASH",
+           "TRAIN_STATE"]
 
 
 def load_dcp_model_state(model: torch.nn.Module, step_dir: Path) -> None:

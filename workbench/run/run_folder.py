@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.errors import RunFolderError, RunLockedError
-from workbench.core.files import FileLock, LinkError, LockUnsupportedError, find_link, write_atomic
+from workbench.core.files import FileLock, LinkError, LockUnsupportedError, find_link
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = ".lock"
@@ -56,44 +56,6 @@ def read_config(run_dir: str | os.PathLike):
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.toml); pass the folder a training run "
                                 "wrote, <job.dump_folder>/<job.experiment_name>.")
     return load_config(path, parallelism={"dp_shard": -1, "dp_replicate": 1, "tp": 1, "ep": 1})
-
-
-def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[dict[str, Any]]:
-    """The records of `<run>/metrics.jsonl` (rank 0's), in file order.
-
-    A resumed run appends to the file; a fresh run in a reused folder starts it again.
-
-    Args:
-        run_dir: the run folder.
-        missing_ok: return [] when the file does not exist yet (a run that has not finished a step: dashboards
-            polling a live run); False = raise.
-
-    Raises:
-        FileNotFoundError: no metrics.jsonl and not `missing_ok` (the message says why it may be missing).
-    """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        if missing_ok:
-            return []
-        raise FileNotFoundError(f"{path} does not exist: the run logged no step (see its log), or {run_dir} "
-                                "is not a run folder.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def trim_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
-    """Drops the records after `last_step` from `<run>/metrics.jsonl` (atomically: `files.write_atomic`).
-
-    A resumed run continues after its checkpoint's step; the steps an interrupted launch logged past it are redone,
-    and must not appear twice. Returns the number of records dropped.
-    """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
-    if len(kept) < len(lines):
-        write_atomic(path, "".join(line + "\n" for line in kept))
-    return len(lines) - len(kept)
 
 
 def is_complete(path: Path) -> bool:
@@ -270,5 +232,5 @@ def describe_holder(record: dict[str, Any] | None) -> str:
     return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
 
 
-__all__ = ["read_config", "read_metrics", "trim_metrics", "is_complete", "step_dirs", "step_dir", "RunLock",
-           "check_no_links", "describe_holder", "LOCK_FILE", "CHECKSUMS"]
+__all__ = ["read_config", "is_complete", "step_dirs", "step_dir", "RunLock", "check_no_links", "describe_holder",
+           "LOCK_FILE", "CHECKSUMS"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +26,10 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
-from torchtitan.config import CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import TORCH_DTYPE_MAP, CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.tools.logging import logger as titan_logger
 from torchtitan.tools.profiler import Profiler
@@ -39,15 +37,16 @@ from torchtitan.trainer import Trainer
 
 from workbench import data
 from workbench.core.config import JobConfig, resolved_dtype
-from workbench.core.errors import NonFiniteError, RunError, RunFolderError, StoppedError
-from workbench.core.files import open_for_append, write_atomic
+from workbench.core.errors import ConfigError, NonFiniteError, RunError, RunFolderError, StoppedError, WorkbenchError
+from workbench.core.files import write_atomic
 from workbench.data.loader import PackedTextDataLoader
 from workbench.platform import neuron_adjustments
 from workbench.platform.dist_utils import StopRequest, broadcast, say
 from workbench.platform.dist_utils import rank as _rank
 from workbench.run import profiling
-from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete
-from workbench.run.run_folder import RunLock, describe_holder, trim_metrics
+from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete, read_train_state
+from workbench.run.metrics import MemberTally, NonFiniteGradNorm, WorkbenchMetrics, trim_metrics
+from workbench.run.run_folder import RunLock, describe_holder
 
 
 class LazyTokenizer(BaseTokenizer):
@@ -94,76 +93,6 @@ def _grad_norm(model_parts) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-class _NonFiniteGradNorm(Exception):
-    """Raised by WorkbenchMetrics.log on every rank (the norm is global); WorkbenchTrainer.train_step reports it."""
-
-    def __init__(self, loss: float, grad_norm: float):
-        super().__init__(f"grad norm {grad_norm}")
-        self.loss, self.grad_norm = loss, grad_norm
-
-
-class WorkbenchMetrics(MetricsProcessor):
-    """torchtitan's metrics processor plus metrics.jsonl and a one-line progress report."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(MetricsProcessor.Config):
-        jsonl_path: str = ""
-        backend: str = ""
-        total_steps: int = 0
-        peak_flops: float = 0.0
-        """Peak FLOP/s of one device in the training dtype (replaces torchtitan's table lookup)."""
-
-    def __init__(self, config: Config, **kwargs):
-        super().__init__(config, **kwargs)
-        if config.peak_flops > 0:
-            self.gpu_peak_flops = config.peak_flops
-        self.history: list[dict[str, Any]] = []
-
-    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None):
-        cfg = self.config
-        if not math.isfinite(grad_norm):  # torchtitan checks the loss only; a non-finite norm poisons the weights
-            raise _NonFiniteGradNorm(global_avg_loss, grad_norm)
-        time_delta = time.perf_counter() - self.time_last_log
-        steps_in_window = max(len(self.data_loading_times), 1)  # one data fetch per micro-batch
-        # tokens per second per device (torchtitan's definition)
-        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
-        mfu = self.num_flops_per_token * tps / self.gpu_peak_flops
-        mem = self.device_memory_monitor.get_peak_stats()
-        record = {
-            "step": step,
-            "loss": global_avg_loss,
-            "max_loss": global_max_loss,
-            "grad_norm": grad_norm,
-            "tokens_per_second": tps,
-            "mfu": mfu,
-            "tflops": self.num_flops_per_token * tps / 1e12,
-            "step_time_s": time_delta / max(step - getattr(self, "_last_step", step - 1), 1),
-            "data_time_s": sum(self.data_loading_times) / steps_in_window,
-            "peak_memory_bytes": int(mem.max_reserved_gib * 1024**3),
-            "backend": cfg.backend,
-            "time": time.time(),
-            **{k: v for k, v in (extra_metrics or {}).items() if isinstance(v, (int, float))},
-        }
-        self._last_step = step
-        self.history.append(record)
-        self.logger.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step)
-        if _rank() == 0:
-            if cfg.jsonl_path:
-                with open_for_append(cfg.jsonl_path) as f:  # never through a link planted in the run folder
-                    f.write(json.dumps(record) + "\n")
-            width = len(str(cfg.total_steps))
-            say(
-                f"step {step:>{width}}/{cfg.total_steps}  loss {global_avg_loss:8.4f}  "
-                f"tok/s {tps:10,.0f}  mfu {100 * mfu:6.2f}%  mem {mem.max_reserved_gib:6.2f} GiB  "
-                f"step {record['step_time_s']:.3f}s"
-            )
-        self.ntokens_since_last_log = 0
-        self.data_loading_times.clear()
-        self.time_last_log = time.perf_counter()
-        self.device_memory_monitor.reset_peak_stats()
-
-
 class WorkbenchTrainer(Trainer):
     """torchtitan's Trainer with the workbench's run folder, HF export and summary."""
 
@@ -180,6 +109,7 @@ class WorkbenchTrainer(Trainer):
         self.stop = stop
         self.launch_check = launch_check
         self.run_lock: RunLock | None = None
+        self._tokens_base = self._tokens_start = 0  # see load_state_dict
         self._t0 = time.perf_counter()
         try:
             super().__init__(config)
@@ -187,6 +117,14 @@ class WorkbenchTrainer(Trainer):
             if self.run_lock:
                 self.run_lock.release()
             raise
+        names = self.dataloader.packed.names
+        self.member_tally = MemberTally(names, self.device) if len(names) > 1 else None
+        if self.member_tally:
+            self.metrics_processor.extra_source = self._member_metrics
+        self.checkpointer.train_state = {  # train_state.json of every save: what a resume keeps
+            "global_batch_size": self.config.training.local_batch_size * self.dp_ranks
+            * self.gradient_accumulation_steps, "local_batch_size": self.config.training.local_batch_size,
+            "data_parallel_ranks": self.dp_ranks, "gradient_accumulation_steps": self.gradient_accumulation_steps}
         self.init_seconds = time.perf_counter() - self._t0
         self._start_step: int | None = None  # last step before this launch (0 = fresh), set by _on_first_step
         self._first_step_at: float | None = None
@@ -200,33 +138,84 @@ class WorkbenchTrainer(Trainer):
         # The stop flag travels over gloo (a CPU int): no device sync added to the step on cuda/neuron.
         self._cpu_group = None if "gloo" in str(torch.distributed.get_backend()) else \
             torch.distributed.new_group(backend="gloo")
+        self.dp_ranks = parallel_dims.dp_replicate * parallel_dims.dp_shard  # torchtitan's batch degree
         self._take_run_folder()
         return parallel_dims
 
     def _take_run_folder(self) -> None:
-        """Rank 0 locks the run folder and writes config.toml / shape.json; every rank gets the same outcome."""
+        """Rank 0 locks the run folder, decides the global batch of a resume (`resume_batch`) and writes config.toml /
+        shape.json; every rank gets the same outcome."""
         from workbench.core import flavors
 
         run_dir = Path(self.config.dump_folder)
         outcome: Any = None
+        batch: tuple[int, str] | None = None
         if _rank() == 0:
             try:
                 self.run_lock = RunLock(run_dir)
                 outcome = self.run_lock.acquire()
+                batch = self._resume_batch(run_dir)
                 write_atomic(run_dir / "config.toml", self.job.to_toml())
                 # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
                 write_atomic(run_dir / "shape.json", json.dumps(flavors.describe(self.job.shape), indent=2))
-            except RunError as e:
+            except (RunError, ConfigError) as e:
                 outcome = e
             except OSError as e:
                 outcome = RunFolderError(f"cannot write the run folder {run_dir}: {e.strerror} ({e.filename}).",
                                          "point --job.dump_folder at a writable folder.")
-        outcome = broadcast(outcome)
-        if isinstance(outcome, RunError):
+        outcome, batch = broadcast((outcome, batch))
+        if isinstance(outcome, WorkbenchError):
             raise outcome
         if outcome:
             say(f"workbench: warning: took over the lock of {run_dir} from a launch that is gone "
                 f"({describe_holder(outcome)}): killed or crashed; resuming as usual.")
+        if batch:
+            self._set_global_batch(batch[0])
+            say(batch[1])
+
+    def _resume_batch(self, run_dir: Path) -> tuple[int, str] | None:
+        """(global batch, the line saying so) when the checkpoint to resume from trained with another global batch than
+        this launch's config gives; None otherwise (applied here on rank 0, before config.toml is written)."""
+        ckpt = self.job.checkpoint
+        if not ckpt.enable:
+            return None
+        folder = run_dir / ckpt.folder
+        step = ckpt.load_step if ckpt.load_step != -1 else newest_complete(folder)
+        record = read_train_state(folder / f"step-{step}") if step is not None else None
+        batch = resume_batch(record, self.job.training, self.dp_ranks, step)
+        if batch:
+            self._set_global_batch(batch[0])
+        return batch
+
+    def _set_global_batch(self, global_batch: int) -> None:
+        """torchtitan derives the gradient accumulation from it after `init_distributed`; config.toml records it (with
+        accumulation 1: derived from the global batch, valid on any number of ranks that divides it)."""
+        self.config.training.global_batch_size = global_batch
+        self.job.training.global_batch_size = global_batch
+        self.job.training.gradient_accumulation_steps = 1
+
+    # ---- Train state: a token count over all ranks, whatever the number of ranks it resumes on -----------------------
+
+    def _loss_ranks(self) -> tuple[int, int]:
+        """(ranks whose token counts torchtitan sums when it logs `n_tokens_seen`, this rank's index among them)."""
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's train state, with the tokens seen by all ranks (torchtitan's `ntokens_seen` is this rank's).
+
+        Every rank of the sum takes the same number of tokens per step (rows of a fixed shape), so the total is the
+        count at this launch's start plus this rank's count since then times the ranks: the same on every rank.
+        """
+        n, _ = self._loss_ranks()
+        return {"step": self.step, "ntokens_seen": self._tokens_base + n * (self.ntokens_seen - self._tokens_start)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The step, and the total token count on the first of the summed ranks (0 on the others), so torchtitan's
+        sum over the ranks continues from the total on any number of ranks."""
+        self.step = state_dict["step"]
+        self._tokens_base = int(state_dict["ntokens_seen"])
+        self.ntokens_seen = self._tokens_start = self._tokens_base if self._loss_ranks()[1] == 0 else 0
 
     def should_continue_training(self) -> bool:
         """torchtitan's loop condition, plus the stop request of any rank (checked together after every step)."""
@@ -276,7 +265,7 @@ class WorkbenchTrainer(Trainer):
         with self.step_profiler.step(self.step):
             try:
                 super().train_step(profiling.Labelled(data_iterator, "data"))
-            except _NonFiniteGradNorm as e:
+            except NonFiniteGradNorm as e:
                 raise self._non_finite(e.loss, e.grad_norm) from None
             except RuntimeError as e:
                 # torchtitan raises this before logging (and before the step's checkpoint save); the loss is
@@ -323,12 +312,50 @@ class WorkbenchTrainer(Trainer):
                 if "positions" in extra_kwargs:
                     loss_kwargs["positions"] = extra_kwargs["positions"]
                 loss, _ = self.loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)
+                if self.member_tally and self.metrics_processor.should_log(self.step):
+                    self._tally_members(pred, labels, loss_kwargs)
                 del pred
             with record_function("backward"), spmd.no_typecheck():
                 loss.backward()
         return loss  # local SUM loss / global_valid_tokens, as torchtitan returns it
 
     # ---- end of performance accounting ----------------------------------------------------------------------------
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """torchtitan's, with the member each row came from taken off first (`PackedDataset`'s "member": no model
+        input; kept for `_tally_members`) and the attention masks of packed documents from
+        `attention.attention_masks` (fixed capacity: the same shapes every batch). Plain causal attention (no mask)
+        is torchtitan's path unchanged; otherwise torchtitan gets the batch without positions, so it builds no
+        per-batch flex/varlen mask of its own, and the positions (RoPE) and masks are added after it."""
+        from workbench.backends import attention
+
+        self._batch_members = input_dict.pop("member", None)
+        positions = input_dict.get("positions")
+        masks = attention.attention_masks(self.model_config, positions,
+                                          TORCH_DTYPE_MAP[self.config.training.mixed_precision_param])
+        if masks is None:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs, labels, extra_kwargs = super().post_dataloading_process(
+            {k: v for k, v in input_dict.items() if k != "positions"}, labels)
+        extra_kwargs.update(positions=positions, attention_masks=masks)
+        return inputs, labels, extra_kwargs
+
+    # ---- Mixtures: rows and loss per member -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _tally_members(self, pred: torch.Tensor, labels: torch.Tensor, loss_kwargs: dict[str, Any]) -> None:
+        """Each row's summed loss by the run's own loss function (one row at a time: one row's logits at once, and the
+        same calls on every rank), added to its member's."""
+        row_loss = torch.stack([self.loss_fn(pred[r:r + 1].detach(), labels[r:r + 1], None,
+                                             **{k: v[r:r + 1] for k, v in loss_kwargs.items()})[0].float()
+                                for r in range(labels.shape[0])])
+        self.member_tally.add(row_loss, (labels != IGNORE_INDEX).sum(dim=1), self._batch_members)
+
+    def _member_metrics(self) -> dict[str, float]:
+        """The logged step's "rows <member>" / "loss <member>" (every rank: the losses are summed over the ranks)."""
+        mesh = self.parallel_dims.get_optional_mesh("loss")
+        return self.member_tally.collect(self.dataloader.packed.state_dict()["counts"],
+                                         mesh.get_group() if mesh is not None else None)
 
     def close(self) -> None:
         super().close()
@@ -375,6 +402,48 @@ class WorkbenchTrainer(Trainer):
             )
 
 
+def resume_batch(record: dict[str, int] | None, training, dp: int, step: int | None) -> tuple[int, str] | None:
+    """The global batch a resumed run trains with: the checkpoint's, kept on any number of data-parallel ranks by
+    changing the gradient accumulation; `training.global_batch_size`, when set, wins.
+
+    Args:
+        record: the checkpoint's `train_state.json` (None: a fresh run, or a checkpoint without one).
+        training: this launch's `[training]` section.
+        dp: this launch's data-parallel ranks.
+        step: the checkpoint's step (for the messages).
+
+    Returns:
+        None when the batch is what the config gives already; else (global batch, the launch line saying so).
+
+    Raises:
+        ConfigError: the checkpoint's global batch is no whole number of this launch's passes (local batch x ranks).
+    """
+    if not record:
+        return None
+    kept, per_pass = record["global_batch_size"], training.local_batch_size * dp
+    was = (f"step {step} trained with {record['data_parallel_ranks']} data-parallel rank(s) x local batch "
+           f"{record['local_batch_size']} x {record['gradient_accumulation_steps']} accumulation step(s)")
+    if training.global_batch_size > 0:  # set on purpose: the config's batch wins
+        if training.global_batch_size == kept:
+            return None
+        wanted = training.global_batch_size
+        return wanted, (f"workbench: resuming with training.global_batch_size={wanted} as set; the checkpoint's "
+                        f"was {kept} ({was}).")
+    if per_pass * training.gradient_accumulation_steps == kept:
+        return None
+    if kept % per_pass:
+        fits = max(b for b in range(1, training.local_batch_size + 1) if (kept // dp) % b == 0) if kept % dp == 0 else 0
+        fix = (f"set --training.local_batch_size {fits} (it divides {kept} rows / {dp} ranks)" if fits else
+               f"resume on a number of data-parallel ranks that divides {kept}")
+        raise ConfigError(
+            f"the checkpoint to resume ({was}) has a global batch of {kept} rows, which {dp} data-parallel rank(s) x "
+            f"training.local_batch_size {training.local_batch_size} = {per_pass} rows per pass do not divide.",
+            f"{fix}, or set --training.global_batch_size to go on with another batch.")
+    return kept, (f"workbench: resuming with the checkpoint's global batch of {kept} rows: {dp} data-parallel "
+                  f"rank(s) x local batch {training.local_batch_size} x {kept // per_pass} accumulation step(s) "
+                  f"({was}).")
+
+
 def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) -> WorkbenchTrainer.Config:
     """Translates the workbench config into torchtitan's Trainer.Config (with the backend's ModelSpec)."""
     from workbench import backends
@@ -401,6 +470,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         dataloader=PackedTextDataLoader.Config(
             dataset=job.training.dataset, text_field=job.training.dataset_text_field,
             tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
+            document_mask=job.training.document_mask,
         ),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
             pattern=r".*", optimizer_name=opt.name,
@@ -415,8 +485,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
         ),
         training=TrainingConfig(
             local_batch_size=job.training.local_batch_size,
-            global_batch_size=(job.training.global_batch_size if job.training.global_batch_size > 0 else
-                               job.training.local_batch_size * dp * job.training.gradient_accumulation_steps),
+            global_batch_size=job.training.global_rows(dp),
             seq_len=job.training.seq_len, max_norm=job.training.max_norm, steps=job.training.steps,
             dtype="float32", mixed_precision_param=dtype,
             disable_cuda_graphs=True,
@@ -479,4 +548,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "WorkbenchMetrics", "build_titan_config", "loss_config", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "resume_batch", "build_titan_config", "loss_config", "quiet_titan_logs"]
