@@ -42,7 +42,10 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
     key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
     cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
     if cache.is_file():
-        return read_json(cache)
+        try:
+            return read_json(cache)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: planned again
     p = tracer.plan_in_subprocess(job, device, world_size, suggest=True)
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(cache, json.dumps(p))
