@@ -247,10 +247,15 @@ def inside(folder: str | os.PathLike, name: str) -> Path:
     Raises:
         ValueError: naming the name.
     """
-    if (not isinstance(name, str) or not name or "\0" in name or "/" in name or "\\" in name
-            or name in (".", "..") or PurePosixPath(name).is_absolute()):
+    if not plain_name(name):
         raise ValueError(f"{name!r} is not a file name inside {folder}")
     return Path(folder) / name
+
+
+def plain_name(name) -> bool:
+    """`name` is one plain file name (see `inside`)."""
+    return isinstance(name, str) and bool(name) and not any(c in name for c in "\0/\\") and \
+        name not in (".", "..") and not PurePosixPath(name).is_absolute()
 
 
 def owner_tag() -> str:
@@ -290,5 +295,5 @@ def find_link(folder: str | os.PathLike) -> Path | None:
 
 
 __all__ = ["LinkError", "LockUnsupportedError", "NotRegularError", "create_new", "write_atomic", "open_for_append",
-           "FileLock", "fsync_dir", "check_regular", "open_regular", "read_bytes", "read_json", "inside", "owner_tag",
-           "remove_abandoned", "find_link"]
+           "FileLock", "fsync_dir", "check_regular", "open_regular", "read_bytes", "read_json", "inside", "plain_name",
+           "owner_tag", "remove_abandoned", "find_link"]

@@ -54,7 +54,7 @@ from workbench.core.errors import (
     UnsafeCheckpointError,
     WorkbenchError,
 )
-from workbench.core.files import inside, read_bytes, read_json, write_atomic
+from workbench.core.files import inside, plain_name, read_bytes, read_json, write_atomic
 from workbench.core.schema import Choice, DictOf, Int, Obj, Str, check
 from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank, say
 from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
@@ -286,12 +286,9 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
         return e.message
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
         return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
-    for info in storage.values():  # DCP opens <step>/<relative_path>: a plain name in the step folder only
-        name = getattr(info, "relative_path", None)
-        try:
-            inside(path, name)
-        except ValueError:
-            return f"{path / '.metadata'} names a file outside its step folder ({str(name)[:80]!r}); nothing was read"
+    names = [getattr(info, "relative_path", None) for info in storage.values()]  # DCP opens <step>/<each>
+    for name in (n for n in names if not plain_name(n)):
+        return f"{path / '.metadata'} names a file outside its step folder ({str(name)[:80]!r}); nothing was read"
     unlisted = sorted({info.relative_path for info in storage.values()} - set(sums))
     if unlisted:
         f = path / unlisted[0]
