@@ -401,7 +401,7 @@ def rmsnorm_quant(library: Path, S: int, H: int):
     (seeded normal, as AWS's LNC tests draw it) and gamma [1, H], ROW quantisation, LNC 2, under the NKI version
     nki-library was written for. Returns (counters, the output [1, S, H + 4] as values, hidden, gamma)."""
     from workbench.kernels.nki_emulator import version
-    from workbench.kernels.nki_emulator.conformance import LIBRARY_NKI_VERSION, launch, redirected
+    from workbench.kernels.nki_emulator.aws_harness import LIBRARY_NKI_VERSION, launch, redirected
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, S, H, generator=g).to(torch.bfloat16)

@@ -35,7 +35,11 @@ Printed: a table per direction, then as the LAST line a JSON object with
   bound                    the engine with the most modeled busy time (fwd + bwd); bound_fwd / bound_bwd per kernel
   sbuf_peak_bytes          the emulator's SBUF high-water mark per partition (fwd, bwd: the larger)
   sbuf_usable_bytes        nl.tile_size.total_available_sbuf_size, 212,464 B on trn2 (the capacity the emulator
-                           enforces; nki_emulator/_core.py cites it)
+                           enforces; nki_emulator/memory.py cites it)
+  sensitivity              name -> {values, model_ms, roofline_ratio}: each marked assumption of the time model at
+                           its low and high end, as [low, high] pairs (moe_cost.sensitivity_rates: concurrent PE
+                           tiles, DMA transpose cost, DMA fixed cost, Vector rate); --no-sensitivity skips it
+  roofline_ratio_range     [min, max] of roofline_ratio over those ends
   what_if                  (--what-if) name -> {model_ms, roofline_ratio} with one group of costs removed
                            (moe_cost.what_if_rates: loop control, DMA, Vector/Scalar/GpSimd, all three, the
                            Tensor Engine, all but the DMA, all but the PE's work and the DMA's bytes)
@@ -56,10 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from workbench.core.moe_blocks import kernel_block_size  # noqa: E402
 from workbench.kernels import nki_moe, plan_blocks  # noqa: E402
-from workbench.kernels.autograd import KernelPlan, tiles_per_sub  # noqa: E402
 from workbench.kernels.moe_cost import layer_inputs, run_layer  # noqa: E402
 from workbench.kernels.nki_api import nl  # noqa: E402
 from workbench.kernels.nki_emulator import version  # noqa: E402
+from workbench.kernels.nki_moe.tables import KernelPlan, tiles_per_sub  # noqa: E402
 
 SMALL_DMA = 2048  # bytes per partition below which a DMA is dominated by its fixed cost (DMA bandwidth guide)
 
@@ -97,6 +101,8 @@ def parse_args(argv=None):
                         "control, the Tensor Engine; all but the DMA; all but the PE's work and the DMA's bytes): "
                         "how much of model_ms each puts on the critical path; adds `what_if` to the JSON (16 "
                         "more replays, under a minute at full scale)")
+    p.add_argument("--no-sensitivity", dest="sensitivity", action="store_false",
+                   help="skip the sensitivity replays (6 more replays of the trace, ~2-3 min at full scale)")
     p.add_argument("--compare-nki-library", type=Path, default=None, metavar="DIR",
                    help="also run nki-library's bwmm_shard_on_block (checkout DIR) on the same routing")
     p.add_argument("--aws-blocks", default="tests", choices=("tests", "needed"),
@@ -179,6 +185,10 @@ def measure(args):
         "sbuf_usable_bytes": nl.tile_size.total_available_sbuf_size,
         **run.summary(),
     }
+    if args.sensitivity:
+        result["sensitivity"] = run.sensitivity()
+        ratios = [x for row in result["sensitivity"].values() for x in row["roofline_ratio"]]
+        result["roofline_ratio_range"] = [min(ratios), max(ratios)]
     if args.what_if:
         result["what_if"] = run.what_if()
     return result, {"fwd": fwd, "bwd": bwd, "plan": plan, "old_padding": old_padding, "weight_bytes": weight_bytes,
@@ -223,6 +233,13 @@ def main(argv=None):
           f"{result['hbm_floor_ms']:.2f} ms for {result['hbm_floor_gib']:.2f} GiB, bf16 dW); model / roofline "
           f"{result['roofline_ratio']:.3f}; SBUF peak {result['sbuf_peak_bytes']:,} of {result['sbuf_usable_bytes']:,} "
           "usable B/partition")
+    if "sensitivity" in result:
+        print(f"sensitivity (each marked assumption at its low / high end; moe_cost.sensitivity_rates): "
+              f"roofline_ratio {result['roofline_ratio_range'][0]:.3f} .. {result['roofline_ratio_range'][1]:.3f}")
+        for name, v in result["sensitivity"].items():
+            lo, hi = v["roofline_ratio"]
+            print(f"  {name:<22} {v['values'][0]!s:>7} / {v['values'][1]!s:<7} model_ms {v['model_ms'][0]:>6.3f} / "
+                  f"{v['model_ms'][1]:<6.3f} roofline_ratio {lo:.3f} / {hi:.3f}")
     if "what_if" in result:
         print(f"what if (model_ms with one group of costs removed; roofline {result['roofline_ms']:.2f} ms):")
         for name, v in result["what_if"].items():

@@ -6,6 +6,7 @@ ambiguous.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -173,6 +174,34 @@ def cached_run(tmp_path_factory, config: str, *args: str, nproc: int = 1) -> tup
         (run_dir,) = [p for p in (slot / "out").iterdir() if p.is_dir()]
         _SESSION_RUNS[key] = (run_dir, stdout.read_text())
     return _SESSION_RUNS[key]
+
+
+_UNBLOCKER = """
+import os, sys, time
+fifo, flag, every = sys.argv[1], sys.argv[2], float(sys.argv[3])
+while True:
+    time.sleep(every)
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        open(flag, "w").close()
+    except OSError:
+        pass
+"""
+
+
+@contextlib.contextmanager
+def unblocking(fifo: Path, every_s: float = 5.0):
+    """While in the block, a helper process opens `fifo` for writing every `every_s` seconds, which frees a reader
+    blocked on it (a blocked `open` holds the GIL in some readers, so no thread of this process could); yields a
+    function that says whether a reader ever was blocked: the proof that the code under test hung, where without the
+    helper the test would hang instead of failing."""
+    flag = Path(f"{fifo}.was-blocked")
+    helper = subprocess.Popen([sys.executable, "-c", _UNBLOCKER, str(fifo), str(flag), str(every_s)])
+    try:
+        yield flag.exists
+    finally:
+        helper.kill()
+        helper.wait()
 
 
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:

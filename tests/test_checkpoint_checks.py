@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,9 +102,10 @@ def test_unfinished_or_unreadable_bookkeeping(steps):
                                                   "not finish)"
     step = steps / "step-9"
     (step / "checksums.json").write_text("{not json")
-    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (JSONDecodeError)"
+    assert check_checkpoint(step) == (f"{step / 'checksums.json'} is not JSON (Expecting property name enclosed in "
+                                      "double quotes at line 1, column 2)")
     (step / "checksums.json").write_text("{}")
-    assert check_checkpoint(step) == f"{step / 'checksums.json'} is unreadable (KeyError)"
+    assert check_checkpoint(step) == f"{step / 'checksums.json'}: files is missing"
 
 
 def test_metadata_problems(steps):
@@ -186,10 +188,25 @@ def test_resume_takes_the_newest_verified_step(steps, capsys):
 
 
 def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
+    """Saves that never finished (a double Ctrl-C during the first save) leave nothing to resume: refused (never a
+    silent restart from step 1), the fix saying exactly what to run; after it, the relaunch starts afresh. A finished
+    checkpoint that is damaged: refused, nothing deleted."""
     folder = tmp_path / "checkpoint"
     save_step(folder, 3, complete=False)
     save_step(folder, 5, complete=False)
-    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 3: ") as e:
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 5: .*finish\); step 3: .*: no save "
+                                              "there finished, so there is nothing to resume") as e:
+        manager(folder)._find_load_step()
+    command = f"rm -r {folder / 'step-5'} {folder / 'step-3'}"
+    assert e.value.fix == (f"to start from step 1, delete the unfinished saves ({command}) and relaunch the same "
+                           "command; or restore a finished checkpoint there.")
+    subprocess.run(command.split(), check=True)
+    assert manager(folder)._find_load_step() == -1  # what the relaunch then does: a fresh start
+    save_step(folder, 3, complete=False)
+    f = shard(save_step(folder, 4))
+    f.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* \(step 4: .*truncated .*; step 3: .*finish"
+                                              r"\)\); nothing was deleted\.$") as e:
         manager(folder)._find_load_step()
     assert e.value.fix == f"restore a checkpoint there, or move {tmp_path} away to start from scratch."
     assert manager(tmp_path / "empty")._find_load_step() == -1

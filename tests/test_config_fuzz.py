@@ -64,6 +64,18 @@ KINDS: dict[str, list[Mutation]] = {
                 Mutation("dataset", ("--training.dataset", "/nonexistent/corpus.jsonl"), True),
                 Mutation("dataset", ("--training.dataset", "shakespeare"), False)],
     "batch": _values("batch", "training.local_batch_size", ["4096", "0", "-2"], ["1"]),
+    "counts": _values("counts", "training.steps", [str(10**19), str(10**9 + 1)], ["20"])
+    + _values("counts", "checkpoint.interval", [str(10**19)], ["5"])
+    + _values("counts", "metrics.log_freq", [str(10**19)], ["2"])
+    + _values("counts", "lr_scheduler.warmup_steps", [str(10**19)], ["1"])
+    + _values("counts", "profiling.steps", [str(10**19)], ["1"])
+    + _values("counts", "training.holdout_docs", [str(10**19)], ["2"])
+    + _values("counts", "model.n_layers", ["10000000", "-1"], ["1"]),
+    "neuron": _values("neuron", "neuron.init_timeout_s", ["-5", "0", str(10**19)], ["60"])
+    + _values("neuron", "neuron.step_timeout_s", ["-1", str(8 * 24 * 3600)], ["900"])
+    + _values("neuron", "neuron.process_group", ["'bad name'", "../x"], ["gloo"]),
+    "experiment_name": [Mutation("experiment_name", ("--job.experiment_name=",), True)]
+    + _values("experiment_name", "job.experiment_name", ["..", ".", "a/b", "/abs"], ["run_2"]),
     "checkpoint_folder": [Mutation("checkpoint_folder", ("checkpoint_file",), True)],
     "encoding": [Mutation("encoding", ("file", "utf-16"), True), Mutation("encoding", ("file", "binary"), True),
                  Mutation("encoding", ("file", "utf-8"), False)],
@@ -170,6 +182,11 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
     (["--job.seed", "-1"], "job.seed=-1 is out of range: valid is 0 <= seed <= 9223372036854775807."),
     (["--parallelism.ep", "0"], "parallelism.ep=0 is out of range: valid is 1 <= ep."),
     (["--training.dataset="], "training.dataset is empty"),
+    (["--neuron.init_timeout_s", "-5"],
+     "neuron.init_timeout_s=-5 is out of range: valid is 1 <= init_timeout_s <= 604800."),
+    (["--training.steps", str(10**19)], "training.steps=10000000000000000000 is out of range: valid is 1 <= steps <= "
+     "1000000000."),
+    (["--job.experiment_name="], "job.experiment_name='' is empty: it must be one folder name"),
 ])
 def test_a_range_error_names_field_value_and_range(argv, message):
     from workbench.core.config import load_config

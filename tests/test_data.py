@@ -380,7 +380,7 @@ def test_a_local_hub_cache_folder_reads_the_snapshot_refs_main_names(cache, tmp_
 def test_missing_empty_and_looping_paths_name_the_fix(cache, tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         data.document_sources(str(tmp_path / "nothing"))
-    with pytest.raises(DatasetError, match="holds no .txt, .md, .jsonl, .parquet or .arrow"):
+    with pytest.raises(DatasetError, match="holds no .txt, .md, .json, .jsonl, .parquet or .arrow"):
         data.document_sources(str(tmp_path))
     with pytest.raises(DatasetError, match="training.dataset is empty"):
         data.document_sources("")

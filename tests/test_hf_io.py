@@ -319,15 +319,22 @@ def test_pickle_weights_are_refused_never_unpickled(saved, tmp_path):
 
 
 def test_export_refuses_an_existing_target_unless_overwrite(saved, ids, tmp_path):
+    """An existing target is refused; --overwrite replaces an earlier export (its marker), never another folder."""
     model = load_model(None, hf_checkpoint=saved["dense"][0])
     target = tmp_path / "out"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
     with pytest.raises(errors.HFExportError, match="already exists.*overwrite"):
         export_hf(model, target)
+    with pytest.raises(errors.HFExportError, match=r"is not a folder the workbench exported \(it has no "
+                                                   r"\.workbench-hf-export\); --overwrite replaces only an earlier"):
+        export_hf(model, target, overwrite=True)
     assert (target / "keep.txt").read_text() == "mine"
-    export_hf(model, target, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "model.safetensors").is_file()
+    (target / "keep.txt").unlink()
+    export_hf(model, target, overwrite=True)  # an empty folder is taken
+    (target / "model.safetensors").write_bytes(b"old")
+    export_hf(model, target, overwrite=True)  # an earlier export is replaced
+    assert (target / "model.safetensors").stat().st_size > 3 and (target / hf.EXPORT_MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old directory left
 
 

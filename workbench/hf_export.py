@@ -15,9 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-from workbench.core.errors import HFExportError, WorkbenchError, announce, recognised
+from workbench.core.errors import CheckpointError, HFExportError, WorkbenchError, announce, recognised
 from workbench.run import checkpoint
-from workbench.run.run_folder import read_config, step_dir
+from workbench.run.run_folder import is_complete, read_config, step_dir
+
+RETRIES = 3
+"""How often the newest step is chosen again when the one chosen was purged meanwhile (a run still training with
+`keep_latest_k` deletes older checkpoints as it saves newer ones)."""
 
 
 def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, dtype: str | None = None,
@@ -26,23 +30,45 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
 
     Args:
         run: the run folder (holds config.toml and the checkpoint folder).
-        out: the directory to create.
-        step: the checkpoint step; None = the newest.
+        out: the directory to create; never the run folder, inside it or above it (the export would replace what
+            it reads).
+        step: the checkpoint step; None = the newest (chosen again if a training run purges it meanwhile).
         dtype: stored dtype; None = the run's checkpoint.export_dtype.
-        overwrite: replace an existing `out`.
+        overwrite: replace an existing `out` (an earlier export only).
     """
     from workbench.backends import hf
     from workbench.model import build_model
 
     run = Path(run)
-    problem = hf.target_problem(out, overwrite)
+    problem = source_problem(run, Path(out)) or hf.target_problem(out, overwrite)
     if problem:  # before the (possibly long) model build and checkpoint read
         raise HFExportError(problem)
     job = read_config(run)
-    ckpt_dir = step_dir(run, job.checkpoint.folder, step)
     model = build_model(job)
-    checkpoint.load_dcp_model_state(model, ckpt_dir)
+    for attempt in range(RETRIES):
+        ckpt_dir = step_dir(run, job.checkpoint.folder, step)
+        try:
+            checkpoint.load_dcp_model_state(model, ckpt_dir)
+            break
+        except CheckpointError:
+            # A purge deletes a step only after a newer one is verified: the step gone or no longer the newest.
+            purged = not is_complete(ckpt_dir) or step_dir(run, job.checkpoint.folder, None) != ckpt_dir
+            if step is not None or not purged or attempt == RETRIES - 1:
+                raise  # damage, not a purge
+            print(f"workbench: {ckpt_dir} was purged by the running training while it was read; taking the newest "
+                  "checkpoint again.", file=sys.stderr, flush=True)
     return hf.export_model(model, out, dtype=dtype or job.checkpoint.export_dtype, overwrite=overwrite)
+
+
+def source_problem(run: Path, out: Path) -> str | None:
+    """Why `out` cannot receive an export of `run` (None if it can): it is the run folder, inside it, or a folder
+    that holds it; an export there would replace or delete the checkpoints it reads."""
+    r, o = run.resolve(), out.resolve()
+    how = "is" if o == r else "is inside" if r in o.parents else "holds" if o in r.parents else None
+    if how is None:
+        return None
+    return (f"--out {out} {how} the run folder {run} that it exports from: the export would replace the run's "
+            "checkpoints. Choose an output directory outside the run folder.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.core.config import BACKENDS
-from workbench.core.errors import BackendUnavailable, ConfigError
+from workbench.core.errors import BackendUnavailable, ConfigError, WorkbenchError, announce, recognised
 
 REFERENCE = "transformers"
 
@@ -75,12 +75,13 @@ Forward = Callable[[torch.Tensor], torch.Tensor]  # input ids -> logits [B, S, V
 
 
 def load_hf_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's `*.safetensors` files, by Hugging Face key."""
+    """Every tensor of the checkpoint's safetensors files (`hf.weight_files`: regular files only, pickles refused),
+    by Hugging Face key."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{checkpoint_dir} holds no *.safetensors files; save the model with save_pretrained.")
+    from workbench.backends.hf import weight_files
+
+    files = weight_files(checkpoint_dir)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
@@ -225,6 +226,10 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
 
     titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
+    # Before transformers reads anything: its from_pretrained would torch.load a pickle-only folder.
+    from workbench.backends.hf import weight_files
+
+    weight_files(checkpoint_dir)
     ref, ref_forward = reference_model(checkpoint_dir)
     batches = make_batches(settings, ref.config.vocab_size)
     ref_logits = logits_of(ref, ref_forward, batches[0][0])
@@ -321,12 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="packed documents: one row of >= 3 documents per backend against each alone")
     args = parser.parse_args(argv)
     settings = Settings(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
-    if args.packed:
-        table = run_packed_parity(args.checkpoint, backends=args.backends.split(","), settings=settings,
-                                  out_json=args.out)
-        print(table.to_string(index=False))
-        return 0
-    table = run_parity(args.checkpoint, backends=args.backends.split(","), settings=settings, out_json=args.out)
+    try:
+        if args.packed:
+            table = run_packed_parity(args.checkpoint, backends=args.backends.split(","), settings=settings,
+                                      out_json=args.out)
+            print(table.to_string(index=False))
+            return 0
+        table = run_parity(args.checkpoint, backends=args.backends.split(","), settings=settings, out_json=args.out)
+    except (WorkbenchError, FileNotFoundError) as e:
+        return announce(recognised(e))
     print(table.drop(columns=["losses", "rel_loss_diffs"]).to_string(index=False))
     return 0
 

@@ -28,7 +28,8 @@ import threading
 from pathlib import Path
 
 from workbench.core.config import JobConfig, check_device, help_text, load_config
-from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.errors import ConfigError, DatasetError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.files import write_atomic
 from workbench.platform.dist_utils import StopRequest, rank, say
 
 
@@ -97,16 +98,22 @@ def check_inputs(job: JobConfig, world_size: int = 1) -> None:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    members = [member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
-                           t.chat_options())  # refuses a holdout that leaves nothing
-               for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field)]
-    for m in members:
+    members = []
+    for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
+        if prepared.manifest["vocab_size"] > job.shape.vocab_size:  # ids past the embedding table would crash a step
+            raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
+                               f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
+                               f"{job.shape.vocab_size:,}.", "prepare the data with the model's tokenizer "
+                               "(--tokenizer), or train a model whose vocabulary holds the tokenizer's.")
+        m = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
+                        t.chat_options())  # refuses a holdout that leaves nothing
+        members.append(m)
         if isinstance(m, ChatRows):
             say(f"workbench: {m.describe()}")
             m.check_dropped(t.max_dropped)
             if not t.document_mask:
                 t.document_mask = True
-                say(f"workbench: training.document_mask on: {m.name} holds conversations, packed apart.")
+                say(f"workbench: training.document_mask on: {name} holds conversations, packed apart.")
     rows = t.global_rows(world_size // job.parallelism.tp) * t.steps
     lines, warnings = mixture_report(t.dataset, [m.total for m in members], rows, t.seq_len + 1)
     for line in lines + warnings:
@@ -197,7 +204,7 @@ def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[s
         extra_args = None
     job.run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = job.run_dir / "launch.toml"
-    cfg_path.write_text(job.to_toml())
+    write_atomic(cfg_path, job.to_toml())
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", "-m", "workbench.train", "--job.config_file", str(cfg_path),
            *(extra_args or [])]

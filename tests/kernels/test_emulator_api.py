@@ -915,3 +915,46 @@ def test_conformance_reports_races_and_lifts_capacity_without_hiding_them():
     assert c.psum_peak == 9 * 2048
     with raises("psum-capacity"):  # lifted only inside the block
         run(nine_banks, rand(1, 1))
+
+
+# -- what nki-library's tiling kernels (mlp_tkg, qkv_tkg, router_topk) need beyond the instructions ------------------
+def test_an_access_pattern_slices_like_a_tensor():
+    """A sliced access pattern picks the same elements as the same slice of the tensor (nki-library slices
+    TensorView.get_view() results); an int keeps the partition dim of an on-chip view, drops any other."""
+    x = rand(8, 12)
+
+    def kernel(a):
+        t = load(a)
+        view = t.ap(pattern=[[12, 8], [1, 12]], offset=0)
+        out = nl.ndarray((2, 3, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0], src=view[2:5, nl.ds(4, 4)])
+        row = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=row, src=view[6, 1:9:2])
+        nisa.dma_copy(dst=out[1, 0:1], src=row)
+        nisa.dma_copy(dst=out[1, 1:3], src=a.ap(pattern=[[12, 8], [1, 12]], offset=0)[..., 0:4][0:2])
+        return out
+
+    out = run(kernel, x)
+    np.testing.assert_array_equal(out[0], x[2:5, 4:8])
+    np.testing.assert_array_equal(out[1, 0], x[6, 1:9:2])
+    np.testing.assert_array_equal(out[1, 1:3], x[0:2, 0:4])
+
+
+def test_activation_with_a_reset_reduce_is_activation_reduce_and_kernels_may_return_lists():
+    """`activation(reduce_op=nl.add, reduce_res=, reduce_cmd=reset_reduce)` (router_topk's softmax) sums the
+    activated values per partition as `activation_reduce` does; a kernel returning a list (nki-library's
+    wrappers do) returns its outputs in order; tensors given by keyword become HBM tensors too."""
+    x = rand(4, 6)
+
+    def kernel(a, b=None):
+        t = load(b)
+        e = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf)
+        s = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e, op=nl.exp, data=t, reduce_op=nl.add, reduce_res=s,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        return [store(e), store(s)]
+
+    with compiled_for_lnc(1):
+        e, s = nki.jit(kernel)[1](x, b=x)
+    np.testing.assert_allclose(e, np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(s[:, 0], np.exp(x).sum(1), rtol=1e-5)

@@ -6,9 +6,9 @@ import torch
 
 from workbench.core.errors import KernelArgumentError
 from workbench.kernels import nki_moe, plan_blocks, route
-from workbench.kernels.autograd import KernelPlan
 from workbench.kernels.moe_reference import slot_weights
 from workbench.kernels.nki_api import REAL_NKI
+from workbench.kernels.nki_moe.tables import KernelPlan
 
 pytestmark = pytest.mark.skipif(REAL_NKI, reason="launches the kernels on torch tensors through the emulator")
 

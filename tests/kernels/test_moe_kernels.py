@@ -162,7 +162,7 @@ def test_untiled_backward_at_d4096_overflows_sbuf(monkeypatch):
     def untiled(D, F, io, widths):
         return F, nki_moe.tiles_needed(widths)
 
-    monkeypatch.setattr(nki_moe, "fit_backward", untiled)
+    monkeypatch.setattr(nki_moe.layout, "fit_backward", untiled)
     x, ids, w, wg, wu, wd = make_case(2, 1, 1, 4096, 768, dtype=torch.bfloat16)
     out = blockwise_moe_nki(x, ids, w, wg, wu, wd, block_size=128)  # LNC 1; the forward fits whole (144 KiB)
     with pytest.raises(NkiRuleError, match=r"\[sbuf-capacity\]"):
@@ -177,7 +177,7 @@ def test_nki_kernels_f_chunked_match_reference_fp32(name, lnc, monkeypatch):
     otherwise): the partial-sum paths (y, dx, d_affinity, dW row/column windows) within 1e-5 of the reference."""
     from workbench.kernels import nki_moe
 
-    monkeypatch.setattr(nki_moe, "RESIDENT_WEIGHT_BYTES", 1)
+    monkeypatch.setattr(nki_moe.layout, "RESIDENT_WEIGHT_BYTES", 1)
     T, K, E, D, F, bs, ids = EDGE_CASES[name]
     case = make_case(T, K, E, D, F, ids=ids)
     assert_match(outputs_and_grads(nki_at(lnc, monkeypatch), case, block_size=bs),
@@ -257,7 +257,8 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
     runs alternate between main tiles [0, tiles) and [tiles, 2 * tiles), and each gathers the next one's first full
     block (when it has one) early: that piece does not gather its own rows."""
     from workbench.kernels import nki_moe
-    from workbench.kernels.autograd import KernelPlan
+    from workbench.kernels.nki_moe import PieceCol, SegCol, SubCol
+    from workbench.kernels.nki_moe.tables import KernelPlan
 
     T, K, E = 400, 4, 8
     _, ids, *_ = make_case(T, K, E, 4, 4, seed=bs)
@@ -268,7 +269,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
     G, ng = plan.block_size, plan.max_blocks
     r = kp.kb // G
     ts = nki_moe.tile_slots(kp.kb)
-    L = (kp.seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
+    L = (kp.seg_table.shape[1] - SegCol.HEAD) // 2
     widths = nki_moe.piece_widths(kp.kb, L)
     assert G == min(32, bs) and kp.kb == kernel_block_size(bs)
     assert kp.token_index.shape == (ng + lnc * r, G) and (kp.token_index[ng:] == T).all()
@@ -281,36 +282,39 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
     order = [[] for _ in range(lnc)]  # per core, its sub-segments in run order: (sub row, first full block's row)
     for s in range(positions):
         seg = [kp.seg_table[c * S + s] for c in range(lnc)]
-        assert len({int(row[2] - row[1]) for row in seg}) == 1  # the same number of sub-segments on every core
+        # the same number of sub-segments on every core
+        assert len({int(row[SegCol.SUB_END] - row[SegCol.SUB_BEGIN]) for row in seg}) == 1
         for c in range(lnc):
             row = seg[c]
-            e = int(row[0])
+            e = int(row[SegCol.EXPERT])
             # the weights both kernels prefetch: the core's next position's expert (its own at the last), the
             # forward into the other of its two weight sets
-            assert int(row[3]) == int(kp.seg_table[c * S + min(s + 1, S - 1), 0])
-            assert (int(row[4]), int(row[5])) == (s % 2, 1 - s % 2)
-            assert int(row[6]) == c * S + min(s + 1, S - 1)  # the row the backward loads ahead
-            run = [q for k in range(L) for q in range(int(row[nki_moe.SEG_HEAD + 2 * k]),
-                                                        int(row[nki_moe.SEG_HEAD + 1 + 2 * k]))]
-            loads = kp.piece[run, 5:8].long()  # the forward's gate / up / down loads, spread over the pieces
+            assert int(row[SegCol.NEXT_EXPERT]) == int(kp.seg_table[c * S + min(s + 1, S - 1), SegCol.EXPERT])
+            assert (int(row[SegCol.SET]), int(row[SegCol.NEXT_SET])) == (s % 2, 1 - s % 2)
+            assert int(row[SegCol.NEXT_ROW]) == c * S + min(s + 1, S - 1)  # the row the backward loads ahead
+            run = [q for k in range(L) for q in range(int(row[SegCol.HEAD + 2 * k]), int(row[SegCol.HEAD + 1 + 2 * k]))]
+            # the forward's gate / up / down loads, spread over the pieces
+            loads = kp.piece[run, PieceCol.FETCH:PieceCol.FETCH + 3].long()
             assert loads.sum(0).tolist() == ([1, 1, 1] if s + 1 < positions else [0, 0, 0])
             if s + 1 < positions:
                 assert [int(loads[:, m].argmax()) for m in range(3)] == [m * len(run) // 3 for m in range(3)]
             # the backward's next down matrix: loaded by the last piece the position runs (its last sub-segment's
             # last class with pieces), every position (the last reloads its own expert)
-            assert kp.piece[run, nki_moe.PIECE_DOWN].tolist() == [0] * (len(run) - 1) + [1]
-            for j in range(int(row[1]), int(row[2])):
+            assert kp.piece[run, PieceCol.DOWN].tolist() == [0] * (len(run) - 1) + [1]
+            for j in range(int(row[SegCol.SUB_BEGIN]), int(row[SegCol.SUB_END])):
                 sub = kp.sub_table[j]
-                others = [kp.sub_table[int(seg[o][1]) + j - int(row[1])] for o in range(lnc)]
-                H = nki_moe.SUB_HEAD
-                assert len({tuple(int(v) for v in o[2:8]) + tuple(int(o[H + 1 + 2 * k] - o[H + 2 * k])
-                                                                  for k in range(L))
-                            for o in others}) == 1  # cont, tiles, load, early, pieces per class: the same on each core
-                write, add, cont, t0, t_begin, t_end, load = (int(v) for v in sub[:7])
+                others = [kp.sub_table[int(seg[o][SegCol.SUB_BEGIN]) + j - int(row[SegCol.SUB_BEGIN])]
+                          for o in range(lnc)]
+                H = SubCol.HEAD
+                # cont, tiles, load, early, pieces per class: the same on each core
+                assert len({tuple(int(v) for v in o[SubCol.CONT:SubCol.EARLY + 1])
+                            + tuple(int(o[H + 1 + 2 * k] - o[H + 2 * k]) for k in range(L)) for o in others}) == 1
+                write, add, cont, t0, t_begin, t_end, load = (int(v) for v in sub[SubCol.WRITE:SubCol.LOAD + 1])
                 n_tiles = t_end - t0
                 assert t_begin == t0 + 1 and t0 == (tiles * (len(order[c]) % 2) if halves else 0)
-                assert cont == (j > int(row[1])) and (tiles is None or n_tiles <= tiles)
-                assert load == (j == int(row[2]) - 1)  # the position's last sub-segment loads the next weights
+                assert cont == (j > int(row[SegCol.SUB_BEGIN])) and (tiles is None or n_tiles <= tiles)
+                # the position's last sub-segment loads the next weights
+                assert load == (j == int(row[SegCol.SUB_END]) - 1)
                 has_block = int(sub[H + 1]) > int(sub[H])
                 order[c].append((sub, int(sub[H]) if has_block else None, j))
                 gathered = halves and len(order[c]) > 1 and has_block
@@ -319,7 +323,7 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                 for k in range(L):
                     begin, end = int(sub[H + 2 * k]), int(sub[H + 1 + 2 * k])
                     for q in range(begin, end):
-                        g, r0, tile, own, nxt = (int(v) for v in kp.piece[q, :5])
+                        g, r0, tile, own, nxt = (int(v) for v in kp.piece[q, PieceCol.GROUP:PieceCol.NEXT + 1])
                         width = widths[k]
                         assert r0 == g * G
                         if width >= ts:  # resident main tiles, in order, no-op pieces too
@@ -347,8 +351,8 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
                 rows = [q for b in bounds for q in range(*b)]
                 for t in range(len(tails_run)):
                     b, e_ = tails_run[t]
-                    want = {mains[-1][1] - 1: int(kp.piece[b, 0])} if e_ > b else {}
-                    col = nki_moe.PIECE_TAILS + 2 * t
+                    want = {mains[-1][1] - 1: int(kp.piece[b, PieceCol.GROUP])} if e_ > b else {}
+                    col = PieceCol.TAILS + 2 * t
                     got = {q: int(kp.piece[q, col + 1]) for q in rows if int(kp.piece[q, col])}
                     assert got == want and e_ - b <= 1
                 if real:
@@ -359,13 +363,15 @@ def test_kernel_plan_same_trip_counts_on_both_cores(bs, lnc, tiles, halves):
         for i in range(len(order[c])):
             sub, nxt = order[c][i][0], order[c][i + 1] if i + 1 < len(order[c]) else (None, None, None)
             # the row it loads ahead: the core's next run sub-segment's (after the last, some valid row)
-            assert int(sub[10]) == nxt[2] if nxt[2] is not None else 0 <= int(sub[10]) < kp.sub_table.shape[0]
+            after = int(sub[SubCol.NEXT_ROW])
+            assert after == nxt[2] if nxt[2] is not None else 0 <= after < kp.sub_table.shape[0]
             early = halves and nxt[1] is not None
-            assert int(sub[7]) == early
+            assert int(sub[SubCol.EARLY]) == early
             if early:
-                assert (int(sub[8]), int(sub[9])) == (int(kp.piece[nxt[1], 0]), int(nxt[0][3]))
+                assert (int(sub[SubCol.EARLY_GROUP]), int(sub[SubCol.EARLY_TILE])) == (
+                    int(kp.piece[nxt[1], PieceCol.GROUP]), int(nxt[0][SubCol.TILE_FIRST]))
     if halves:
-        assert sum(int(sub[7]) for c in range(lnc) for sub, *_ in order[c]) >= 2
+        assert sum(int(sub[SubCol.EARLY]) for c in range(lnc) for sub, *_ in order[c]) >= 2
     for e, subs in subs_of.items():  # one core; the first sub-segment writes dW[e], the later ones add into it
         assert len({c for c, _, _ in subs}) == 1
         c = subs[0][0]
@@ -407,7 +413,7 @@ def test_backward_layout_and_tile_cap_refusals():
     """A shape whose backward does not fit SBUF even in 128-wide F chunks, and a tile cap below one full block plus
     the main-buffer tails, are refused with the fix named."""
     from workbench.kernels import nki_moe
-    from workbench.kernels.autograd import KernelPlan
+    from workbench.kernels.nki_moe.tables import KernelPlan
 
     with pytest.raises(ValueError, match="does not fit SBUF at D=16384.*smaller model.moe_block_size"):
         nki_moe.backward_layout(16384, 768, torch.float32, nki_moe.piece_widths(256, 4))
@@ -417,7 +423,7 @@ def test_backward_layout_and_tile_cap_refusals():
 
 
 def test_kernel_plan_needs_an_expert_per_core():
-    from workbench.kernels.autograd import KernelPlan
+    from workbench.kernels.nki_moe.tables import KernelPlan
 
     ids = torch.zeros(4, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="1 experts on 2 logical cores.*NEURON_LOGICAL_NC_CONFIG=1"):
@@ -510,8 +516,8 @@ def test_kernels_under_real_nki_simulate():
     import nki
 
     from workbench.kernels import nki_moe
-    from workbench.kernels.autograd import KernelPlan
     from workbench.kernels.moe_reference import slot_weights
+    from workbench.kernels.nki_moe.tables import KernelPlan
 
     x, ids, w, wg, wu, wd = (t.detach() for t in make_case(9, 2, 4, 136, 130))
     plan = plan_blocks(ids, 4, 8)
@@ -533,6 +539,8 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     import importlib.util
     import json
     from pathlib import Path
+
+    from workbench.kernels import nki_moe
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "nki_moe_cost.py"
     spec = importlib.util.spec_from_file_location("nki_moe_cost", path)
@@ -559,7 +567,8 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert set(shares) == {"tensor", "vector", "scalar", "gpsimd", "dma"}
     assert all(0 <= v["busy"] and 0 <= v["waiting"] and v["busy"] + v["waiting"] <= 1.0001 for v in shares.values())
     assert result["top_stalls"] and all(s["ms"] > 0 for s in result["top_stalls"])
-    assert any(s["site"].startswith("nki_moe.py:") for s in result["top_stalls"])
+    kernel_files = {p.name for p in Path(nki_moe.__file__).parent.glob("*.py")}
+    assert any(s["site"].split(":")[0] in kernel_files for s in result["top_stalls"])
     # --what-if: the same traces with one group of costs removed; with everything but the Tensor Engine free, the
     # replay collapses to the Tensor Engine's own work, the throughput bracket's Tensor figure
     what_if = result["what_if"]
@@ -569,6 +578,16 @@ def test_cost_report_padding_comes_from_the_emulator(capsys):
     assert what_if["DMA free"]["model_ms"] < result["model_ms"]  # toy shapes: DMA latencies dominate
     assert all(v["roofline_ratio"] == pytest.approx(v["model_ms"] / result["roofline_ms"], rel=2e-3)
                for v in what_if.values())
+    # the sensitivity range: each marked assumption at its low and high end; an end at the modeled value replays
+    # the modeled time, a slower Vector Engine or a larger DMA fixed cost never shortens it
+    sens = result["sensitivity"]
+    assert set(sens) == {"concurrent PE tiles", "DMA transpose cost", "DMA fixed cost", "Vector rate"}
+    assert sens["concurrent PE tiles"]["model_ms"][1] == sens["Vector rate"]["model_ms"][1] == result["model_ms"]
+    assert sens["Vector rate"]["model_ms"][0] >= result["model_ms"] >= sens["DMA fixed cost"]["model_ms"][0]
+    assert sens["DMA fixed cost"]["model_ms"][1] >= result["model_ms"]
+    ratios = [x for v in sens.values() for x in v["roofline_ratio"]]
+    assert result["roofline_ratio_range"] == [min(ratios), max(ratios)]
+    assert min(ratios) <= result["roofline_ratio"] <= max(ratios)
 
 
 @pytest.mark.skipif(REAL_NKI, reason="stands torch.library.custom_op in for torch_neuronx.nki_op over the emulator")

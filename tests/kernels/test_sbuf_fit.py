@@ -22,7 +22,7 @@ from workbench.kernels.nki_api import REAL_NKI, nl
 
 pytestmark = pytest.mark.skipif(REAL_NKI, reason="the emulator's SBUF accounting is what is under test")
 
-USABLE = 212_464  # trn2: nl.tile_size.total_available_sbuf_size (nki_emulator/_core.py cites it)
+USABLE = 212_464  # trn2: nl.tile_size.total_available_sbuf_size (nki_emulator/memory.py cites it)
 MARGIN = 1024  # bytes per partition left free at the peak (nki_moe.SMALL_TILES_BYTES: the tiles beyond it are < 100 B)
 
 
@@ -40,10 +40,10 @@ def _moe_shapes():
 
 def test_usable_sbuf_is_the_capacity():
     """The kernels, the emulator's nl.tile_size and its capacity rule all use the usable figure."""
-    from workbench.kernels.nki_emulator import _core
+    from workbench.kernels.nki_emulator import memory
 
-    assert nl.tile_size.total_available_sbuf_size == _core.SBUF_PARTITION_BYTES == nki_moe.SBUF_BYTES == USABLE
-    assert _core.SBUF_RAW_PARTITION_BYTES - USABLE == 16384 + 8 + 520
+    assert nl.tile_size.total_available_sbuf_size == memory.SBUF_PARTITION_BYTES == nki_moe.SBUF_BYTES == USABLE
+    assert memory.SBUF_RAW_PARTITION_BYTES - USABLE == 16384 + 8 + 520
 
 
 @pytest.mark.parametrize("lnc", [1, 2])

@@ -69,7 +69,7 @@ def test_every_rate_names_its_source():
         url, what = timing.SOURCES[f.name]
         assert (url.startswith("https://awsdocs-neuron.readthedocs-hosted.com/") or url == "assumption") and what
     assumptions = [k for k, (url, what) in timing.SOURCES.items() if "assumption" in url + what]
-    assert {"matmul_min_cycles", "gpsimd_hz", "access_overhead_cycles", "cores_per_chip", "dge_sw_s",
+    assert {"pe_tiles_concurrent", "gpsimd_hz", "access_overhead_cycles", "cores_per_chip", "dge_sw_s",
             "sequencer_s", "branch_s"} <= set(assumptions)
     assert "FITTED" in timing.SOURCES["dma_fixed_s"][1]
     # the trn1 rates (calibration only) differ from trn2's exactly where TRN1_SOURCES cites the NeuronCore-v2 figure
@@ -132,12 +132,12 @@ def _noop():
 
 
 def test_instructions_without_work_are_counted_unmodeled(monkeypatch):
-    from workbench.kernels.nki_emulator import _runtime
+    from workbench.kernels.nki_emulator import launch
 
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
 
     def custom_op():  # an instruction added to the emulator without a work descriptor
-        _runtime.emit("gpsimd", "custom_op", _noop)
+        launch.emit("gpsimd", "custom_op", _noop)
 
     @nki.jit
     def kernel(x):

@@ -35,7 +35,6 @@ import math
 import os
 import re
 import shutil
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -47,6 +46,9 @@ import torch
 
 from workbench.core import flavors
 from workbench.core.errors import EXIT_CHECKPOINT, HFCheckpointError, HFExportError
+from workbench.core.files import check_regular, inside, owner_tag, read_json, remove_abandoned
+from workbench.core.schema import DictOf, Obj, Str, check
+from workbench.platform.dist_utils import broadcast
 from workbench.platform.dist_utils import rank as _rank
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,6 +59,11 @@ TOKENIZER_FILES = (
     "added_tokens.json", "chat_template.jinja",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # what published Qwen3 checkpoints use (~5 GB shards)
+EXPORT_MARKER = ".workbench-hf-export"
+"""Written into every export: `overwrite` replaces only a folder that has it (never a run folder or anything else)."""
+INDEX = Obj({"weight_map": DictOf(Str(r"[^/\\\0]+\.safetensors", what="a .safetensors file name in the folder"),
+                                  key=Str(max_len=1000))})
+"""What the loader reads of `model.safetensors.index.json`: tensor key -> a file name in the same folder."""
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # transformers v5's fused expert tensors; split into the per-expert keys on reading.
@@ -93,6 +100,7 @@ class _Source:
     file: Path
     key: str  # the key stored in the file
     shape: tuple[int, ...]  # the shape of the tensor this source yields
+    dtype: str = ""  # as stored (safetensors' spelling: F32, BF16, I8, BOOL, ...)
     expert: int | None = None  # fused layout: index along dim 0
     rows: slice | None = None  # fused gate_up_proj: the gate or the up half
 
@@ -114,26 +122,19 @@ def weight_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
     d = Path(checkpoint_dir)
     index = d / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise HFCheckpointError(
-                f"{index} is not a valid safetensors index ({e!r}); it needs a 'weight_map' of key -> file. "
-                "Re-download or re-export the checkpoint."
-            ) from None
-        files = [d / name for name in sorted(set(weight_map.values()))]
+        files = [d / name for name in sorted(set(read_index(d).values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise HFCheckpointError(
                 f"{index} names {len(missing)} shard(s) missing from {d}: {', '.join(missing[:_SHOW])}. "
                 "The download or copy is incomplete: fetch the missing shard file(s) again."
             )
-        return files
+        return _regular(files)
     if (d / SINGLE_FILE).is_file():
         return [d / SINGLE_FILE]
     files = sorted(d.glob("*.safetensors"))
     if files:
-        return files
+        return _regular(files)
     pickles = sorted(p.name for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise HFCheckpointError(
@@ -145,13 +146,42 @@ def weight_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
     raise HFCheckpointError(f"{d} has no model.safetensors (or shards + {INDEX_FILE}); nothing to load.")
 
 
-def _file_keys(file: Path) -> dict[str, tuple[int, ...]]:
-    """key -> shape from one file's header (no tensor data read)."""
+def read_index(checkpoint_dir: Path) -> dict[str, str]:
+    """The `weight_map` of a checkpoint's index (tensor key -> file name), checked: an object of plain
+    `.safetensors` names in the same folder, refused (the file and the key named) before any file is opened.
+
+    Raises:
+        HFCheckpointError: not JSON, not an index, or a name that leaves the folder.
+    """
+    index = checkpoint_dir / INDEX_FILE
+    try:
+        weight_map = check(read_json(index), INDEX, str(index))["weight_map"]
+        for name in set(weight_map.values()):
+            inside(checkpoint_dir, name)
+    except (OSError, ValueError) as e:
+        raise HFCheckpointError(f"{e}: not a valid safetensors index (a 'weight_map' of key -> a .safetensors file "
+                                "in the same folder). Re-download or re-export the checkpoint.") from None
+    return weight_map
+
+
+def _regular(files: list[Path]) -> list[Path]:
+    """`files`, each checked to be a regular file (a FIFO or device would block the reader forever)."""
+    for f in files:
+        try:
+            check_regular(f)
+        except OSError as e:
+            raise HFCheckpointError(f"{e}; a checkpoint holds regular files only. Fetch or export it again."
+                                    ) from None
+    return files
+
+
+def _file_keys(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (shape, stored dtype) from one file's header (no tensor data read)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise HFCheckpointError(
             f"{file} is not a readable safetensors file ({e}). It is probably truncated or corrupt (an "
@@ -159,21 +189,21 @@ def _file_keys(file: Path) -> dict[str, tuple[int, ...]]:
         ) from None
 
 
-def _expand(file: Path, key: str, shape: tuple[int, ...]) -> dict[str, _Source]:
+def _expand(file: Path, key: str, shape: tuple[int, ...], dtype: str = "") -> dict[str, _Source]:
     """One stored tensor -> the per-expert HF keys it provides (itself, unless it is a fused expert tensor)."""
     m = _FUSED_EXPERTS.fullmatch(key)
     if m is None or len(shape) != 3:
-        return {key: _Source(file, key, shape)}
+        return {key: _Source(file, key, shape, dtype=dtype)}
     n_experts, rows, cols = shape
     prefix = m["prefix"]
     out = {}
     for e in range(n_experts):
         if m["kind"] == "down_proj":  # [E, H, I] -> per expert [H, I]
-            out[f"{prefix}.{e}.down_proj.weight"] = _Source(file, key, (rows, cols), e)
+            out[f"{prefix}.{e}.down_proj.weight"] = _Source(file, key, (rows, cols), dtype, e)
         else:  # [E, 2I, H], gate rows first -> gate [I, H], up [I, H]
             half = rows // 2
-            out[f"{prefix}.{e}.gate_proj.weight"] = _Source(file, key, (half, cols), e, slice(0, half))
-            out[f"{prefix}.{e}.up_proj.weight"] = _Source(file, key, (half, cols), e, slice(half, rows))
+            out[f"{prefix}.{e}.gate_proj.weight"] = _Source(file, key, (half, cols), dtype, e, slice(0, half))
+            out[f"{prefix}.{e}.up_proj.weight"] = _Source(file, key, (half, cols), dtype, e, slice(half, rows))
     return out
 
 
@@ -188,12 +218,12 @@ def table_of_contents(checkpoint_dir: str | os.PathLike) -> dict[str, _Source]:
     toc: dict[str, _Source] = {}
     stored: dict[str, Path] = {}  # keys as stored, to check the index against
     for file in weight_files(d):
-        for key, shape in _file_keys(file).items():
+        for key, (shape, dtype) in _file_keys(file).items():
             stored[key] = file
-            toc.update(_expand(file, key, shape))
+            toc.update(_expand(file, key, shape, dtype))
     index = d / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_index(d)
         wrong = [k for k, name in weight_map.items() if k not in stored or stored[k].name != name]
         if wrong:
             raise HFCheckpointError(
@@ -314,15 +344,28 @@ def _like(full: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return full.to(live.device)
 
 
-def _load_unit(root: torch.nn.Module, unit: _Unit, toc: dict[str, _Source], adapter) -> set[int]:
-    """Loads one unit's weights into `root`; returns the ids of the parameters that received data."""
+def _load_unit(root: torch.nn.Module, unit: _Unit, toc: dict[str, _Source], adapter,
+               casts: dict[str, list[str]]) -> set[int]:
+    """Loads one unit's weights into `root`; returns the ids of the parameters that received data. Each cast
+    (stored dtype -> the model's) is added to `casts`; a weight that is not finite is refused (this rank checks its
+    own shard)."""
     converted = adapter.from_hf(_read(list(unit.hf), toc))
     stray = sorted(set(converted) - set(unit.model))
     if stray:
         raise RuntimeError(f"The backend's hf_adapter mapped {unit.name} weights to keys outside it: {stray[:_SHOW]}")
     module = root.get_submodule(unit.name)
     live = module.state_dict()
-    local = {unit.relative(k): _like(v, live[unit.relative(k)]) for k, v in converted.items()}
+    local = {}
+    for k, v in converted.items():
+        target = live[unit.relative(k)]
+        if v.dtype != target.dtype:
+            casts.setdefault(f"{str(v.dtype).removeprefix('torch.')} -> {str(target.dtype).removeprefix('torch.')}",
+                             []).append(k)
+        local[unit.relative(k)] = _like(v, target)
+        if local[unit.relative(k)].is_floating_point() and not bool(torch.isfinite(_local(local[unit.relative(k)]))
+                                                                    .all()):
+            raise HFCheckpointError(f"The weights of {k} hold NaN or infinite values; a model started from them "
+                                    "trains on NaN. Fetch the checkpoint again, or fix the model that wrote it.")
     del converted, live
     result = module.load_state_dict(local, strict=False)
     params = dict(module.named_parameters())
@@ -349,10 +392,12 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
         backend: whose `hf_adapter` maps the keys.
 
     Returns:
-        {"tensors": HF tensors read, "elements": their total number of values, "seconds": wall time}.
+        {"tensors": HF tensors read, "elements": their total number of values, "seconds": wall time,
+        "casts": {"int8 -> float32": [model keys], ...} for every weight stored in another dtype than the model's}.
 
     Raises:
-        HFCheckpointError: an unusable directory or weights that do not fit the model (message names the fix).
+        HFCheckpointError: an unusable directory, weights that do not fit the model, or that are not finite (the
+            message names the fix).
     """
     from workbench import backends
 
@@ -362,22 +407,35 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *, m
     units = plan_units(meta_state_dict(model_config), adapter)
     check_against(toc, units, shape, str(checkpoint_dir))
     loaded: set[int] = set()
+    casts: dict[str, list[str]] = {}
     for unit in units:
         if unit.hf:
-            loaded |= _load_unit(model, unit, toc, adapter)
+            loaded |= _load_unit(model, unit, toc, adapter, casts)
     # A parameter of a unit without HF keys must be shared with a loaded one (the tied lm_head).
     unfilled = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in loaded]
     if unfilled:
         raise RuntimeError(f"No checkpoint weights reached {unfilled[:_SHOW]} (the backend's hf_adapter maps nothing "
                            "to them; if they should be tied, the model lost the tie).")
     elements = sum(math.prod(toc[k].shape) for u in units for k in u.hf)
-    return {"tensors": sum(len(u.hf) for u in units), "elements": elements, "seconds": time.perf_counter() - t0}
+    return {"tensors": sum(len(u.hf) for u in units), "elements": elements, "seconds": time.perf_counter() - t0,
+            "casts": casts}
+
+
+def describe_casts(casts: dict[str, list[str]]) -> str:
+    """'cast on load: 3 weight(s) int8 -> float32 (first: a, b), ...': what `load_weights` converted."""
+    return "cast on load: " + "; ".join(f"{len(keys)} weight(s) {kind} (first: {', '.join(keys[:2])})"
+                                        for kind, keys in sorted(casts.items()))
 
 
 def load_into_model(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> dict[str, float]:
-    """Loads HF weights into a model from `workbench.load_model` (uses its `workbench_info`)."""
+    """Loads HF weights into a model from `workbench.load_model` (uses its `workbench_info`); a weight stored in
+    another dtype than the model's is reported in a warning."""
     info = _info(model)
-    return load_weights(model, checkpoint_dir, model_config=info.model_config, shape=info.shape, backend=info.backend)
+    stats = load_weights(model, checkpoint_dir, model_config=info.model_config, shape=info.shape,
+                         backend=info.backend)
+    if stats["casts"]:
+        warnings.warn(f"{checkpoint_dir}: {describe_casts(stats['casts'])}", stacklevel=2)
+    return stats
 
 
 def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
@@ -392,7 +450,8 @@ def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
                          backend=job.model.backend)
     if _rank() == 0:
         print(f"loaded {stats['tensors']} Hugging Face tensors ({stats['elements'] / 1e6:.1f}M values) from {path} "
-              f"in {stats['seconds']:.1f}s", flush=True)
+              f"in {stats['seconds']:.1f}s" + (f"; {describe_casts(stats['casts'])}" if stats["casts"] else ""),
+              flush=True)
     return stats
 
 
@@ -403,14 +462,10 @@ def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
 
 def _agree(decide: Callable[[], str | None]) -> None:
     """Rank 0 decides (an error message or None), every rank learns it; all raise together."""
-    import torch.distributed as dist
-
-    verdict = [decide() if _rank() == 0 else None]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        error = HFExportError(verdict[0])
-        if any(sign in verdict[0] for sign in DISK_FULL):  # the README's exit code for disk failures
+    verdict = broadcast(decide() if _rank() == 0 else None)
+    if verdict:
+        error = HFExportError(verdict)
+        if any(sign in verdict for sign in DISK_FULL):  # the README's exit code for disk failures
             error.exit_code = EXIT_CHECKPOINT
         raise error
 
@@ -444,14 +499,21 @@ def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def target_problem(out: str | os.PathLike, overwrite: bool) -> str | None:
-    """Why `out` cannot be an export target (None if it can): it exists (without overwrite), or its nearest
-    existing parent is a file or not writable (a read-only file system)."""
+    """Why `out` cannot be an export target (None if it can): it exists (without overwrite), it is something else
+    than an earlier export (with overwrite: only a folder carrying `EXPORT_MARKER` is replaced, never a run folder
+    or a folder of other files), or its nearest existing parent is a file or not writable (a read-only file
+    system)."""
     out = Path(out)
+    if out.is_symlink():
+        return f"{out} is a symbolic link; the export never writes through one. Choose another output directory."
     if out.exists() and not overwrite:
         return (f"{out} already exists. Choose another output directory, or pass overwrite=True "
                 "(--overwrite) to replace it.")
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a directory; remove it or choose another output directory."
+    if out.exists() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        return (f"{out} is not a folder the workbench exported (it has no {EXPORT_MARKER}); --overwrite replaces "
+                "only an earlier export. Remove it yourself, or choose another output directory.")
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -572,11 +634,12 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
     _agree(lambda: target_problem(out, overwrite))
     adapter = backends.hf_adapter(backend, shape)
     units = plan_units(meta_state_dict(model_config), adapter)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{threading.get_ident()}"
+    tmp = out.parent / f".{out.name}.partial-{owner_tag()}"
     writer, failure = None, None
     if _rank() == 0:
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for kind in ("partial", "old"):  # left by exports to `out` that were killed
+                remove_abandoned(out.parent, f".{out.name}.{kind}-")
             tmp.mkdir(parents=True)
             writer = _ShardWriter(tmp, _shard_names(units, dt, max_shard_bytes))
         except OSError as e:  # a parent that became a file or read-only since target_problem
@@ -588,6 +651,7 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
             writer.finish()
             _write_config(tmp, shape, dt, data.tokenizer_dir(tokenizer_path))
             _copy_tokenizer(data.tokenizer_dir(tokenizer_path), tmp)
+            (tmp / EXPORT_MARKER).write_text("written by the workbench's Hugging Face export\n")
             _move_into_place(tmp, out, overwrite)
         except _TargetTaken as e:
             failure = str(e)
@@ -682,11 +746,12 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
                                "discarded. Choose another output directory, or pass --overwrite.") from None
         tmp.rename(out)
         return
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{threading.get_ident()}"
+    old = out.parent / f".{out.name}.old-{owner_tag()}"
     if out.exists():
         out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
 
 
 def export_model(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str | torch.dtype | None = None,

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -68,6 +69,35 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
         raise ConfigError(f"{key}={value!r} is out of range: valid is {lo}{name}{hi}{also}.")
 
 
+COUNT_MAX = 10**9
+"""The largest count a config takes (steps, intervals, frequencies, batch sizes, warm-up): a billion steps is
+years of training, and anything larger (1e19) overflows the int64 counters and C++ timeouts downstream."""
+
+
+def check_counts(section: str, obj: Any, lows: dict[str, int]) -> None:
+    """Each field of `lows` is a count in [its low, COUNT_MAX]; -1 (the "unset" of several fields) is left to the
+    field's own check."""
+    for key, low in lows.items():
+        value = getattr(obj, key)
+        if value != -1:
+            check_range(f"{section}.{key}", value, low, COUNT_MAX)
+
+
+def check_folder_name(key: str, name: str, where: str = "inside the run folder", example: str = "checkpoint") -> None:
+    """`name` is one folder name: not empty, no separator, not `.` or `..`, no NUL, at most NAME_MAX bytes.
+
+    Raises:
+        ConfigError: naming the key, the value and why (an empty experiment_name makes the dump folder itself the
+            run folder; `..` or a path puts it elsewhere).
+    """
+    bad = (not name.strip() and "is empty") or (name in (".", "..") and "names a parent or the same folder") or \
+        (("/" in name or os.sep in name) and "holds a path separator") or ("\0" in name and "holds a NUL byte") or \
+        (len(name.encode()) > NAME_MAX and f"is over {NAME_MAX} bytes")
+    if bad:
+        raise ConfigError(f"{key}={name[:60]!r} {bad}: it must be one folder name, {where}; anything else would "
+                          "write elsewhere.", f"give a plain name, e.g. --{key} {example}.")
+
+
 # ------------------------------------------------------------------------------------------------
 # Sections. Each field's docstring is its one-line documentation (shown by `--help`).
 # ------------------------------------------------------------------------------------------------
@@ -95,6 +125,9 @@ class Job:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         check_range("job.seed", self.seed, 0, 2**63 - 1)  # torch.manual_seed's range, as a TOML (int64) writes it
+        check_folder_name("job.experiment_name", self.experiment_name, "the run folder being "
+                          "<job.dump_folder>/<job.experiment_name> (an empty one would make the dump folder the run "
+                          "folder)", "my_run")
 
 
 @dataclass
@@ -146,6 +179,8 @@ class Model:
         if self.n_layers < 0 or (self.n_layers and self.hf_checkpoint):
             raise ConfigError(f"model.n_layers={self.n_layers}: give a positive number of decoder layers (0 = the "
                               "flavor's), and none with model.hf_checkpoint, whose config.json fixes the depth.")
+        # Before the shape is resolved: an absurd depth would make every estimate (the memory gate's) build it.
+        check_range("model.n_layers", self.n_layers, 0, flavors.MAX_LAYERS, special="(0 = the flavor's)")
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
         except FlavorError as e:
@@ -154,6 +189,7 @@ class Model:
             raise ConfigError(str(e)) from None
         if self.moe_block_size <= 0:
             raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
+        check_counts("model", self, {"moe_block_size": 1})
         check_range("model.moe_load_balance_coeff", self.moe_load_balance_coeff, 0, 1)
         BACKEND_RULES[self.backend](job)
 
@@ -264,6 +300,7 @@ class LRScheduler:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         check_range("lr_scheduler.warmup_steps", self.warmup_steps, 0)
+        check_counts("lr_scheduler", self, {"warmup_steps": 0, "total_steps": 1})
         if self.decay_ratio != -1:
             check_range("lr_scheduler.decay_ratio", self.decay_ratio, 0, 1, special="(or -1 = decay over all post-"
                         "warm-up steps)")
@@ -363,6 +400,8 @@ class Training:
                     f"global_batch_size={self.global_batch_size} ({self.global_batch_size // per_pass} accumulation "
                     "steps); set only one of them."
                 )
+        check_counts("training", self, {"local_batch_size": 1, "seq_len": 1, "steps": 1, "global_batch_size": 1,
+                                        "gradient_accumulation_steps": 1, "holdout_docs": 0, "loss_chunks": 0})
 
 
     def chat_options(self) -> dict:
@@ -447,6 +486,8 @@ class Checkpoint:
                               "the last complete checkpoint survives while the next one is written.")
         if self.load_step != -1:
             check_range("checkpoint.load_step", self.load_step, 0, special="(or -1 = the newest verified)")
+        check_counts("checkpoint", self, {"interval": 1, "keep_latest_k": 0, "load_step": 0})
+        check_folder_name("checkpoint.folder", self.folder)
         folder = job.run_dir / self.folder
         if self.enable and folder.exists() and not folder.is_dir():
             raise ConfigError(f"checkpoint.folder {folder} is a file, not a folder: move it away or set "
@@ -466,6 +507,8 @@ class Profiling:
 
     def check(self, job: JobConfig, world_size: int) -> None:
         steps = job.training.steps
+        check_counts("profiling", self, {"start_step": 0, "steps": 0})
+        check_folder_name("profiling.folder", self.folder, example="profiling")
         if self.enable and (self.steps <= 0 or not 1 <= self.start_step <= steps):
             raise ConfigError(
                 f"profiling: start_step={self.start_step}, steps={self.steps} must profile at least one "
@@ -493,6 +536,17 @@ class Neuron:
     sync_memory_stats: bool = True
     """Synchronize the device before reading peak-memory statistics (asynchronous execution)."""
 
+    def check(self, job: JobConfig, world_size: int) -> None:
+        for key in ("init_timeout_s", "step_timeout_s"):  # a timedelta in the process group's C++: a week at most
+            check_range(f"neuron.{key}", getattr(self, key), 1, TIMEOUT_MAX_S)
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_:]{0,63}", self.process_group):
+            raise ConfigError(f"neuron.process_group={self.process_group[:60]!r} is no torch.distributed backend "
+                              "name: set it to \"neuron\" (TorchNeuron's), or \"gloo\" / \"nccl\".")
+
+
+TIMEOUT_MAX_S = 7 * 24 * 3600
+"""The longest collective timeout accepted (neuron.init_timeout_s, step_timeout_s): a week."""
+
 
 @dataclass
 class Metrics:
@@ -504,6 +558,7 @@ class Metrics:
     def check(self, job: JobConfig, world_size: int) -> None:
         if self.log_freq <= 0:
             raise ConfigError(f"metrics.log_freq must be positive; got {self.log_freq}.")
+        check_counts("metrics", self, {"log_freq": 1})
 
 
 @dataclass

@@ -8,10 +8,12 @@ codes as `exitcode` in its failure summary):
 
     0   done
     2   config error: a bad key/value, a checkpoint or HF weights that do not fit the model, an unusable dataset,
-        a missing device; also the run folder is locked by another launch
+        a missing device, a crafted metadata file (HF config.json or index, a prepared manifest: the file and key
+        named); also the run folder is locked by another launch
     3   the loss or gradient norm stopped being finite (nothing of that state is saved)
     4   checkpoint or disk: no usable checkpoint to resume from, a checkpoint that asks to run code (refused
-        unrun), a failed save, an export that hits a full disk, a run folder that cannot be written
+        unrun), a failed save, an export or a prepare that hits a full or read-only disk, a run folder that cannot
+        be written or that holds a symbolic link
     5   stopped by SIGTERM/SIGINT after saving the current step (relaunch the same command to resume)
     128 + N   stopped at once by a second signal N (130 for SIGINT, 143 for SIGTERM; a SIGTERM after a SIGINT is how
         torchrun relays a second Ctrl-C, so it counts as SIGINT): nothing saved since the last checkpoint

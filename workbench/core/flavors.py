@@ -15,14 +15,27 @@ Two consumers read a shape:
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workbench.core.errors import FlavorError
+from workbench.core.errors import FlavorError, HFCheckpointError
+from workbench.core.files import read_json
+from workbench.core.schema import NULL, AnyOf, Bool, Choice, Int, ListOf, Num, Obj, check
 
 QWEN3_VOCAB = 151936
+MAX_LAYERS = 1024  # Qwen3-235B has 94; a deeper shape is refused before anything is estimated or built
+_DIM, _HEADS, _FFN = Int(1, 65536), Int(1, 1024), Int(1, 1 << 20)
+HF_CONFIG = Obj(
+    {"model_type": Choice(("qwen3", "qwen3_moe")), "hidden_size": _DIM, "num_hidden_layers": Int(1, MAX_LAYERS),
+     "num_attention_heads": _HEADS, "vocab_size": Int(1, 1 << 24)},
+    {"num_key_value_heads": _HEADS, "head_dim": AnyOf((Int(1, 4096), NULL)), "tie_word_embeddings": Bool(),
+     "rope_theta": Num(0.0, 1e12, low_open=True),
+     "rope_parameters": AnyOf((Obj({}, {"rope_theta": Num(0.0, 1e12, low_open=True)}), NULL)),
+     "max_position_embeddings": Int(1, 1 << 24), "intermediate_size": _FFN, "moe_intermediate_size": _FFN,
+     "num_experts": Int(1, 4096), "num_local_experts": Int(1, 4096), "num_experts_per_tok": Int(1, 4096),
+     "norm_topk_prob": Bool(), "decoder_sparse_step": Int(0, MAX_LAYERS), "mlp_only_layers": ListOf(Int(0))})
+"""What the workbench reads of a Qwen3 `config.json`, with types and ranges (a published config passes)."""
 
 
 @dataclass(frozen=True)
@@ -219,18 +232,26 @@ def hf_config(shape: Qwen3Shape, **overrides: Any):
     return Qwen3Config(**kw)
 
 
-def shape_from_hf_config(cfg: dict[str, Any]) -> Qwen3Shape:
+def shape_from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> Qwen3Shape:
     """Reads a Qwen3 shape out of a `config.json` dict (v4 and v5 key spellings).
 
     Raises:
-        ValueError: model_type is not qwen3 / qwen3_moe, or the config uses features our models lack.
+        ValueError: model_type is not qwen3 / qwen3_moe, a key of the wrong type or range (`HF_CONFIG`: the
+            message names `where` and the key), or the config uses features our models lack.
     """
-    model_type = cfg.get("model_type")
-    if model_type not in ("qwen3", "qwen3_moe"):
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if isinstance(cfg, dict) and model_type not in ("qwen3", "qwen3_moe"):
         raise ValueError(
-            f"config.json has model_type={model_type!r}; the workbench trains Qwen3 only "
+            f"{where} has model_type={model_type!r}; the workbench trains Qwen3 only "
             "(model_type 'qwen3' or 'qwen3_moe')."
         )
+    check(cfg, HF_CONFIG, where)
+    needed = ("moe_intermediate_size", "num_experts_per_tok") if model_type == "qwen3_moe" else ("intermediate_size",)
+    for key in needed:
+        if key not in cfg:
+            raise ValueError(f"{where}: {key} is missing")
+    if model_type == "qwen3_moe" and "num_experts" not in cfg and "num_local_experts" not in cfg:
+        raise ValueError(f"{where}: num_experts is missing")
     rope = cfg.get("rope_parameters") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     kw = dict(
@@ -254,6 +275,11 @@ def shape_from_hf_config(cfg: dict[str, Any]) -> Qwen3Shape:
         )
     else:
         kw.update(ffn_dim=cfg["intermediate_size"])
+    if kw["n_heads"] % kw["n_kv_heads"]:
+        raise ValueError(f"{where}: num_attention_heads ({kw['n_heads']}) is not a multiple of num_key_value_heads "
+                         f"({kw['n_kv_heads']}), which grouped-query attention needs")
+    if model_type == "qwen3_moe" and kw["top_k"] > kw["num_experts"]:
+        raise ValueError(f"{where}: num_experts_per_tok ({kw['top_k']}) is over num_experts ({kw['num_experts']})")
     return Qwen3Shape(**kw)
 
 
@@ -274,7 +300,10 @@ def read_hf_shape(checkpoint_dir: str | Path) -> Qwen3Shape:
             f"model.hf_checkpoint={str(d)!r} is not a directory (expected config.json + *.safetensors).")
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{str(d)!r} has no config.json; a Hugging Face checkpoint directory needs one.")
-    return shape_from_hf_config(json.loads(cfg_file.read_text()))
+    try:
+        return shape_from_hf_config(read_json(cfg_file), str(cfg_file))
+    except OSError as e:  # a FIFO or device named config.json, unreadable bytes
+        raise HFCheckpointError(f"{cfg_file} cannot be read: {e}.") from None
 
 
 def resolve(flavor: str, hf_checkpoint: str = "") -> tuple[str, Qwen3Shape]:

@@ -22,17 +22,26 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import json
 import math
 import os
 from pathlib import Path
 
 from workbench.core.errors import DatasetError
+from workbench.core.files import check_regular
 
 DOC_SEPARATOR = "<|endoftext|>"
 BUNDLED = ("shakespeare", "chitchat")  # dataset names that mean a bundled asset, not a path
 TEXT_SUFFIXES = (".txt", ".md")
-ROW_SUFFIXES = (".jsonl", ".parquet", ".arrow")  # .arrow: a Hugging Face `datasets` save_to_disk / cache file
+ROW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")  # .arrow: a Hugging Face `datasets` save_to_disk file
+NOT_ROWS = frozenset({"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"})
+"""The JSON files `datasets` writes beside its data (save_to_disk, hub repos): metadata, not documents."""
+TRAINING_ARGS = ("training.dataset", "training.dataset_text_field")
+"""How a launch names the dataset and its text field in messages (`prepare`'s command line: SRC, --text-field)."""
+
+
+def flag(arg: str) -> str:
+    """The spelling a user types for `arg`: --training.dataset for a config key, SRC / --text-field as they are."""
+    return f"--{arg}" if arg.startswith("training.") else arg
 
 
 def _package_dir(name: str) -> Path:
@@ -56,25 +65,9 @@ def bundled_corpus_dir() -> Path:
 
 
 def bundled_chat_json() -> Path:
-    """chitchat-dataset's dataset.json: an object of 7,168 conversations."""
+    """chitchat-dataset's dataset.json: an object of 7,168 conversations keyed by id, each a list of turns of
+    utterances with a sender (`workbench.data.chat` maps the first sender to user, the other to assistant)."""
     return _package_dir("chitchat_dataset") / "dataset.json"
-
-
-def bundled_chat_file() -> Path:
-    """The bundled conversations as jsonl (one record of chitchat's dataset.json per line, its key as "id"), written
-    once into the data cache: prepare reads jsonl and locates bad rows by file:line. The records keep chitchat's own
-    shape (turns of utterances with a sender); `workbench.data.chat` maps the senders to user and assistant."""
-    src = bundled_chat_json()
-    st = src.stat()
-    out = cache_root() / "bundled" / f"chitchat-{st.st_size}-{st.st_mtime_ns}.jsonl"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        with tmp.open("w") as f:
-            for key, rec in json.loads(src.read_text()).items():
-                f.write(json.dumps({"id": key, **rec}) + "\n")
-        tmp.replace(out)
-    return out
 
 
 def cache_root() -> Path:
@@ -186,36 +179,35 @@ def dataset_label(dataset: str) -> str:
     return " + ".join(f"{Path(name).name or name} {share:.3g}" for name, share in mixture(dataset))
 
 
-def source_root(dataset: str) -> Path:
-    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays, "chitchat" = the bundled chat set
-    as jsonl).
+def source_root(dataset: str, arg: str = TRAINING_ARGS[0]) -> Path:
+    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays, "chitchat" = the bundled chat set's
+    dataset.json); `arg` is how the user gave it (for messages: "training.dataset", or prepare's "SRC").
 
     Raises:
         DatasetError: empty, missing, or a symlink loop (each named).
     """
     if not dataset.strip():
-        raise DatasetError("training.dataset is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
-                           ".txt/.md files or folders, .jsonl, .parquet or a Hugging Face save_to_disk folder.")
+        raise DatasetError(f"{arg} is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
+                           ".txt/.md files or folders, .json/.jsonl, .parquet or a Hugging Face save_to_disk folder.")
     if dataset == "chitchat":
-        return bundled_chat_file()
+        return bundled_chat_json()
     root = bundled_corpus_dir() if dataset == "shakespeare" else Path(dataset)
     try:
         root.resolve(strict=True)
     except RuntimeError:  # Python 3.12 reports a symlink loop this way
-        raise DatasetError(f"training.dataset={dataset!r} is a symlink loop.", "point it at the real data.") from None
+        raise DatasetError(f"{arg}={dataset!r} is a symlink loop.", "point it at the real data.") from None
     except OSError as e:
         if e.errno == 40:  # ELOOP
-            raise DatasetError(f"training.dataset={dataset!r} is a symlink loop.",
-                               "point it at the real data.") from None
+            raise DatasetError(f"{arg}={dataset!r} is a symlink loop.", "point it at the real data.") from None
         raise DatasetError(
-            f"training.dataset={dataset!r} does not exist. Use 'shakespeare' (bundled), a prepared folder "
-            "(python -m workbench.data prepare SRC OUT) or a path to .txt/.md files or folders, .jsonl, .parquet "
-            "or a Hugging Face save_to_disk or hub cache folder.",
-            "point --training.dataset at existing data.") from None
-    return hub_snapshot(root)
+            f"{arg}={dataset!r} does not exist. Use 'shakespeare' (bundled), a prepared folder "
+            "(python -m workbench.data prepare SRC OUT) or a path to .txt/.md files or folders, .json/.jsonl, "
+            ".parquet or a Hugging Face save_to_disk or hub cache folder.",
+            f"point {flag(arg)} at existing data.") from None
+    return hub_snapshot(root, arg)
 
 
-def hub_snapshot(root: Path) -> Path:
+def hub_snapshot(root: Path, arg: str = TRAINING_ARGS[0]) -> Path:
     """A dataset's folder in a local Hugging Face hub cache (`datasets--OWNER--NAME`, holding blobs/, refs/ and
     snapshots/REVISION/ of links into blobs/) -> the snapshot its refs/main names, or its only one; any other path
     as it is. Read offline: nothing is downloaded.
@@ -230,27 +222,37 @@ def hub_snapshot(root: Path) -> Path:
     ref = root / "refs" / "main"
     rev = ref.read_text().strip() if ref.is_file() else (revisions[0] if len(revisions) == 1 else "")
     if rev not in revisions:
-        raise DatasetError(f"training.dataset={str(root)!r} is a Hugging Face hub cache folder whose refs/main does "
+        raise DatasetError(f"{arg}={str(root)!r} is a Hugging Face hub cache folder whose refs/main does "
                            f"not name one of its snapshots {revisions}.",
-                           f"point --training.dataset at one snapshot: {snaps}/REVISION.")
+                           f"point {flag(arg)} at one snapshot: {snaps}/REVISION.")
     return snaps / rev
 
 
-def document_sources(dataset: str) -> list[tuple[str, Path]]:
+def document_sources(dataset: str, arg: str = TRAINING_ARGS[0]) -> list[tuple[str, Path]]:
     """The files a raw dataset is made of, in its fixed order (sorted paths), without reading them.
 
+    Only regular files count in a folder (a FIFO or device would block the reader); one named directly must be one.
+
     Returns:
-        [(kind, path)]: kind "file" (a .txt/.md file = one document) or "rows" (.jsonl / .parquet / .arrow: one
-        document per row).
+        [(kind, path)]: kind "file" (a .txt/.md file = one document) or "rows" (.jsonl / .json / .parquet /
+        .arrow: one document per row or record).
 
     Raises:
-        DatasetError: a missing path, a symlink loop, or no file of a known kind.
+        DatasetError: a missing path, a symlink loop, no file of a known kind, or a path that is no regular file.
     """
-    root = source_root(dataset)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    root = source_root(dataset, arg)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name not in NOT_ROWS)
+    else:
+        try:
+            check_regular(root)
+        except OSError as e:
+            raise DatasetError(f"{arg}={dataset!r}: {e}.", f"point {flag(arg)} at a file or folder of documents."
+                               ) from None
+        files = [root]
     sources = [("file" if f.suffix in TEXT_SUFFIXES else "rows", f) for f in files
                if f.suffix in TEXT_SUFFIXES + ROW_SUFFIXES]
     if not sources:
-        raise DatasetError(f"training.dataset={dataset!r} holds no .txt, .md, .jsonl, .parquet or .arrow files.",
-                           "point it at a folder or file of documents.")
+        raise DatasetError(f"{arg}={dataset!r} holds no .txt, .md, .json, .jsonl, .parquet or .arrow files.",
+                           "point it at a folder or file of documents (JSON: an array or object of records).")
     return sources

@@ -79,7 +79,7 @@ def detect(dataset: str, text_field: str = "text") -> bool:
     if kind == "file":
         return False
     size = path.stat().st_size
-    kinds = {".jsonl": "jsonl", ".parquet": "parquet"}
+    kinds = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json"}
     unit = {"kind": kinds.get(path.suffix, "arrow"), "path": str(path), "start": 0, "stop": size if
             path.suffix == ".jsonl" else 1, "first": 1 if path.suffix == ".jsonl" else 0, "bytes": size}
     for _, row, _ in read_unit(unit, None):  # the first row only (the reader is lazy)
@@ -299,6 +299,32 @@ class Rendered:
     def trained_ends(self) -> int:
         """`<|im_end|>` tokens owned as the end of an assistant turn (the stop audit counts them)."""
         return int(((self.owners & 7) == END).sum())
+
+
+def append(tok, batch: list[tuple[str, dict]], tokens_file, owners_file) -> tuple[list[int], list, dict]:
+    """Renders a batch of (location, row) and appends each good conversation's ids (uint32) and owner bytes to the
+    files, in order.
+
+    Returns:
+        (the good conversations' lengths in tokens, [(location, BadConversation)] of the bad rows, counts: chars,
+        assistant_turns, trained_ends).
+
+    Raises:
+        ValueError: the stop audit failed (see `render`).
+    """
+    lengths, bad = [], []
+    counts = {"chars": 0, "assistant_turns": 0, "trained_ends": 0}
+    for (where, _), r in zip(batch, render(tok, [row for _, row in batch]), strict=True):
+        if isinstance(r, BadConversation):
+            bad.append((where, r))
+            continue
+        r.ids.tofile(tokens_file)
+        r.owners.tofile(owners_file)
+        lengths.append(len(r.ids))
+        counts["chars"] += r.chars
+        counts["assistant_turns"] += r.assistant_turns
+        counts["trained_ends"] += r.trained_ends
+    return lengths, bad, counts
 
 
 def render(tok, rows: list) -> list[Rendered | BadConversation]:

@@ -224,7 +224,7 @@ class ChatRows:
         self._rows_before = [0]  # global rows before each epoch packed so far
 
     def _key(self) -> str:
-        ident = {"shards": [s["sha256"] for s in self.p.manifest["shards"]], **asdict(self.spec)}
+        ident = {"shards": [s["files"] for s in self.p.manifest["shards"]], **asdict(self.spec)}
         ident.pop("seed")  # the pieces do not depend on it; epochs are keyed by seed and epoch below
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -7,16 +7,20 @@ A prepared folder::
     OUT/plan.json                 what is being prepared (source fingerprint, tokenizer hash, text field, shards)
     OUT/shards/00000.tokens       uint32 token ids: every document's tokens followed by <|endoftext|>
     OUT/shards/00000.docs         int64 end offset of each document in the shard's tokens
-    OUT/shards/00000.crc          uint32 crc32 of each 64 KiB block of the tokens (checked on first read)
-    OUT/shards/00000.mask         conversations only: one owner byte per token (`workbench.data.chat`)
-    OUT/shards/00000.mask.crc     uint32 crc32 of the mask's block of each 64 KiB block of tokens
-    OUT/shards/00000.json         the shard's record (counts, bad rows, sha256 of .tokens and .docs): it is done
+    OUT/shards/00000.tokens.crc   uint32 crc32 of each 64 KiB block of .tokens (checked on first read), and the
+    OUT/shards/00000.docs.crc     same for every other side file of a shard (`SHARD_FILES`): .docs at open
+    OUT/shards/00000.mask         conversations only: one owner byte per token (`workbench.data.chat`), with its .crc
+    OUT/shards/00000.json         the shard's record (counts, bad rows, bytes and sha256 of each file): it is done
     OUT/manifest.json             the commit point, written last (atomic rename): the folder is complete
 
-Only a folder with a manifest is ever read. A re-run on the same input does nothing; a run killed at any moment
-(kill -9 included) resumes: finished shards are verified against their sha256 and kept, the rest redone. One
-prepare at a time holds `OUT/.lock` (an flock the kernel drops when the process dies); a second one is refused,
-or, for the training cache (`wait=True`), waits for the first and then finds the folder done.
+Only a folder with a manifest is ever read, and what it says is checked before it is used: the manifest against
+`manifest.MANIFEST` (types, ranges, shard names that stay in the folder), each file's size, the crc of every block
+as it is first read, document ends that rise to the shard's token count, token ids below the vocabulary.
+
+A re-run on the same input does nothing; a run killed at any moment (kill -9 included) resumes: finished shards are
+verified against their sha256 and kept, the rest redone. One prepare at a time holds `OUT/.lock` (an flock the kernel
+drops when the process dies); a second one is refused, or, for the training cache (`wait=True`), waits for the first
+and then finds the folder done. `--strict` on a folder prepared without it prepares again (or refuses its bad row).
 
 Shards are prepared in parallel by `--workers` processes (default: every core), each reading its own part of the
 source. Documents longer than `CHUNK_CHARS` characters are tokenized in pieces cut at whitespace, so memory stays
@@ -32,7 +36,8 @@ closing `<|im_end|>` owned as trained, counted per shard and checked again in th
 from __future__ import annotations
 
 import argparse
-import fcntl
+import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -48,13 +53,24 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.core.errors import DatasetError
-from workbench.data import BUNDLED, DOC_SEPARATOR, document_sources, source_root, tokenizer_dir, tokenizer_hash
+from workbench.core import files
+from workbench.core.errors import EXIT_CHECKPOINT, DatasetError
+from workbench.core.files import read_bytes, write_atomic
+from workbench.core.schema import check
+from workbench.data import (
+    BUNDLED,
+    DOC_SEPARATOR,
+    TRAINING_ARGS,
+    document_sources,
+    flag,
+    source_root,
+    tokenizer_dir,
+    tokenizer_hash,
+)
+from workbench.data.manifest import BLOCK_BYTES, BLOCK_TOKENS, FORMAT, RECORD, SHARD_FILES, digest, read_manifest
 from workbench.data.sources import plan_units, read_unit
 
-FORMAT = 2  # bumped whenever the folder's layout or manifest changes
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
-BLOCK_TOKENS = 16384  # 64 KiB of uint32: the unit of the read-time crc check
 UNMAP_ALIGN = 1 << 20  # what a read unmaps is widened to these boundaries (> Linux's 64 KiB fault-around window)
 CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about this many characters
 MAX_DOCUMENT_BYTES = 512 << 20  # a longer document is refused (its text alone would have to sit in memory)
@@ -68,11 +84,11 @@ CHAT_BATCH = 256  # conversations rendered, then tokenized together
 # ------------------------------------------------------------------------------------------------
 
 
-def fingerprint(dataset: str) -> str:
+def fingerprint(dataset: str, arg: str = TRAINING_ARGS[0]) -> str:
     """sha256 over the source files' relative paths, sizes and modification times (no content read)."""
-    root = source_root(dataset)
+    root = source_root(dataset, arg)
     h = hashlib.sha256()
-    for _, f in document_sources(dataset):
+    for _, f in document_sources(dataset, arg):
         st = f.stat()
         h.update(f"{f.relative_to(root) if root.is_dir() else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
@@ -84,41 +100,37 @@ def is_prepared(path: str | Path) -> bool:
     return p.is_dir() and ((p / "manifest.json").is_file() or (p / "plan.json").is_file())
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _lock(out: Path, wait: bool, say) -> files.FileLock:
+    """The exclusive flock on OUT/.lock (released by the kernel if the holder dies); a folder holding a symbolic
+    link is refused first (prepare writes there, and a link would carry a write outside it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    link = files.find_link(out)
+    if link is not None:
+        raise files.LinkError(link)
+    lock = files.FileLock(out / ".lock")
+    if not lock.acquire():
+        holder = lock.holder().decode(errors="replace").strip() or "another process"
+        if not wait:
+            raise DatasetError(f"{out} is being prepared by {holder} right now; a second prepare into the same "
+                               "folder is refused.", "wait for it to finish, or prepare into another folder.")
+        say(f"waiting for {holder}, which is preparing {out}")
+        lock.acquire(wait=True)
+    lock.record(f"pid {os.getpid()}")
+    return lock
 
 
-class _Lock:
-    """An exclusive flock on OUT/.lock (released by the kernel if the holder dies)."""
+DISK_ERRNOS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EFBIG)
 
-    def __init__(self, out: Path, wait: bool, say):
-        out.mkdir(parents=True, exist_ok=True)
-        self.f = (out / ".lock").open("a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.seek(0)
-            holder = self.f.read().strip() or "another process"
-            if not wait:
-                self.f.close()
-                raise DatasetError(f"{out} is being prepared by {holder} right now; a second prepare into the same "
-                                   "folder is refused.", "wait for it to finish, or prepare into another folder."
-                                   ) from None
-            say(f"waiting for {holder}, which is preparing {out}")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        self.f.seek(0)
-        self.f.truncate()
-        self.f.write(f"pid {os.getpid()}")
-        self.f.flush()
 
-    def release(self) -> None:
-        fcntl.flock(self.f, fcntl.LOCK_UN)
-        self.f.close()
+def _write_failed(e: OSError, out: Path) -> DatasetError:
+    """One line for a folder prepare cannot write: a link or special file planted in it (exit 2), or a read-only or
+    full file system (exit 4, like every disk failure)."""
+    if isinstance(e, (files.LinkError, files.NotRegularError)):
+        return DatasetError(f"{e}.", f"remove it, or prepare into a new folder instead of {out}.")
+    error = DatasetError(f"writing {e.filename or out} failed: {e.strerror}; nothing half-written was kept.",
+                         f"prepare into a writable folder with free space instead of {out}.")
+    error.exit_code, error.kind = EXIT_CHECKPOINT, "disk error"
+    return error
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,7 +140,7 @@ class _Lock:
 
 def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False, text_field: str = "text",
             tokenizer_path: str = "", shard_bytes: int = SHARD_BYTES, wait: bool = False, progress: bool = True,
-            say=None, chat: bool | None = None) -> dict:
+            say=None, args: tuple[str, str] = TRAINING_ARGS, chat: bool | None = None) -> dict:
     """Tokenizes `src` into the prepared folder `out` (see the module docstring) and returns its manifest.
 
     Args:
@@ -143,42 +155,56 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
         wait: if another process is preparing `out`, wait for it (the training cache) instead of refusing.
         progress: show a progress bar (tokens/s, ETA) on stderr.
         say: where one-line notes go (default: stderr).
+        args: how the user named the source and the text field, for messages (`prepare`'s command line: SRC,
+            --text-field).
         chat: rows are conversations (True), documents (False), or whichever the first row is (None).
 
     Raises:
-        DatasetError: a missing or empty source, a bad row with `strict`, an over-long document, a dataset without
-            text, a folder being prepared by another process, or a folder prepared from another source.
+        DatasetError: a missing or empty source, a bad row with `strict` (also in a folder prepared before without
+            it), an over-long document, a dataset without text, an unusable tokenizer, a folder being prepared by
+            another process, one prepared from another source, or one that cannot be written (read-only, full, a
+            link in it: exit 4 for the disk).
     """
     say = say or (lambda m: print(f"workbench data: {m}", file=sys.stderr, flush=True))
     out = Path(out)
-    src_root = source_root(src)
+    src_root = source_root(src, args[0])
     if chat is None:
         from workbench.data.chat import detect
 
         chat = detect(src, text_field)
     identity = {"format": FORMAT, "source": src if src in BUNDLED else os.path.abspath(src_root),
-                "fingerprint": fingerprint(src), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
+                "fingerprint": fingerprint(src, args[0]), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
                 "text_field": text_field, "mode": "chat" if chat else "text"}
-    done = _complete(out, identity)
-    if done:
-        return done
-    lock = _Lock(out, wait, say)
     try:
-        done = _complete(out, identity)  # the process we waited for may have finished it
+        done = _complete(out, identity, strict)
         if done:
             return done
-        return _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes,
-                               progress, say)
-    finally:
-        lock.release()
+        lock = _lock(out, wait, say)
+        try:
+            done = _complete(out, identity, strict)  # the process we waited for may have finished it
+            if done:
+                return done
+            return _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes,
+                                   progress, say, args)
+        finally:
+            lock.release()
+    except OSError as e:
+        if isinstance(e, (files.LinkError, files.NotRegularError)) or e.errno in DISK_ERRNOS:
+            raise _write_failed(e, out) from None
+        raise
 
 
-def _complete(out: Path, identity: dict) -> dict | None:
-    """The manifest of `out` if it is complete for `identity`; refuses one complete for another input."""
+def _complete(out: Path, identity: dict, strict: bool = False) -> dict | None:
+    """The manifest of `out` if it is complete for `identity`; refuses one complete for another input, and, with
+    `strict`, one that skipped bad rows (a prepare without --strict made it)."""
     m = out / "manifest.json"
     if not m.is_file():
         return None
-    manifest = json.loads(m.read_text())
+    manifest = read_manifest(out)
+    if strict and manifest["bad_rows"]:
+        raise DatasetError(f"bad row {(manifest['bad_examples'] or ['?'])[0]} (prepare --strict; {out} was prepared "
+                           f"without --strict and skipped {manifest['bad_rows']:,} bad row(s)).",
+                           "fix or remove that row and prepare into a new folder, or prepare without --strict.")
     for key, what in (("format", "format version"), ("text_field", "text field"), ("tokenizer_sha256", "tokenizer"),
                       ("fingerprint", "source fingerprint"), ("source", "source"), ("mode", "mode (text or chat)")):
         if manifest.get(key, "text" if key == "mode" else None) != identity[key]:
@@ -189,9 +215,10 @@ def _complete(out: Path, identity: dict) -> dict | None:
     return manifest
 
 
-def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes, progress, say):
+def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes, progress, say,
+                    args):
     chat = identity["mode"] == "chat"
-    units = plan_units(src, None if chat else text_field, shard_bytes)
+    units = plan_units(src, None if chat else text_field, shard_bytes, args)
     shards, acc = [], []
     for u in units:  # consecutive units up to shard_bytes: a shard is a run of documents in the fixed order
         acc.append(u)
@@ -200,13 +227,13 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
             acc = []
     if acc:
         shards.append(acc)
-    plan = {**identity, "shard_bytes": shard_bytes, "shards": shards}
+    plan = {**identity, "strict": strict, "shard_bytes": shard_bytes, "shards": shards}
     sdir = out / "shards"
     plan_file = out / "plan.json"
-    if plan_file.is_file() and json.loads(plan_file.read_text()) != plan:
-        shutil.rmtree(sdir, ignore_errors=True)  # an unfinished preparation of another input: start over
+    if plan_file.is_file() and _json_or_none(plan_file) != plan:
+        shutil.rmtree(sdir, ignore_errors=True)  # an unfinished preparation of another input (or --strict): over
     sdir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(plan_file, json.dumps(plan, indent=1))
+    write_atomic(plan_file, json.dumps(plan, indent=1))
 
     records: dict[int, dict] = {}
     for i in range(len(shards)):
@@ -219,7 +246,7 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
         say(f"resuming {out}: {len(records)} of {len(shards)} shards done and verified")
     workers = min(workers or os.cpu_count() or 1, max(len(pending), 1))
     job = {"tokenizer": str(tokenizer_dir(tokenizer_path) / "tokenizer.json"), "text_field": text_field,
-           "strict": strict, "dir": str(sdir), "chat": chat}
+           "strict": strict, "dir": str(sdir), "args": args, "chat": chat}
     bar = _Progress(total, sum(u["bytes"] for i in records for u in shards[i]), progress)
     try:
         if workers <= 1:
@@ -230,26 +257,36 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
             ctx = mp.get_context("fork")  # no re-import of the parent's modules (spawn would import torch)
             q = ctx.Queue()
             with ctx.Pool(workers, initializer=_init_worker, initargs=({**job, "one_thread": True}, q)) as pool:
-                results = [pool.apply_async(_prepare_shard, ((i, shards[i]),)) for i in pending]
-                while not all(r.ready() for r in results):
+                results = {i: pool.apply_async(_prepare_shard, ((i, shards[i]),)) for i in pending}
+                while results:  # the first failure (a bad tokenizer fails every shard) stops the pool: one line
+                    for i in [i for i, r in results.items() if r.ready()]:
+                        records[i] = _check(results.pop(i).get())
                     try:
                         bar.add(*q.get(timeout=0.2))
                     except queue.Empty:
                         pass
-                for i, r in zip(pending, results, strict=True):
-                    records[i] = _check(r.get())
     finally:
         bar.close()
-    return _commit(out, plan, [records[i] for i in range(len(shards))], say)
+    return _commit(out, plan, [records[i] for i in range(len(shards))], say, args)
 
 
 def _check(record: dict) -> dict:
     if "error" in record:
-        raise DatasetError(record["error"], record["fix"])
+        error = DatasetError(record["error"], record["fix"])
+        error.exit_code, error.kind = record.get("exit_code", error.exit_code), record.get("kind", error.kind)
+        raise error
     return record
 
 
-def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
+def _json_or_none(path: Path):
+    """The JSON in a file the workbench wrote earlier, or None where it is unreadable (then it is redone)."""
+    try:
+        return files.read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _commit(out: Path, plan: dict, records: list[dict], say, args: tuple[str, str]) -> dict:
     counts = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_documents", "bad_rows")}
     chat = plan["mode"] == "chat"
     if chat:
@@ -259,8 +296,11 @@ def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
     bad = [b for r in records for b in r["bad_examples"]][:BAD_EXAMPLES]
     if counts["documents"] == 0:
         where = f" (first: {'; '.join(bad)})" if bad else ""
+        conversations = any(f"{plan['text_field']!r} is a list, not a string" in b for b in bad)
         raise DatasetError(f"{plan['source']}: no documents: {counts['bad_rows']} bad row(s){where}.",
-                           "point training.dataset at documents with text.")
+                           f"{plan['text_field']!r} holds lists: conversations are prepared with --chat (python -m "
+                           "workbench.data prepare SRC OUT --chat), or pick a text field with "
+                           f"{flag(args[1])}." if conversations else f"point {flag(args[0])} at documents with text.")
     first_text, before = -1, 0  # global index of the first document with text (-1: none)
     for r in records:
         if first_text < 0 and r["first_text"] >= 0:
@@ -268,9 +308,10 @@ def _commit(out: Path, plan: dict, records: list[dict], say) -> dict:
         before += r["documents"]
     counts["first_text_document"] = first_text
     manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field", "mode")}
-    manifest |= {**counts, "bad_examples": bad, "separator": None if chat else DOC_SEPARATOR, "dtype": "uint32",
-                 "shards": [{k: r[k] for k in ("name", "documents", "tokens", "sha256")} for r in records]}
-    _atomic_write(out / "manifest.json", json.dumps(manifest, indent=1))
+    manifest |= {**counts, "vocab_size": max(r["vocab_size"] for r in records), "bad_examples": bad,
+                 "separator": None if chat else DOC_SEPARATOR, "dtype": "uint32",
+                 "shards": [{k: r[k] for k in ("name", "documents", "tokens", "files")} for r in records]}
+    write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
     line = f"prepared {out}: {counts['documents']:,} {'conversations' if chat else 'documents'}, " \
            f"{counts['tokens']:,} tokens, {len(records)} shards"
     if chat:
@@ -312,17 +353,26 @@ _WORKER: dict = {}
 
 
 def _init_worker(job: dict, q) -> None:
+    """Loads the tokenizer once per worker. A failure is kept, not raised: a pool whose initializer raises starts
+    new workers forever; this way every shard returns the cause and the first one stops the pool."""
     if job.get("one_thread"):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: `--workers` is the parallelism
-    st = Path(job["tokenizer"]).stat()
-    tok = _tokenizer(job["tokenizer"], st.st_size, st.st_mtime_ns)
-    _WORKER.update(job, tok=tok, sep=tok.token_to_id(DOC_SEPARATOR), queue=q)
-    if job.get("chat"):
+    _WORKER.clear()
+    _WORKER.update(job, queue=q)
+    try:
+        st = Path(job["tokenizer"]).stat()
+        tok = _tokenizer(job["tokenizer"], st.st_size, st.st_mtime_ns)
+        sep = tok.token_to_id(DOC_SEPARATOR)
+        if sep is None:
+            raise ValueError(f"it has no {DOC_SEPARATOR!r} token to separate documents")
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
+        _WORKER["init_error"] = f"the tokenizer {job['tokenizer']} cannot be used: {str(e).strip()[:300]}."
+        return
+    _WORKER.update(tok=tok, sep=sep, vocab=tok.get_vocab_size(with_added_tokens=True))
+    if job.get("chat"):  # conversations: rendered by transformers' tokenizer (its chat_template)
         from workbench.data.chat import hf_tokenizer
 
         _WORKER["hf"] = hf_tokenizer(Path(job["tokenizer"]).parent)
-    if _WORKER["sep"] is None:
-        raise ValueError(f"The tokenizer has no {DOC_SEPARATOR!r} token to separate documents.")
 
 
 @functools.cache
@@ -349,9 +399,25 @@ def _split(text: str) -> list[str]:
 
 
 def _prepare_shard(task: tuple[int, list], report=None) -> dict:
-    """Tokenizes one shard into its files and writes its record last; returns the record (or an error).
+    """Tokenizes one shard into its files and writes its record last; returns the record, or an error (a bad row
+    with --strict, an unusable tokenizer, a folder that cannot be written) with no temp file left.
 
     `report(source_chars, tokens)` is called as it goes (in a pool: through the progress queue)."""
+    sdir, name = Path(_WORKER["dir"]), f"{task[0]:05d}"
+    if "init_error" in _WORKER:
+        return {"error": _WORKER["init_error"], "fix": "point --tokenizer (model.tokenizer_path) at a folder with a "
+                "valid Hugging Face tokenizer.json, or leave it empty for the bundled Qwen3 one."}
+    try:
+        return _write_shard(task, report)
+    except OSError as e:
+        error = _write_failed(e, sdir.parent)
+        return {"error": error.message, "fix": error.fix, "exit_code": error.exit_code, "kind": error.kind}
+    finally:
+        for suffix in (*SHARD_FILES, "mask"):
+            (sdir / f"{name}.{suffix}.tmp").unlink(missing_ok=True)
+
+
+def _write_shard(task: tuple[int, list], report) -> dict:
     i, units = task
     w = _WORKER
     send = report or (lambda b, t: w["queue"].put((b, t)))
@@ -373,7 +439,8 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
     chat = w.get("chat")
     talk = {"assistant_turns": 0, "trained_ends": 0, "bad_kinds": {}}  # conversations: the stop audit's counts
     tmp = sdir / f"{name}.tokens.tmp"
-    with tmp.open("wb") as f, (sdir / f"{name}.mask.tmp").open("wb") if chat else open(os.devnull, "wb") as mask:
+    with files.create_new(tmp) as f, \
+            files.create_new(sdir / f"{name}.mask.tmp") if chat else contextlib.nullcontext() as mask:
 
         def skip(where: str, reason: str, kind: str = "") -> dict | None:
             """Counts a bad row, or (strict) returns the error that refuses it."""
@@ -389,32 +456,26 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
             return None
 
         def flush_chat() -> dict | None:
-            """Renders the batch of conversations and writes their tokens and owner bytes."""
+            """Renders the batch of conversations into the tokens and owner files (`chat.append`)."""
             nonlocal n_tokens, first_text, text_docs
-            from workbench.data.chat import BadConversation, render
+            from workbench.data.chat import append
 
             try:
-                rendered = render(w["hf"], [row for _, row in batch])
+                lengths, bad_rows, counts = append(w["hf"], batch, f, mask)
             except ValueError as e:  # the stop audit: a template this reader does not understand
-                return {"error": f"{batch[0][0]}..: {e}.", "fix": "train with a Qwen3-style chat template "
+                return {"error": f"{batch[0][0]}..: {e}.", "fix": "use a Qwen3-style chat template "
                         "(tokenizer_config.json chat_template), or report the template."}
-            chars = tokens = 0
-            for (where, _), r in zip(batch, rendered, strict=True):
-                if isinstance(r, BadConversation):
-                    if err := skip(where, str(r), r.kind):
-                        return err
-                    continue
-                r.ids.tofile(f)
-                r.owners.tofile(mask)
-                n_tokens += len(r.ids)
-                tokens += len(r.ids)
-                chars += r.chars
-                first_text = len(ends) if first_text < 0 else first_text
-                text_docs += 1
+            for where, e in bad_rows:
+                if err := skip(where, str(e), e.kind):
+                    return err
+            first_text = len(ends) if first_text < 0 and lengths else first_text
+            text_docs += len(lengths)
+            for n in lengths:
+                n_tokens += n
                 ends.append(n_tokens)
-                talk["assistant_turns"] += r.assistant_turns
-                talk["trained_ends"] += r.trained_ends
-            report(chars, tokens)
+            talk["assistant_turns"] += counts["assistant_turns"]
+            talk["trained_ends"] += counts["trained_ends"]
+            report(counts["chars"], sum(lengths))
             batch.clear()
             return None
 
@@ -434,7 +495,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
             batch_chars = 0
 
         for unit in units:
-            for where, text, reason in read_unit(unit, None if chat else field):
+            for where, text, reason in read_unit(unit, None if chat else field, w["args"][1]):
                 if text is None:
                     if err := skip(where, reason, "unreadable" if chat else ""):
                         return err
@@ -471,64 +532,44 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
         for g in (f, mask) if chat else (f,):
             g.flush()
             os.fsync(g.fileno())
+    write_atomic(sdir / f"{name}.docs", np.asarray(ends, dtype=np.int64).tobytes())
+    os.replace(tmp, sdir / f"{name}.tokens")
     if chat:
         os.replace(sdir / f"{name}.mask.tmp", sdir / f"{name}.mask")
-    np.asarray(ends, dtype=np.int64).tofile(sdir / f"{name}.docs.tmp")
-    os.replace(sdir / f"{name}.docs.tmp", sdir / f"{name}.docs")
-    os.replace(tmp, sdir / f"{name}.tokens")
     send(max(sum(u["bytes"] for u in units) - reported, 0), 0)  # the rest of the shard's bytes (JSON, escapes)
-    crc, sha = _scan(sdir, name)
-    crc.tofile(sdir / f"{name}.crc")
-    if chat:
-        _block_crcs(sdir / f"{name}.mask", BLOCK_TOKENS).tofile(sdir / f"{name}.mask.crc")
+    digests = {}
+    for suffix in (*SHARD_FILES, "mask") if chat else SHARD_FILES:  # every file of the shard: a crc per block
+        crcs, digests[suffix] = digest(sdir / f"{name}.{suffix}")  # beside it; bytes and sha256 in the record
+        write_atomic(sdir / f"{name}.{suffix}.crc", crcs)
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
-              "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "sha256": sha}
-    if chat:
-        record |= talk
-    _atomic_write(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
+              "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "vocab_size": w["vocab"],
+              "files": digests, **(talk if chat else {})}
+    write_atomic(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
     return record
-
-
-def _scan(sdir: Path, name: str) -> tuple[np.ndarray, str]:
-    """crc32 of every 64 KiB block of the tokens, and one sha256 over the tokens, the document index, then the
-    owner bytes of a conversation shard."""
-    h, crcs = hashlib.sha256(), []
-    with (sdir / f"{name}.tokens").open("rb") as f:
-        while block := f.read(BLOCK_TOKENS * 4):
-            crcs.append(zlib.crc32(block))
-            h.update(block)
-    h.update((sdir / f"{name}.docs").read_bytes())
-    if (mask := sdir / f"{name}.mask").is_file():
-        h.update(mask.read_bytes())
-    return np.asarray(crcs, dtype=np.uint32), h.hexdigest()
-
-
-def _block_crcs(path: Path, block_bytes: int) -> np.ndarray:
-    """crc32 of every `block_bytes` block of a file."""
-    crcs = []
-    with path.open("rb") as f:
-        while block := f.read(block_bytes):
-            crcs.append(zlib.crc32(block))
-    return np.asarray(crcs, dtype=np.uint32)
 
 
 def _map_tokens(path: Path) -> mmap.mmap:
     """A shard's tokens mapped read-only, advised random access: rows are read in a shuffled order, so the kernel
     reads ahead nothing into this process."""
-    with path.open("rb") as f:
+    with files.open_regular(path) as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     mm.madvise(mmap.MADV_RANDOM)
     return mm
 
 
 def _verified_record(sdir: Path, i: int) -> dict | None:
-    """The record of a finished shard whose files still match its sha256; None (redo it) otherwise."""
+    """The record of a finished shard whose files (and their crc files) still match it; None (redo it) otherwise."""
     name = f"{i:05d}"
-    rec_file = sdir / f"{name}.json"
-    if not rec_file.is_file() or not (sdir / f"{name}.tokens").is_file() or not (sdir / f"{name}.docs").is_file():
+    rec = _json_or_none(sdir / f"{name}.json")
+    try:
+        check(rec, RECORD, "record")
+        for suffix, want in rec["files"].items():
+            crcs, got = digest(files.inside(sdir, f"{name}.{suffix}"))
+            if got != want or read_bytes(sdir / f"{name}.{suffix}.crc") != crcs:
+                return None
+    except (OSError, ValueError):
         return None
-    rec = json.loads(rec_file.read_text())
-    return rec if _scan(sdir, name)[1] == rec["sha256"] else None
+    return rec if rec["name"] == name and set(rec["files"]) >= set(SHARD_FILES) else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,12 +580,14 @@ def _verified_record(sdir: Path, i: int) -> dict | None:
 class Prepared:
     """A complete prepared folder, memory-mapped: documents by global index, in the source's fixed order.
 
-    Opening reads the manifest and the document index (8 bytes per document), never the tokens; token blocks are
-    crc-checked the first time this process reads them.
+    Opening reads the manifest (checked against `MANIFEST`) and the document index (8 bytes per document, its crc
+    checked and its ends required to rise to the shard's token count), never the tokens; token blocks are
+    crc-checked, and their ids checked against the vocabulary, the first time this process reads them.
 
     Raises:
-        DatasetError: not a prepared folder, an unfinished one, another tokenizer (both hashes named), a source
-            changed since prepare (the fingerprints named), a truncated shard or a corrupt one (the shard named).
+        DatasetError: not a prepared folder, an unfinished one, a manifest that is not what prepare writes (the key
+            named), another tokenizer (both hashes named), a source changed since prepare (the fingerprints named),
+            a truncated, corrupt or linked shard file (the file named).
     """
 
     def __init__(self, folder: str | Path, tokenizer_path: str | None = "", check_source: bool = True):
@@ -555,47 +598,58 @@ class Prepared:
                 else "is not a prepared dataset"
             raise DatasetError(f"{self.folder} {state}.", "run python -m workbench.data prepare SRC "
                                f"{self.folder} (it resumes where it stopped).")
-        self.manifest = json.loads(m.read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise DatasetError(f"{self.folder} has prepared-data format {self.manifest.get('format')}; this "
-                               f"workbench reads format {FORMAT}.", f"delete {self.folder} and prepare again.")
+        self.manifest = read_manifest(self.folder)
         if tokenizer_path is not None and (want := tokenizer_hash(tokenizer_path)) != self.manifest["tokenizer_sha256"]:
             raise DatasetError(
                 f"{self.folder} was prepared with tokenizer sha256 {self.manifest['tokenizer_sha256'][:16]}, but "
                 f"model.tokenizer_path={tokenizer_path or '(bundled Qwen3)'!r} has sha256 {want[:16]}.",
                 "prepare the dataset again with this tokenizer (--tokenizer), or train with the one that made it.")
         src = self.manifest["source"]
-        if check_source and (src == "shakespeare" or Path(src).exists()):
+        if check_source and (src in BUNDLED or Path(src).exists()):
             now = fingerprint(src)
             if now != self.manifest["fingerprint"]:
                 raise DatasetError(
                     f"{src} changed since it was prepared into {self.folder} (source fingerprint "
                     f"{self.manifest['fingerprint'][:16]} then, {now[:16]} now).",
                     f"prepare it again into a new folder (or delete {self.folder} first).")
-        self.chat = self.manifest.get("mode") == "chat"  # conversations: owner bytes beside the tokens
-        self.tokens, ends, self._maps = [], [], []
-        self._crc: dict[str, list] = {"tokens": [], "mask": []}
-        self._checked: dict[str, list] = {"tokens": [], "mask": []}
+        link = files.find_link(self.folder)
+        if link is not None:  # a shard is read from this folder only, never through a link to elsewhere
+            raise DatasetError(f"{link} is a symbolic link; a prepared folder is read from its own files only.",
+                               f"prepare again into a new folder: python -m workbench.data prepare SRC {self.folder}.")
+        self.chat = self.manifest.get("mode") == "chat"  # conversations: owner bytes beside the tokens (`owners`)
+        self.tokens, ends, self._crc, self._checked, self._maps = [], [], [], [], []
         sdir = self.folder / "shards"
-        for s in self.manifest["shards"]:
+        for i, s in enumerate(self.manifest["shards"]):
+            crcs = {}
+            for kind, meta in s["files"].items():  # every file of the shard, with its crc file
+                f = sdir / f"{s['name']}.{kind}"
+                self._sized(f, meta["bytes"])
+                self._sized(Path(f"{f}.crc"), -(-meta["bytes"] // BLOCK_BYTES) * 4)
+                crcs[kind] = np.frombuffer(read_bytes(f"{f}.crc"), dtype=np.uint32)
+            self._crc.append(crcs)
+            self._checked.append({kind: np.zeros(len(c), dtype=bool) for kind, c in crcs.items()})
             t, d = sdir / f"{s['name']}.tokens", sdir / f"{s['name']}.docs"
-            sizes = ((t, s["tokens"] * 4), (d, s["documents"] * 8)) + ((sdir / f"{s['name']}.mask", s["tokens"]),) * \
-                self.chat
-            for f, want in sizes:
-                if not f.is_file() or f.stat().st_size != want:
-                    raise DatasetError(f"shard {f} is truncated or missing ({f.stat().st_size if f.is_file() else 0:,} "
-                                       f"bytes, the manifest says {want:,}).",
-                                       f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
             self._maps.append(_map_tokens(t) if s["tokens"] else None)
             self.tokens.append(np.frombuffer(self._maps[-1], dtype=np.uint32) if s["tokens"] else
                                np.zeros(0, dtype=np.uint32))
-            ends.append(np.fromfile(d, dtype=np.int64))
-            for what, crc_file in (("tokens", f"{s['name']}.crc"), ("mask", f"{s['name']}.mask.crc"))[:1 + self.chat]:
-                self._crc[what].append(np.fromfile(sdir / crc_file, dtype=np.uint32))
-                self._checked[what].append(np.zeros(len(self._crc[what][-1]), dtype=bool))
+            raw = read_bytes(d)
+            self.check_blocks(i, "docs", 0, len(raw), raw)  # the whole document index, now
+            e = np.frombuffer(raw, dtype=np.int64)
+            if len(e) and (e[0] < 1 or e[-1] != s["tokens"] or bool(np.any(e[1:] <= e[:-1]))):
+                raise DatasetError(f"shard {d} is corrupt: its document ends must rise from 1 to the shard's "
+                                   f"{s['tokens']:,} tokens (first {int(e[0]):,}, last {int(e[-1]):,}).",
+                                   f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
+            ends.append(e)
         self.shard_docs = np.cumsum([0] + [len(e) for e in ends])  # global index of each shard's first document
         self._starts = [np.concatenate([[0], e[:-1]]) for e in ends]
         self.lengths = np.concatenate([np.diff(e, prepend=0) for e in ends]) if ends else np.zeros(0, np.int64)
+
+    def _sized(self, f: Path, want: int) -> None:
+        """Refuses a shard file that is missing, not a regular file, or not of the size the manifest says."""
+        have = f.stat().st_size if f.is_file() else 0
+        if not f.is_file() or have != want:
+            raise DatasetError(f"shard {f} is truncated or missing ({have:,} bytes, the manifest says {want:,}).",
+                               f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -628,38 +682,62 @@ class Prepared:
         """Owner bytes [start, stop) of conversation i (one per token; `workbench.data.chat`), crc-checked."""
         s, base = self._locate(i)
         stop = int(self.lengths[i]) if stop is None else stop
-        self._verify(s, base + start, base + stop, "mask")
-        with (self.folder / "shards" / f"{self.manifest['shards'][s]['name']}.mask").open("rb") as f:
+        self.check_blocks(s, "mask", base + start, base + stop)
+        with files.open_regular(self.folder / "shards" / f"{self.manifest['shards'][s]['name']}.mask") as f:
             return np.frombuffer(os.pread(f.fileno(), stop - start, base + start), dtype=np.uint8)
 
-    def _verify(self, s: int, a: int, b: int, what: str = "tokens") -> None:
-        """The crc of every block of shard s (64 KiB of tokens, or their owner bytes: `what` = "mask") that tokens
-        [a, b) touch, once per block: read with pread, not through the map, so a check maps nothing into this
-        process."""
-        width = 4 if what == "tokens" else 1
-        for blk in range(a // BLOCK_TOKENS, (b - 1) // BLOCK_TOKENS + 1 if b > a else 0):
-            if not self._checked[what][s][blk]:
-                name = self.manifest["shards"][s]["name"]
-                with (self.folder / "shards" / f"{name}.{what}").open("rb") as f:
-                    data = os.pread(f.fileno(), BLOCK_TOKENS * width, blk * BLOCK_TOKENS * width)
-                if zlib.crc32(data) != int(self._crc[what][s][blk]):
-                    raise DatasetError(
-                        f"shard {self.folder / 'shards' / name}.{what} is corrupt: checksum mismatch in block {blk} "
-                        f"(tokens {blk * BLOCK_TOKENS:,}+).",
-                        f"prepare again: delete {self.folder} and run python -m workbench.data prepare SRC "
-                        f"{self.folder}.")
-                self._checked[what][s][blk] = True
+    def _verify(self, s: int, a: int, b: int) -> None:
+        """The blocks of shard s's tokens that tokens [a, b) touch (`check_blocks`)."""
+        self.check_blocks(s, "tokens", 4 * a, 4 * b)
 
-    def verify(self) -> None:
-        """Checks every shard's sha256 against the manifest (the whole dataset is read).
+    def check_blocks(self, s: int, kind: str, a: int, b: int, data: bytes | None = None) -> None:
+        """The crc of every 64 KiB block of shard s's `kind` file ("tokens", "docs", ...) that bytes [a, b) touch,
+        once per block (and for tokens, their ids below the vocabulary): read with pread, not through the map, so a
+        check maps nothing into this process; `data` = the file's bytes, where they were read already.
 
         Raises:
-            DatasetError: naming the first shard that does not match.
+            DatasetError: naming the file and the block.
         """
-        for s in self.manifest["shards"]:
-            if _scan(self.folder / "shards", s["name"])[1] != s["sha256"]:
-                raise DatasetError(f"shard {self.folder / 'shards' / s['name']}.tokens is corrupt: its sha256 "
-                                   "does not match the manifest.", f"delete {self.folder} and prepare again.")
+        name = self.manifest["shards"][s]["name"]
+        path = self.folder / "shards" / f"{name}.{kind}"
+        checked, crcs = self._checked[s][kind], self._crc[s][kind]
+        for blk in range(a // BLOCK_BYTES, (b - 1) // BLOCK_BYTES + 1 if b > a else 0):
+            if checked[blk]:
+                continue
+            if data is None:
+                with files.open_regular(path) as f:
+                    chunk = os.pread(f.fileno(), BLOCK_BYTES, blk * BLOCK_BYTES)
+            else:
+                chunk = data[blk * BLOCK_BYTES:(blk + 1) * BLOCK_BYTES]
+            fix = f"prepare again: delete {self.folder} and run python -m workbench.data prepare SRC {self.folder}."
+            if zlib.crc32(chunk) != int(crcs[blk]):
+                tokens = f", tokens {blk * BLOCK_TOKENS:,}+" if kind == "tokens" else ""
+                raise DatasetError(f"shard {path} is corrupt: checksum mismatch in block {blk} (bytes "
+                                   f"{blk * BLOCK_BYTES:,}+{tokens}).", fix)
+            ids = np.frombuffer(chunk, dtype=np.uint32) if kind == "tokens" else None
+            if ids is not None and ids.size and int(ids.max()) >= self.manifest["vocab_size"]:
+                at = blk * BLOCK_TOKENS + int(np.argmax(ids >= self.manifest["vocab_size"]))
+                raise DatasetError(f"shard {path} holds token id {int(ids.max()):,} (token {at:,}), outside the "
+                                   f"tokenizer's vocabulary of {self.manifest['vocab_size']:,} ids.", fix)
+            checked[blk] = True
+
+    def verify(self) -> None:
+        """Checks every file of every shard against the manifest (sha256), its crc file, and the token ids against
+        the vocabulary (the whole dataset is read).
+
+        Raises:
+            DatasetError: naming the first file that does not match.
+        """
+        fix = f"delete {self.folder} and prepare again."
+        for i, s in enumerate(self.manifest["shards"]):
+            for kind, meta in s["files"].items():
+                f = self.folder / "shards" / f"{s['name']}.{kind}"
+                crcs, got = digest(f)
+                if got != meta:
+                    raise DatasetError(f"shard {f} is corrupt: its sha256 does not match the manifest.", fix)
+                if read_bytes(f"{f}.crc") != crcs:
+                    raise DatasetError(f"{f}.crc is corrupt: its block checksums do not match {f.name}.", fix)
+                self.check_blocks(i, kind, 0, meta["bytes"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -673,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench.data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize SRC once into the prepared folder OUT")
-    p.add_argument("src", help="'shakespeare', or .txt/.md files or folders, .jsonl, .parquet, a save_to_disk folder")
+    p.add_argument("src", help="'shakespeare', or .txt/.md files or folders, .jsonl, .json (an array or object of "
+                   "records), .parquet, a save_to_disk folder")
     p.add_argument("out", help="the prepared folder (training.dataset = OUT)")
     p.add_argument("--workers", type=int, default=0, help="processes (default: every core)")
     p.add_argument("--strict", action="store_true", help="refuse bad rows instead of skipping them")
@@ -690,11 +769,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "prepare":
             prepare(args.src, args.out, workers=args.workers, strict=args.strict, text_field=args.text_field,
-                    tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1), chat=args.chat)
+                    tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1),
+                    args=("SRC", "--text-field"), chat=args.chat)
         else:
             Prepared(args.out, tokenizer_path=None, check_source=False).verify()
             print(f"workbench data: {args.out}: every shard matches its sha256")
-    except (WorkbenchError, FileNotFoundError) as e:
+    except (WorkbenchError, OSError) as e:  # OSError: a file that is no regular one, or unreadable
         print(e.one_line() if isinstance(e, WorkbenchError) else f"workbench: data error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     return 0

@@ -3,8 +3,8 @@
 A kernel's `nl.ndarray(..., buffer=nl.shared_hbm)` allocations are not torch tensors, so a memory plan traced with
 torch cannot see them. `hbm_allocations(kernel, lnc, args)` lists them from the arguments the kernel gets: name,
 shape, dtype, and which of the kernel's outputs each is (None: scratch, freed when the call ends). The lists must
-say what `nki_moe.py` allocates: tests/kernels/test_buffers.py and tests/test_plan.py run the real kernels in the
-emulator, whose `Counters.hbm_allocations` records every HBM allocation, and assert equality. When a kernel's HBM
+say what the `nki_moe` kernels allocate: tests/kernels/test_buffers.py and tests/test_plan.py run the real kernels in
+the emulator, whose `Counters.hbm_allocations` records every HBM allocation, and assert equality. When a kernel's HBM
 allocations change (a new scratch tensor, an output in another dtype or order, ...), change its function here.
 """
 
@@ -44,7 +44,7 @@ def _backward(lnc, x_pad, dout_pad, token_index, slot_weight, piece, seg_table, 
     E, F = w_gate.shape[0], w_gate.shape[1]
     T = x_pad.shape[0] - 1
     nT, TT = nki_moe.token_tiles(T, lnc)
-    L = (seg_table.shape[1] - nki_moe.SEG_HEAD) // 2
+    L = (seg_table.shape[1] - nki_moe.SegCol.HEAD) // 2
     fc = nki_moe.fit_backward(D, F, io, nki_moe.piece_widths(G * 2 ** (L - 1), L))[0]
     return [HbmAllocation("dx_rows", (nki_moe.assignment_rows(T, top_k, ng * G, lnc), D),
                           torch.float32 if fc < F else io, SHARED, None),

@@ -4,6 +4,7 @@ trace through the dependency time model (`nki_emulator.timing.schedule`), and th
     run = run_layer(tokens=4096, experts=128, top_k=8, hidden=2048, ffn=768, lnc=2, block_size=256)
     run.summary()   # model_ms, roofline_ms, roofline_ratio, model_ms_overlap .. model_ms_serial, engine shares, ...
     run.what_if()   # model_ms with groups of costs removed (what_if_rates): what the critical path is made of
+    run.sensitivity()  # model_ms, roofline_ratio with each marked assumption at its low and high end
 
 `model_ms` is the dependency model: the trace replayed on per-engine in-order queues (operands ready, engine free,
 DGE and DMA latencies, barriers). `model_ms_overlap` (each kernel at its busiest engine) and `model_ms_serial`
@@ -81,6 +82,21 @@ class LayerRun:
             out[name] = {"model_ms": _ms(seconds), "roofline_ratio": round(seconds / self.roofline.seconds, 4)}
         return out
 
+    def sensitivity(self, rates: Rates = TRN2) -> dict:
+        """`model_ms` and `roofline_ratio` with each marked assumption at its low and its high end
+        (`sensitivity_rates`): name -> {values, model_ms, roofline_ratio}, each a [low, high] pair."""
+        out, replayed = {}, {}  # Rates -> seconds: an end at the modeled value replays once
+        for name, ends in sensitivity_rates(rates).items():
+            row = {"values": [v for v, _ in ends], "model_ms": [], "roofline_ratio": []}
+            for _, r in ends:
+                if r not in replayed:
+                    replayed[r] = schedule(self.forward, r).seconds + schedule(self.backward, r).seconds
+                seconds = replayed[r]
+                row["model_ms"].append(_ms(seconds))
+                row["roofline_ratio"].append(round(seconds / self.roofline.seconds, 4))
+            out[name] = row
+        return out
+
     def summary(self) -> dict:
         """The layer's modeled time: `model_ms` the dependency model (the forward kernel then the backward
         kernel, each its slowest core's timeline), its ratio to the roofline, each engine's busy and waiting share
@@ -149,6 +165,34 @@ def what_if_rates(rates: Rates = TRN2) -> dict:
             "Tensor Engine free": replace(r, **tensor),
             "only the DMA": replace(r, **control, **elementwise, **tensor),
             "only PE + DMA bandwidth": replace(r, **control, **elementwise, **latency)}
+
+
+# FITTED, for the sensitivity table only (never in model_ms): the Vector Engine rate, x the documented one, at which
+# the Vector-bound calibration rows that read low (LayerNorm, RMSNorm-Quant) come within ~12% (docs/nki_kernels.md)
+VECTOR_LOW = 0.75
+
+
+def sensitivity_rates(rates: Rates = TRN2) -> dict:
+    """The time model's marked assumptions, each at a low and a high end (docs/nki_kernels.md, "Sensitivity"):
+    name -> ((low value, Rates), (high value, Rates)); every other rate as modeled.
+      concurrent PE tiles      matmuls on disjoint PE tiles serialised (as untiled) / fully in parallel (modeled)
+      DMA transpose cost       half the Trainium2 guide's "up to" utilization (HBM -> SBUF 45%, SBUF -> SBUF 25%) /
+                               the guide's figures (90%, 50%: modeled)
+      DMA fixed cost           0 / 40 ns per DMA per engine (FITTED at 9 ns to the DMA overview's profiles; at 40 ns
+                               its 2 KiB-per-engine profile would read +33%)
+      Vector rate              VECTOR_LOW x the documented 0.96 GHz (what the Vector-bound RMSNorm-Quant and LayerNorm
+                               rows that read low would need) / the documented rate (modeled)
+    """
+    r = rates
+    return {
+        "concurrent PE tiles": ((False, replace(r, pe_tiles_concurrent=False)),
+                                (True, replace(r, pe_tiles_concurrent=True))),
+        "DMA transpose cost": ((0.5, replace(r, dma_transpose_hbm_efficiency=r.dma_transpose_hbm_efficiency / 2,
+                                             dma_transpose_sbuf_efficiency=r.dma_transpose_sbuf_efficiency / 2)),
+                               (1.0, r)),
+        "DMA fixed cost": ((0.0, replace(r, dma_fixed_s=0.0)), (40e-9, replace(r, dma_fixed_s=40e-9))),
+        "Vector rate": ((VECTOR_LOW, replace(r, vector_hz=r.vector_hz * VECTOR_LOW)), (1.0, r)),
+    }
 
 
 def _ms(seconds: float) -> float:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from workbench.core.config import JobConfig
 from workbench.core.errors import ConfigError
+from workbench.core.files import read_json, write_atomic
 from workbench.memory import report, tables, tracer
 from workbench.memory.tables import GiB
 
@@ -41,10 +42,13 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
     key = hashlib.sha256(f"{job.to_toml()}|{world_size}|{device}".encode()).hexdigest()[:16]
     cache = (cache_dir or Path.home() / ".cache" / "workbench" / "plans") / f"{key}.json"
     if cache.is_file():
-        return json.loads(cache.read_text())
+        try:
+            return read_json(cache)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: planned again
     p = tracer.plan_in_subprocess(job, device, world_size, suggest=True)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(p))
+    write_atomic(cache, json.dumps(p))
     return p
 
 

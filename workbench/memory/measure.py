@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from workbench.core.config import JobConfig
+from workbench.core.files import write_atomic
 from workbench.memory import gate
 from workbench.memory.tables import GiB, MiB
 from workbench.platform.dist_utils import say
@@ -202,5 +203,5 @@ def _report_step(report: dict, step: int, measured: list[int], run_dir: Path, re
                  f"{entry['measured_over_plan']:.3f}; the plan's peak with the device runtime "
                  f"{plan_['peak_bytes'] / GiB:.2f} of {plan_['capacity_bytes'] / GiB:.0f} GiB")
     report["steps"].append(entry)
-    (run_dir / "memory_check.json").write_text(json.dumps(report, indent=1))
+    write_atomic(run_dir / "memory_check.json", json.dumps(report, indent=1))
     say(line)

@@ -54,11 +54,17 @@ from workbench.core.errors import (
     UnsafeCheckpointError,
     WorkbenchError,
 )
+from workbench.core.files import inside, plain_name, read_bytes, read_json, write_atomic
+from workbench.core.schema import Choice, DictOf, Int, Obj, Str, check
 from workbench.platform.dist_utils import all_gather, barrier, broadcast, rank, say
 from workbench.run.run_folder import CHECKSUMS, checkpoint_space, dir_bytes, is_complete, step_dirs
 
 HASH = "xxh3_64"
 _CHUNK = 8 << 20
+CHECKSUMS_SPEC = Obj({"files": DictOf(Obj({"bytes": Int(0), HASH: Str(r"[0-9a-f]{16}", what="16 hex digits")}),
+                                      key=Str(r"[^/\\\0]{1,255}", what="a file name in the step folder"))},
+                     {"hash": Choice((HASH,))})
+"""What `checksums.json` must hold: file name (in its step folder) -> its size and xxh3-64."""
 TRAIN_STATE = "train_state.json"
 """What a resume keeps of the run that saved a step (its global batch and how it was made), beside DCP's files."""
 
@@ -129,7 +135,7 @@ def read_metadata(path: Path):
         UnsafeCheckpointError: the pickle names a class outside the allowlist.
     """
     f = path / ".metadata"
-    data = f.read_bytes()
+    data = read_bytes(f)
     if is_complete(path):
         entry = read_checksums(path).get(".metadata")
         if entry is None:
@@ -208,11 +214,11 @@ def read_train_state(path: Path) -> dict[str, int] | None:
     """A step folder's `train_state.json` (`TRAIN_STATE`), hashed against `checksums.json` before it is parsed; None
     for a step without one (or one that does not match: the resume's verification then names the step)."""
     try:
-        data = (path / TRAIN_STATE).read_bytes()
+        data = read_bytes(path / TRAIN_STATE)
         if xxhash.xxh3_64_hexdigest(data) != read_checksums(path)[TRAIN_STATE][HASH]:
             return None
         record = json.loads(data)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         return None
     keys = ("global_batch_size", "local_batch_size", "data_parallel_ranks", "gradient_accumulation_steps")
     ok = isinstance(record, dict) and all(type(record.get(k)) is int and 0 < record[k] < 2**31 for k in keys)
@@ -220,8 +226,20 @@ def read_train_state(path: Path) -> dict[str, int] | None:
 
 
 def read_checksums(path: Path) -> dict[str, dict[str, Any]]:
-    """file name -> {"bytes": n, "xxh3_64": hex} of a step folder's `checksums.json`."""
-    return json.loads((path / CHECKSUMS).read_text())["files"]
+    """file name -> {"bytes": n, "xxh3_64": hex} of a step folder's `checksums.json`, checked against
+    `CHECKSUMS_SPEC` (every name a file of the step folder itself) before any file it names is opened.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, or a wrong key (the file and the key named).
+    """
+    f = path / CHECKSUMS
+    try:
+        files = check(read_json(f), CHECKSUMS_SPEC, str(f))["files"]
+        for name in files:
+            inside(path, name)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{e}".removesuffix(".")) from None
+    return files
 
 
 def file_checksum(path: Path) -> str:
@@ -250,8 +268,8 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
         return f"{path / CHECKSUMS} is missing (the save did not finish)"
     try:
         sums = read_checksums(path)
-    except (OSError, ValueError, KeyError) as e:
-        return f"{path / CHECKSUMS} is unreadable ({type(e).__name__})"
+    except CheckpointError as e:
+        return e.message
     for name, entry in sorted(sums.items()):
         f = path / name
         if not f.is_file():
@@ -268,6 +286,9 @@ def check_checkpoint(path: str | os.PathLike) -> str | None:
         return e.message
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
         return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+    names = [getattr(info, "relative_path", None) for info in storage.values()]  # DCP opens <step>/<each>
+    for name in (n for n in names if not plain_name(n)):
+        return f"{path / '.metadata'} names a file outside its step folder ({str(name)[:80]!r}); nothing was read"
     unlisted = sorted({info.relative_path for info in storage.values()} - set(sums))
     if unlisted:
         f = path / unlisted[0]
@@ -395,6 +416,13 @@ class WorkbenchCheckpointManager(CheckpointManager):
                                       f"move {self._create_checkpoint_id(step)} away to resume from an older "
                                       "checkpoint, or set --checkpoint.on_corrupt fallback.")
             say(f"workbench: warning: checkpoint step {step} is unusable: {problem}; trying an older one.")
+        if bad and all("did not finish" in b for b in bad):  # e.g. a double Ctrl-C during the first save
+            unfinished = " ".join(str(self._create_checkpoint_id(s)) for s in steps)
+            raise CheckpointError(
+                f"no usable checkpoint in {self.folder} ({'; '.join(bad)}): no save there finished, so there is "
+                "nothing to resume; nothing was deleted.",
+                f"to start from step 1, delete the unfinished saves (rm -r {unfinished}) and relaunch the same "
+                "command; or restore a finished checkpoint there.")
         if bad:
             raise CheckpointError(
                 f"no usable checkpoint in {self.folder} ({'; '.join(bad)}); nothing was deleted.",
@@ -573,12 +601,7 @@ def commit_checksums(path: Path, sums: dict[str, dict[str, Any]], metadata, file
     problems += [f"{path / name} was written without a checksum" for name in sorted(written - set(every))]
     if rank() == 0 and not problems:
         try:
-            tmp = path / (CHECKSUMS + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump({"hash": HASH, "files": dict(sorted(every.items()))}, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path / CHECKSUMS)
+            write_atomic(path / CHECKSUMS, json.dumps({"hash": HASH, "files": dict(sorted(every.items()))}, indent=1))
         except OSError as e:  # a full disk can strike here too: every rank must hear of it
             problems.append(f"writing {path / CHECKSUMS} failed: {e.strerror}")
     problems = broadcast(problems)

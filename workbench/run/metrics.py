@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.errors import RunFolderError
+from workbench.core.files import open_for_append, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -68,8 +69,8 @@ def read_metrics(run_dir: str | os.PathLike, missing_ok: bool = False) -> list[d
 
 
 def trim_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
-    """Drops the records after `last_step` and a torn last line from `<run>/metrics.jsonl` (atomically: temp file
-    + rename; an intact file is left untouched).
+    """Drops the records after `last_step` and a torn last line from `<run>/metrics.jsonl` (atomically:
+    `files.write_atomic`; an intact file is left untouched).
 
     A resumed run continues after its checkpoint's step; the steps an interrupted launch logged past it are redone,
     and must not appear twice. Returns the number of lines dropped.
@@ -81,15 +82,13 @@ def trim_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
     kept = [r for r in records if r["step"] <= last_step]
     dropped = len(records) - len(kept) + torn
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return dropped
 
 
 def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
-    """Appends one record as a line of JSON."""
-    with open(path, "a") as f:
+    """Appends one record as a line of JSON (never through a link planted in the run folder)."""
+    with open_for_append(path) as f:
         f.write(json.dumps(record) + "\n")
 
 

@@ -44,7 +44,6 @@ docs name for runtime and device events, and peak memory reads `torch.neuron.max
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import gzip
 import json
@@ -62,6 +61,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, record_function
+
+from workbench.core.files import FileLock, read_json, write_atomic
 
 if TYPE_CHECKING:
     from workbench.core.config import Profiling
@@ -139,11 +140,14 @@ def _cached_cpu_core_peak(dtype: str) -> float:
     key = f"{_cpu_name()}|{os.cpu_count()}|1 core|{dtype}"
     cache = _cache_file()
     cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = FileLock(cache.with_suffix(".lock"))
+    lock.acquire(wait=True)
+    try:
         try:
-            table = json.loads(cache.read_text()) if cache.is_file() else {}
-        except json.JSONDecodeError:
+            table = read_json(cache) if cache.is_file() else {}
+        except (OSError, ValueError):
+            table = {}
+        if not isinstance(table, dict) or not isinstance(table.get(key, 0.0), float):
             table = {}
         if key not in table:
             threads = torch.get_num_threads()
@@ -152,9 +156,9 @@ def _cached_cpu_core_peak(dtype: str) -> float:
                 table[key] = measure_matmul_peak(dtype)
             finally:
                 torch.set_num_threads(threads)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(cache)
+            write_atomic(cache, json.dumps(table, indent=1))
+    finally:
+        lock.release(clear=False)
     return table[key]
 
 
@@ -436,7 +440,7 @@ class StepProfiler:
                    "peak_memory_bytes": peak_memory_bytes(self.device_kind),
                    "mean_step_ms": float(breakdown["step_ms"].mean()) if len(breakdown) else None,
                    "files": self.files}
-        (self.folder / f"profile_rank{r}.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(self.folder / f"profile_rank{r}.json", json.dumps(summary, indent=2))
         self._prof = None
 
 

@@ -22,8 +22,6 @@ saying so. An O_EXCL lock file would need a heartbeat to tell a dead holder on a
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.errors import RunFolderError, RunLockedError
+from workbench.core.files import FileLock, LinkError, LockUnsupportedError, find_link
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = ".lock"
@@ -151,7 +150,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_FILE
-        self.fd: int | None = None
+        self.lock = FileLock(self.path)
 
     def acquire(self) -> dict[str, Any] | None:
         """Takes the lock and records this launch in it.
@@ -161,46 +160,56 @@ class RunLock:
 
         Raises:
             RunLockedError: another launch holds it (the message names it).
-            RunFolderError: the file system cannot lock (Lustre without `flock`) or the folder is not writable.
+            RunFolderError: the file system cannot lock (Lustre without `flock`), the folder is not writable, or it
+                holds a symbolic link (named).
         """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise RunFolderError(f"cannot create the run folder {self.path.parent}: {e.strerror}.",
-                                 "point --job.dump_folder at a writable folder.") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_record(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise RunLockedError(
-                    f"{self.path.parent} is in use by another launch ({describe_holder(holder)}); a second run "
-                    "in one folder would overwrite its checkpoints and metrics.",
-                    "wait for it to finish, stop it (SIGTERM saves and exits), or launch into another folder "
-                    "(--job.experiment_name).") from None
+            check_no_links(self.path.parent)
+            taken = self.lock.acquire()
+        except RunFolderError:
+            raise
+        except LinkError as e:
+            raise _link_refused(e.filename) from None
+        except LockUnsupportedError as e:
             raise RunFolderError(
                 f"cannot lock {self.path} ({e.strerror}): the file system does not support flock.",
                 "on Lustre / FSx for Lustre mount with -o flock (not localflock/noflock); on NFS run the lock "
                 "service (lockd/NFSv4); or use a local folder.") from None
-        previous = _read_record(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_own_record()).encode(), 0)
-        os.fsync(fd)
-        self.fd = fd
+        except OSError as e:
+            raise RunFolderError(f"cannot create the run folder {self.path.parent}: {e.strerror}.",
+                                 "point --job.dump_folder at a writable folder.") from None
+        if not taken:
+            raise RunLockedError(
+                f"{self.path.parent} is in use by another launch ({describe_holder(_parse(self.lock.holder()))}); "
+                "a second run in one folder would overwrite its checkpoints and metrics.",
+                "wait for it to finish, stop it (SIGTERM saves and exits), or launch into another folder "
+                "(--job.experiment_name).")
+        previous = _parse(self.lock.holder())
+        self.lock.record(json.dumps(_own_record()))
         return previous
 
     def release(self) -> None:
         """Clears the record (a clean exit leaves no stale lock) and unlocks."""
-        if self.fd is None:
-            return
-        try:
-            os.ftruncate(self.fd, 0)
-        except OSError:
-            pass  # a vanished or read-only folder: the next launch reports a stale lock, harmless
-        os.close(self.fd)  # closing the only descriptor releases the flock
-        self.fd = None
+        self.lock.release()
+
+
+def check_no_links(run_dir: str | os.PathLike) -> None:
+    """Refuses a run folder holding a symbolic link anywhere inside it: the workbench writes its files, checkpoints
+    and exports there, and a link (from a colleague's folder or a download) would carry a write outside it.
+
+    Raises:
+        RunFolderError: naming the link (exit 4).
+    """
+    link = find_link(run_dir)
+    if link is not None:
+        raise _link_refused(link)
+
+
+def _link_refused(link) -> RunFolderError:
+    return RunFolderError(f"{link} is a symbolic link; the workbench never writes through one (it could point "
+                          "outside the run folder).", f"remove the link (rm {link}), or launch into another folder "
+                          "(--job.experiment_name).")
 
 
 def _own_record() -> dict[str, Any]:
@@ -208,12 +217,12 @@ def _own_record() -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}
 
 
-def _read_record(fd: int) -> dict[str, Any] | None:
-    data = os.pread(fd, 4096, 0)
+def _parse(data: bytes) -> dict[str, Any] | None:
     try:
-        return json.loads(data) if data.strip() else None
+        record = json.loads(data) if data.strip() else None
     except ValueError:
         return None
+    return record if isinstance(record, dict) else None
 
 
 def describe_holder(record: dict[str, Any] | None) -> str:
@@ -223,5 +232,5 @@ def describe_holder(record: dict[str, Any] | None) -> str:
     return f"host {record.get('host')}, pid {record.get('pid')}, started {record.get('started')}"
 
 
-__all__ = ["read_config", "is_complete", "step_dirs", "step_dir", "RunLock",
-           "describe_holder", "LOCK_FILE", "CHECKSUMS"]
+__all__ = ["read_config", "is_complete", "step_dirs", "step_dir", "RunLock", "check_no_links", "describe_holder",
+           "LOCK_FILE", "CHECKSUMS"]

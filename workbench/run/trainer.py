@@ -38,6 +38,7 @@ from torchtitan.trainer import Trainer
 from workbench import data
 from workbench.core.config import JobConfig, resolved_dtype
 from workbench.core.errors import ConfigError, NonFiniteError, RunError, RunFolderError, StoppedError, WorkbenchError
+from workbench.core.files import write_atomic
 from workbench.data.loader import PackedTextDataLoader
 from workbench.platform import neuron_adjustments
 from workbench.platform.dist_utils import StopRequest, broadcast, say
@@ -154,9 +155,9 @@ class WorkbenchTrainer(Trainer):
                 self.run_lock = RunLock(run_dir)
                 outcome = self.run_lock.acquire()
                 batch = self._resume_batch(run_dir)
-                (run_dir / "config.toml").write_text(self.job.to_toml())
+                write_atomic(run_dir / "config.toml", self.job.to_toml())
                 # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
-                (run_dir / "shape.json").write_text(json.dumps(flavors.describe(self.job.shape), indent=2))
+                write_atomic(run_dir / "shape.json", json.dumps(flavors.describe(self.job.shape), indent=2))
             except (RunError, ConfigError) as e:
                 outcome = e
             except OSError as e:
@@ -393,7 +394,7 @@ class WorkbenchTrainer(Trainer):
                 "train_seconds": time.perf_counter() - t_start,
                 "run_dir": str(run_dir),
             }
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
             say(
                 f"done: {summary['backend']} {summary['flavor']} steps {summary['resumed_from'] + 1}-{self.step}  "
                 f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}  "

@@ -9,9 +9,11 @@ to make a kernel pass. Coverage, rules and known differences from `nki.simulate`
 from workbench.core.errors import NkiRuleError
 
 from . import isa, language, version
-from ._core import Kernel, capacity_lifted, jit, simulate
-from ._runtime import Counters, HbmAllocation, counters, races_reported
+from .counters import Counters, HbmAllocation, counters
 from .dtypes import dtype
+from .kernel import Kernel, jit, simulate
+from .launch import races_reported
+from .memory import capacity_lifted
 
 __all__ = ["Counters", "HbmAllocation", "Kernel", "NkiRuleError", "capacity_lifted", "counters", "dtype", "isa", "jit",
            "language", "races_reported", "simulate", "version"]

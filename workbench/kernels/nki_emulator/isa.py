@@ -8,18 +8,24 @@ NotImplementedError instead of being silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from . import (
-    _runtime,
     constants,  # noqa: F401 - nki.isa.constants
     dtypes,
     version,
 )
 from . import language as nl
-from ._core import (
+from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
+from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
+from .errors import violation
+from .launch import URL_BARRIER, call_site, current, require
+from .launch import emit as emit_instruction
+from .loops import VirtualRegister
+from .memory import (
     DOCS,
     FLOAT_DTYPES,
     GEMM_MOVING_FMAX,
@@ -29,15 +35,8 @@ from ._core import (
     SBUF,
     SHARED_HBM,
     URL_NKI_TENSOR,
-    AccessPattern,
-    Tensor,
-    View,
-    note_uses,
-    violation,
 )
-from ._runtime import VirtualRegister, current
-from .constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd  # noqa: F401 - nisa.*
-from .constants import engine as engine_enum  # nc_transpose's parameter shadows the name
+from .tensors import AccessPattern, Tensor, View, note_uses
 from .timing import dma_work, elementwise_work, matmul_work, transpose_work
 
 API = f"{DOCS}/v2.33.0/nki/api/generated"
@@ -62,16 +61,31 @@ unknown_engine, tensor_engine, vector_engine = engine.unknown, engine.tensor, en
 scalar_engine, gpsimd_engine, sync_engine = engine.scalar, engine.gpsimd, engine.sync
 
 
+_TARGET = [nc_version.gen3]  # the NeuronCore generation being emulated (`targeting`)
+
+
 def get_nc_version() -> nc_version:
-    """The NeuronCore generation the kernel is compiled for: the emulator models trn2's NeuronCore-v3 (gen3)."""
-    return nc_version.gen3
+    """The NeuronCore generation the kernel is compiled for: trn2's NeuronCore-v3 (gen3) unless `targeting` says
+    otherwise."""
+    return _TARGET[-1]
+
+
+@contextlib.contextmanager
+def targeting(generation: nc_version):
+    """Emulate another NeuronCore generation's per-generation rules (e.g. gen2: no 32-wide PE tiles) inside the
+    block; the rates of the time model are chosen separately (`timing.TRN1`)."""
+    _TARGET.append(generation)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
 
 
 def emit(engine_name: str, op: str, run, work=None) -> None:
-    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (_runtime.emit) with
+    """Issue an instruction: note the tiles it uses (on-chip liveness), then run or record it (launch.emit) with
     its work descriptor for the time model (`timing.py`; None: not modelled, counted as such)."""
     note_uses(run)
-    _runtime.emit(engine_name, op, run, work)
+    emit_instruction(engine_name, op, run, work)
 
 
 # -- shared checks ---------------------------------------------------------------------------------------------------
@@ -176,11 +190,14 @@ def _scalar_op(op, operand, reverse, name: str, url: str):
 # -- Tensor Engine -----------------------------------------------------------------------------------------------------
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
               accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None):
-    """dst (PSUM, fp32) = stationary.T @ moving, or += when accumulate=True (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html)."""
+    """dst (PSUM, fp32) = stationary.T @ moving, or += when accumulate=True (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html).
+
+    `tile_position` / `tile_size` (PE tiling, `_pe_tile`): the matmul runs on a (row_size, column_size) tile of the
+    128 x 128 PE array at (start_row, start_column), so matmuls on disjoint tiles may run in parallel; the result is
+    the same stationary.T @ moving, written where `dst` points."""
     op, url = "nc_matmul", URL_MATMUL
-    if is_stationary_onezero or is_moving_onezero or tile_position or tile_size or perf_mode not in (
-            None, matmul_perf_mode.none):
-        raise NotImplementedError("nc_matmul: onezero/tiling/perf modes are outside the emulated subset")
+    if is_stationary_onezero or is_moving_onezero or perf_mode not in (None, matmul_perf_mode.none):
+        raise NotImplementedError("nc_matmul: onezero/perf modes are outside the emulated subset")
     if is_transpose:  # the PE transpose: stationary.T @ identity, bit-accurate, in dst's dtype (nc_transpose page)
         accumulate = False
     for what, t, want in (("stationary", stationary, SBUF), ("moving", moving, SBUF), ("dst", dst, PSUM)):
@@ -215,6 +232,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if tuple(dst.shape) != (m, n):
         raise violation("matmul-output-shape", f"dst shape {dst.shape} != (stationary free, moving free) = "
                         f"{(m, n)}", url)
+    tile = _pe_tile(tile_position, tile_size, k_s, m)
 
     def run():
         if is_transpose:  # a data movement: unwritten stationary elements arrive unwritten
@@ -239,7 +257,44 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         dst.write(result, by_matmul=True, init=None if poison is None else ~poison)
         current().stats.pe_flops += 2 * k_s * m * n
 
-    emit("tensor", op, run, matmul_work(stationary, moving))
+    emit("tensor", op, run, matmul_work(stationary, moving, tile))
+
+
+PE_TILE_SIZES = (32, 64, 128)  # "2x 64 row tiles (NeuronCore-v2 or newer), or 4x 32 row tiles (NeuronCore-v3 or newer)"
+
+
+def _pe_tile(position, size, rows: int, cols: int) -> tuple:
+    """The PE tile (start_row, row_size, start_column, column_size) of a tiled nc_matmul, () when untiled, checked
+    against the nc_matmul page (v2.33.0, "Tiling mode"; the "Estimated instruction cost" section of v2.26.1 lists
+    the same requirements): both or neither of tile_position / tile_size; each a (row, column) pair of ints; sizes
+    of 32, 64 or 128 (32 only from NeuronCore-v3 on); each start a multiple of its size and inside the 128 x 128
+    array; the stationary tile (`rows` contraction partitions x `cols` free) no larger than the tile."""
+    if not position and not size:
+        return ()
+    if not position or not size:
+        raise violation("matmul-tiling", f"tile_position={position!r} and tile_size={size!r}: both must be set to "
+                        "enable PE tiling (neither: the full array)", URL_MATMUL)
+    pairs = (("tile_position", position), ("tile_size", size))
+    for what, pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in pair):
+            raise violation("matmul-tiling", f"{what} must be a (row, column) pair of ints, got {pair!r}", URL_MATMUL)
+    (row0, col0), (row_size, col_size) = position, size
+    for what, n in (("row size", row_size), ("column size", col_size)):
+        if n not in PE_TILE_SIZES:
+            raise violation("matmul-tiling", f"tile_size {what} {n}: the PE array tiles into 2 x 64 or 4 x 32 (or "
+                            "the whole 128)", URL_MATMUL)
+        if n == 32 and get_nc_version() < nc_version.gen3:
+            raise violation("matmul-tiling", f"tile_size {what} 32: 4 x 32 tiles need NeuronCore-v3 or newer; "
+                            f"{get_nc_version().name} tiles into 2 x 64 at most", URL_MATMUL)
+    for what, start, n in (("start_row", row0, row_size), ("start_column", col0, col_size)):
+        if start < 0 or start % n or start + n > 128:
+            raise violation("matmul-tiling", f"tile_position {what} {start} must be a multiple of its tile size {n} "
+                            "with the tile inside the 128 x 128 array", URL_MATMUL)
+    if rows > row_size or cols > col_size:
+        raise violation("matmul-tiling", f"the stationary tile [{rows}, {cols}] (contraction partitions, free) "
+                        f"exceeds tile_size {tuple(size)}: it must fit the PE tile", URL_MATMUL)
+    return (row0, row_size, col0, col_size)
 
 
 def _matmul_poison(s, s_poison, mv, m_poison) -> torch.Tensor:
@@ -395,6 +450,8 @@ def dma_compute(dst, srcs, reduce_op=None, scales=None, unique_indices=True, oob
         raise NotImplementedError("dma_compute(unique_indices=False) is outside the emulated subset")
     if not isinstance(srcs, (list, tuple)) or not srcs:
         raise TypeError("dma_compute: srcs must be a non-empty list of tensors")
+    if len(srcs) > 16:
+        raise violation("dma-compute-sources", f"dma_compute takes at most 16 source tensors, got {len(srcs)}", url)
     for what, t in [("dst", dst)] + [(f"srcs[{i}]", s) for i, s in enumerate(srcs)]:
         _view(t, what, op)
         if t.buffer is PSUM:
@@ -495,9 +552,13 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if engine is not None:
         raise violation("api-drift", "nisa.activation has no engine= parameter in current NKI (it always runs on the "
                         "Scalar Engine on trn2); drop engine=", URL_ACTIVATION_LATEST)
+    if reduce_res is not None and reduce_cmd is constants.reduce_cmd.reset_reduce:
+        # reset, then reduce this instruction's results into reduce_res: activation_reduce's semantics
+        activation_reduce(dst, op, data, reduce_op, reduce_res, bias=bias, scale=scale)
+        return
     if reduce_op is not None or reduce_res is not None or reduce_cmd is not None:
-        raise NotImplementedError("activation reduce_* options are outside the emulated subset (nisa."
-                                  "activation_reduce is emulated)")
+        raise NotImplementedError("activation reduce_* options other than reduce_cmd=reset_reduce with a reduce_res "
+                                  "are outside the emulated subset (accumulators carried across instructions)")
     _check_activation(dst, op, data, bias, scale, name_, url)
 
     def run():
@@ -814,19 +875,26 @@ def reciprocal(dst, data, engine=engine.unknown, name=None):
     emit(_engine(engine, "vector"), op, run, elementwise_work(dst, data))
 
 
-URL_DMA_TRANSPOSE = f"{DOCS}/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html"
+URL_DMA_TRANSPOSE = f"{DOCS}/v2.30.0/nki/api/generated/nki.isa.dma_transpose.html"
 _DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
 def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):  # noqa: F811
     """dst = src permuted by `axes` through the DMA engines: 2-D (1, 0), 3-D (2, 1, 0), 4-D (3, 1, 2, 0), the only
-    supported permutations; hwdge also needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte dtype
-    (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.dma_transpose.html)."""
+    supported permutations (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.30.0/nki/api/generated/nki.isa.dma_transpose.html).
+
+    Direct form (src a tensor or an access pattern without `vector_offset`): dge_mode unknown or hwdge; hwdge also
+    needs src.shape[0] == 16, src.shape[-1] % 128 == 0 and a 2-byte dtype. Indirect form, the gather-transpose
+    (src an HBM access pattern with `vector_offset` = indices): software DGE, `_gather_transpose_rules`; it moves
+    rows indices.T.flatten()[:src.shape[0]] of the tensor, then transposes them. Costed as a DMA at the documented
+    transpose share of the DMA engines' rate (`timing.dma_engine_rate`)."""
     op, url = "dma_transpose", URL_DMA_TRANSPOSE
     for what, t in (("src", src), ("dst", dst)):
         _view(t, what, op)
         if t.buffer is PSUM:
             raise violation("dma-buffer", f"{op}: {what} is in PSUM; DMA endpoints are HBM or SBUF", url)
+    if dst.buffer is not SBUF:
+        raise violation("dma-transpose-dst", f"{op}: dst must be a tile in SBUF, got {dst.buffer}", url)
     rank = len(src.shape)
     supported = _DMA_TRANSPOSE_AXES.get(rank)
     axes = supported if axes is None else tuple(axes)
@@ -836,8 +904,19 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):
     if tuple(dst.shape) != want:
         raise violation("dma-shape", f"{op}: dst shape {tuple(dst.shape)} must be the transposed src shape {want}",
                         url)
-    if dge_mode is constants.dge_mode.hwdge and (src.shape[0] != 16 or src.shape[-1] % 128 or
-                                                 src.dtype.itemsize != 2):
+    if src.dtype != dst.dtype:
+        raise violation("dma-transpose-dtype", f"{op}: src.dtype == dst.dtype, got {src.dtype} and {dst.dtype}", url)
+    indirect = getattr(src, "vector_offset", None) is not None
+    if indirect:
+        _gather_transpose_rules(src, dge_mode, op, url)
+        src = src.detached()
+        src.column_major = True
+    elif dge_mode not in (None, constants.dge_mode.unknown, constants.dge_mode.hwdge):
+        raise violation("dma-transpose-dge", f"{op}: a direct transpose takes dge_mode unknown or hwdge, got "
+                        f"{dge_mode!r} (software DGE is the indirect form: src an access pattern with vector_offset)",
+                        url)
+    elif dge_mode is constants.dge_mode.hwdge and (src.shape[0] != 16 or src.shape[-1] % 128 or
+                                                   src.dtype.itemsize != 2):
         raise violation("dma-transpose-hwdge", f"{op}: hwdge needs src.shape[0] == 16, src.shape[-1] % 128 == 0 "
                         f"and a 2-byte dtype; src is {tuple(src.shape)} {src.dtype}", url)
     if _oob_skip(oob_mode, op):
@@ -848,8 +927,46 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None):
         dst.write(value.reshape(src.shape).permute(axes).contiguous(),
                   init=init.reshape(src.shape).permute(axes).contiguous())
         _count_dma(dst, src)
+        if indirect:
+            _count_gather(src, value)
 
-    emit("dma", op, run, dma_work(dst, src))
+    emit("dma", op, run, dma_work(dst, src, transpose="sbuf" if src.buffer is SBUF else "hbm"))
+
+
+def _gather_transpose_rules(src, dge_mode, op: str, url: str) -> None:  # noqa: F811
+    """The "DMA Indirect Transpose Constraints" of the dma_transpose page: software DGE; a 2-byte dtype; the last
+    dim <= 128; src on HBM with src.shape[0] a multiple of 16; 4-D: its dim 1 or 2 of size 1; indices a 2-d
+    uint32 SBUF tile of 16..128 rows (a multiple of 16; exactly 128 when it has more than one column) with at least
+    src.shape[0] values; TRN2+ only."""
+    indices = src.vector_offset
+    if get_nc_version() < nc_version.gen3:
+        raise violation("dma-gather-transpose", f"{op}: the indirect (gather) transpose is TRN2+ only; the target is "
+                        f"{get_nc_version().name}", url)
+    if dge_mode not in (None, constants.dge_mode.unknown, constants.dge_mode.swdge):
+        raise violation("dma-gather-transpose", f"{op}: the indirect transpose is lowered to software DGE "
+                        f"(dma_gather_transpose): dge_mode unknown or swdge, got {dge_mode!r}", url)
+    shape, rows = tuple(src.shape), src.shape[0]
+    problems = []
+    if src.dtype.itemsize != 2:
+        problems.append(f"src.dtype {src.dtype} is not 2 bytes")
+    if shape[-1] > 128:
+        problems.append(f"src.shape[-1] {shape[-1]} > 128")
+    if rows % 16:
+        problems.append(f"src.shape[0] {rows} is not divisible by 16")
+    if len(shape) == 4 and shape[1] != 1 and shape[2] != 1:
+        problems.append(f"a 4-d src needs dim 1 or 2 of size 1, got {shape}")
+    if len(indices.shape) != 2 or indices.dtype != torch.uint32:
+        problems.append(f"indices must be a 2-d uint32 SBUF tile, got {tuple(indices.shape)} {indices.dtype}")
+    else:
+        n_rows, n_cols = indices.shape
+        if not 16 <= n_rows <= 128 or n_rows % 16:
+            problems.append(f"indices.shape[0] {n_rows} must be in [16, 128] and divisible by 16")
+        if n_cols > 1 and n_rows != 128:
+            problems.append(f"indices.shape[0] must be 128 when indices.shape[1] > 1, got {tuple(indices.shape)}")
+        if n_rows * n_cols < rows:
+            problems.append(f"{n_rows * n_cols} indices for {rows} rows")
+    if problems:
+        raise violation("dma-gather-transpose", f"{op} (indirect): " + "; ".join(problems), url)
 
 
 URL_SCAN = f"{DOCS}/latest/nki/api/generated/nki.isa.tensor_tensor_scan.html"
@@ -1029,7 +1146,7 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=0, dma_engine=None,
     for each other (https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.1/nki/api/generated/nki.isa.sendrecv.html,
     pairing: nki.lnc.sendrecv page). Modelled as a rendezvous of the two cores, like core_barrier."""
     op, url = "sendrecv", URL_SENDRECV
-    launch = _runtime.require(f"nisa.{op}", url)
+    launch = require(f"nisa.{op}", url)
     core = launch.core
     for what, t in (("src", src), ("dst", dst)):
         _view(t, what, op)
@@ -1145,21 +1262,21 @@ for _missing in ("quantize_mx", "nc_matmul_mx", "nc_match_replace8", "range_sele
 
 def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     """`nisa.core_barrier(data, cores)`: wait until both cores of the LNC reach this point."""
-    launch = _runtime.require("nisa.core_barrier", _runtime.URL_BARRIER)
+    launch = require("nisa.core_barrier", URL_BARRIER)
     if tuple(cores) != (0, 1):
-        raise violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", _runtime.URL_BARRIER)
+        raise violation("lnc-barrier", f"cores={cores!r}: only cores=(0, 1) is supported", URL_BARRIER)
     if launch.lnc == 1 and not version.at_least("0.7.0"):
         raise violation("lnc-barrier", "core_barrier in a kernel launched at LNC 1: before NKI 0.7.0 the barrier "
                          "is only allowed when LNC is enabled (the paired physical core does not run this kernel); "
-                         "launch kernel[2] or drop the barrier at LNC 1", _runtime.URL_BARRIER)
+                         "launch kernel[2] or drop the barrier at LNC 1", URL_BARRIER)
     if launch.lnc == 1:
         # The 2.33 (NKI 0.7.0) page: cores=(0, 1) "applies at LNC degree 1 and 2": at LNC 1 the barrier waits for the
         # paired physical core, which runs its own launch. One emulated launch has no such partner.
         raise NotImplementedError("nisa.core_barrier at LNC 1 waits for the paired physical core's own kernel "
                                   "launch (allowed from NKI 0.7.0); the emulator runs one launch, so it cannot "
-                                  f"emulate that partner ({_runtime.URL_BARRIER})")
+                                  f"emulate that partner ({URL_BARRIER})")
     if not isinstance(data, View) or data.buffer is not SHARED_HBM:
         raise violation("lnc-barrier", f"data must be the shared HBM tensor the cores synchronise on (a kernel "
-                         f"argument or nl.shared_hbm), got {data!r}", _runtime.URL_BARRIER)
+                         f"argument or nl.shared_hbm), got {data!r}", URL_BARRIER)
     # an instruction like any other: inside a compiled loop body it runs (and waits) once per iteration
-    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), _runtime.call_site())
+    launch.emit("sync", "core_barrier", lambda: launch.wait_barrier(launch.core), call_site())

@@ -8,27 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ._core import (
-    GEMM_MOVING_FMAX,
-    GEMM_STATIONARY_FMAX,
-    HBM,
-    PMAX,
-    PSUM,
-    PSUM_BANK_BYTES,
-    SBUF,
-    SBUF_PARTITION_BYTES,
-    SHARED_HBM,
-    allocate,
-)
-from ._runtime import (  # noqa: F401 - re-exported as nl.*
-    VirtualRegister,
-    dynamic_range,
-    fori_loop,
-    num_programs,
-    program_id,
-    require,
-    while_loop,
-)
 from .dtypes import (  # noqa: F401 - the NKI data types are nl.*
     bfloat16,
     bool_,
@@ -48,6 +27,20 @@ from .dtypes import (  # noqa: F401 - the NKI data types are nl.*
     uint16,
     uint32,
 )
+from .launch import num_programs, program_id, require  # noqa: F401 - re-exported as nl.*
+from .loops import VirtualRegister, dynamic_range, fori_loop, while_loop  # noqa: F401 - re-exported as nl.*
+from .memory import (
+    GEMM_MOVING_FMAX,
+    GEMM_STATIONARY_FMAX,
+    HBM,
+    PMAX,
+    PSUM,
+    PSUM_BANK_BYTES,
+    SBUF,
+    SBUF_PARTITION_BYTES,
+    SHARED_HBM,
+)
+from .tensors import allocate
 
 sbuf, psum, hbm, shared_hbm = SBUF, PSUM, HBM, SHARED_HBM
 
@@ -72,7 +65,7 @@ def affine_range(start, stop=None, step=1):
 sequential_range = static_range = affine_range
 
 # Compiled loops (nl.fori_loop, nl.while_loop; nl.dynamic_range under the rules of NKI <= 0.6) and nl.program_id(0)
-# / nl.num_programs(0) (the LNC launch grid) live in _runtime.py.
+# / nl.num_programs(0) (the LNC launch grid) live in loops.py and launch.py.
 
 
 class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
@@ -84,7 +77,7 @@ class tile_size:  # noqa: N801 - mirrors nki.language.tile_size
     gemm_moving_fmax = GEMM_MOVING_FMAX
     bn_stats_fmax = 512  # nki.isa.bn_stats page: "must not exceed 512 (nl.tile_size.bn_stats_fmax)"
     # "Usable SBUF free dimension per partition, in bytes" (tile_size page, v2.30): the page gives no number; this
-    # is 224 KiB less the compiler's reservations as nki-library writes them (_core.SBUF_PARTITION_BYTES: the
+    # is 224 KiB less the compiler's reservations as nki-library writes them (memory.SBUF_PARTITION_BYTES: the
     # figure the emulator's sbuf-capacity rule enforces)
     total_available_sbuf_size = SBUF_PARTITION_BYTES
 

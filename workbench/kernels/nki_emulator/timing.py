@@ -15,8 +15,8 @@ A DMA first generates its descriptors (hardware DGE, ~600 ns; an indirect gather
 then moves its bytes on min(16, partitions / 8) engines (fixed cost + bytes at 23 B/ns each) and through the core's
 share of HBM bandwidth. The DMA engines and the HBM link are booked by time (`_Booked`): a transfer takes the first
 idle gap at or after its descriptors exist, so a load ready early is not held behind a store the program issued
-before it but whose operands came later (descriptors reach the engines' rings in time order; until 2026-12-05 both
-were served in program order, which serialised every DMA of a kernel). A DMA that waits on another DMA's completion
+before it but whose operands came later (descriptors reach the engines' rings in time order; serving them in
+program order would serialise every DMA of a kernel). A DMA that waits on another DMA's completion
 pays the ~1.3 us semaphore latency. A compiled loop's branch costs every engine `branch_s`. The result: the
 launches' makespans (the headline `model_ms` of the MoE cost report), each engine's busy and waiting time, and the
 stalls by waiting source line and what it waited for. Not modelled: the compiler's reordering inside a basic block
@@ -62,16 +62,20 @@ URL_TRN2_CHIP = f"{DOCS}/about-neuron/arch/neuron-hardware/trainium2.html"
 URL_DMA = f"{DOCS}/nki/about/nki-dma-overview.html"
 URL_DMA_BW = f"{DOCS}/nki/deep-dives/nki-dma-bandwidth-guide.html"
 URL_DGE = f"{DOCS}/nki/api/generated/nki.isa.dma_copy.html"
+URL_MATMUL = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/generated/nki.isa.nc_matmul.html"
+URL_MATMUL_COST = "https://awsdocs-neuron.readthedocs-hosted.com/en/v2.26.1/nki/api/generated/nki.isa.nc_matmul.html"
 
 
 # -- work descriptors (recorded by nki_emulator.isa for each traced instruction; static, hashable) ---------------------
 class Matmul(NamedTuple):
-    """nc_matmul: stationary [k, m], moving [k, n]; fp32: both operands fp32."""
+    """nc_matmul: stationary [k, m], moving [k, n]; fp32: both operands fp32; `tile`: the PE tile of a tiled
+    matmul, (start_row, row_size, start_column, column_size), () for the whole array."""
 
     k: int
     m: int
     n: int
     fp32: bool
+    tile: tuple = ()
 
 
 class Transpose(NamedTuple):
@@ -98,29 +102,31 @@ class Elementwise(NamedTuple):
 
 class Dma(NamedTuple):
     """One DMA transfer: `nbytes` moved, `hbm_bytes` of them read or written in HBM (x2 for HBM -> HBM), over
-    `partitions` SBUF partitions (the SBUF side; 1 for HBM -> HBM); `rows`: the rows of an indirect (vector_offset)
-    gather or scatter, whose descriptors software DGE generates on GpSimd (0: hardware DGE)."""
+    `partitions` SBUF partitions (the SBUF side; HBM -> HBM: the destination's outer dim, `dma_work`); `rows`: the
+    rows of an indirect (vector_offset) gather or scatter, whose descriptors software DGE generates on GpSimd (0:
+    hardware DGE)."""
 
     nbytes: int
     hbm_bytes: int
     partitions: int
     rows: int = 0
+    transpose: str = ""  # dma_transpose: "hbm" (HBM -> SBUF, or an indirect gather-transpose), "sbuf" (SBUF -> SBUF)
 
 
 def _operand_facts(t):
     """(itemsize, in PSUM, innermost stride 1, in SBUF) of an on-chip view."""
-    from ._core import PSUM, SBUF
+    from .memory import PSUM, SBUF
 
     data = getattr(t, "_data", None)
     contiguous = data is None or data.dim() == 0 or data.stride()[-1] == 1 or data.shape[-1] == 1
     return t.dtype.itemsize, t.buffer is PSUM, contiguous, t.buffer is SBUF
 
 
-def matmul_work(stationary, moving) -> Matmul:
+def matmul_work(stationary, moving, tile=()) -> Matmul:
     import torch
 
     (k, m), (_, n) = stationary.shape, moving.shape
-    return Matmul(k, m, n, stationary.dtype == torch.float32)
+    return Matmul(k, m, n, stationary.dtype == torch.float32, tuple(tile))
 
 
 def transpose_work(data) -> Transpose:
@@ -139,9 +145,9 @@ def elementwise_work(dst, *inputs) -> Elementwise:
                        contiguous=all(f[2] for f in facts), sbuf_inputs=sum(f[3] for f in facts[1:]))
 
 
-def dma_work(dst, *srcs) -> Dma:
-    """A DMA writing dst from srcs (dma_compute: several sources)."""
-    from ._core import HBM, SBUF, SHARED_HBM
+def dma_work(dst, *srcs, transpose: str = "") -> Dma:
+    """A DMA writing dst from srcs (dma_compute: several sources); `transpose`: see `Dma`."""
+    from .memory import HBM, SBUF, SHARED_HBM
 
     def nbytes(t):
         return math.prod(t.shape) * t.dtype.itemsize
@@ -154,7 +160,7 @@ def dma_work(dst, *srcs) -> Dma:
     # SBUF side: its partitions (an int-indexed partition: 1); HBM -> HBM: the destination's outer dim, spread
     # over the engines like partitions (assumption: the DMA overview says only "depending on the shape")
     parts = sbuf.shape[0] if sbuf is not None and sbuf.shape else 1 if sbuf is not None else dst.shape[0]
-    return Dma(moved, hbm, parts, rows)
+    return Dma(moved, hbm, parts, rows, transpose)
 
 
 # -- rates -------------------------------------------------------------------------------------------------------------
@@ -185,6 +191,9 @@ class Rates:
     sequencer_s: float = 50e-9
     branch_s: float = 50e-9
     performance_modes: bool = True  # NeuronCore-v3's Vector Engine bf16 performance modes
+    pe_tiles_concurrent: bool = True  # assumption: matmuls on disjoint PE tiles run at the same time
+    dma_transpose_hbm_efficiency: float = 0.9  # of the DMA engines' rate, HBM -> SBUF transpose ("up to 90%")
+    dma_transpose_sbuf_efficiency: float = 0.5  # SBUF -> SBUF transpose ("up to 50%")
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -203,8 +212,18 @@ TRN1 = Rates(tensor_hz=2.8e9, pe_bf16_flops=92e12, fp32_transpose_factor=4, vect
 # Where each rate comes from (URL, what it says); "assumption" where no doc states the trn2 figure.
 SOURCES = {
     "tensor_hz": (URL_TRN2_NKI, "Compute Engine Specifications: Tensor 2.4 GHz"),
-    "matmul_min_cycles": (URL_TRN1_NKI, "MultiplyMoving initiation interval ~max(N, MM_INIT_LATENCY), 64 cycles on "
-                          "NeuronCore-v2; assumption: the same on NeuronCore-v3"),
+    "matmul_min_cycles": (URL_MATMUL_COST, "nc_matmul 'Estimated instruction cost' (pages for Inf2, Trn1, Trn2): "
+                          "max(min(64, N_stationary), N_moving) Tensor Engine cycles for bf16/fp16/tf32/fp8, 4x that "
+                          "for fp32; nc_transpose on the Tensor Engine: max(P, min(64, F))"),
+    "pe_tiles_concurrent": (URL_MATMUL, "PE tiling 'allow[s] multiple nc_matmul instructions with a stationary tile "
+                            "size smaller than [128, 128] to run in parallel'; assumption: fully in parallel, each "
+                            "at its own max(min(64, N_stationary), N_moving) (no cycle figure is published); False: "
+                            "serialised, as without tiling"),
+    "dma_transpose_hbm_efficiency": (URL_TRN2_NKI, "HBM2SBUF DMA transpose 'can achieve up to 90% DMA throughput "
+                                     "utilization given hardware-friendly tensor access patterns'; assumption: the "
+                                     "indirect gather-transpose (software DGE) moves its bytes at the same rate"),
+    "dma_transpose_sbuf_efficiency": (URL_TRN2_NKI, "SBUF2SBUF transpose 'can achieve up to 50% of DMA throughput "
+                                      "on Trainium2'"),
     "fp32_matmul_factor": (URL_TRN2_NKI, "79 BF16 vs 20 FP32 dense TFLOPS per NeuronCore-v3 (and the v2 guide: "
                            "'roughly 4x higher' for FP32)"),
     "fp32_transpose_factor": (URL_TRN2_NKI, "NeuronCore-v3 transpose mode: '2x speedup in FP32 transpose'"),
@@ -284,17 +303,37 @@ def _elementwise_cycles(op: str, w: Elementwise, r: Rates, performance_modes: bo
 
 def instruction_seconds(engine: str, op: str, work, r: Rates = TRN2) -> float:
     """Busy time of one instruction on its engine (DMA: on its core's DMA engines, ignoring HBM)."""
-    if isinstance(work, Matmul):
-        return max(work.n, r.matmul_min_cycles) * (r.fp32_matmul_factor if work.fp32 else 1) / r.tensor_hz
-    if isinstance(work, Transpose):  # stationary = data [p, f], moving = identity [p, p]
-        return max(work.p, r.matmul_min_cycles) * (r.fp32_transpose_factor if work.fp32 else 1) / r.tensor_hz
+    if isinstance(work, Matmul):  # max(min(64, N_stationary), N_moving) cycles (nc_matmul page)
+        cycles = max(min(r.matmul_min_cycles, work.m), work.n)
+        return cycles * (r.fp32_matmul_factor if work.fp32 else 1) / r.tensor_hz
+    if isinstance(work, Transpose):  # max(P, min(64, F)) cycles (nc_transpose page): data [P, F] stationary
+        cycles = max(work.p, min(r.matmul_min_cycles, work.f))
+        return cycles * (r.fp32_transpose_factor if work.fp32 else 1) / r.tensor_hz
     if isinstance(work, Elementwise):
         hz = {"vector": r.vector_hz, "scalar": r.scalar_hz, "gpsimd": r.gpsimd_hz}[engine]
         return _elementwise_cycles(op, work, r, r.performance_modes and engine == "vector") / hz
     if isinstance(work, Dma):
         engines = min(r.dma_engines, -(-work.partitions // r.dma_partitions_per_engine))
-        return (engines * r.dma_fixed_s + work.nbytes / r.dma_engine_bytes_per_s) / r.dma_engines
+        return (engines * r.dma_fixed_s + work.nbytes / dma_engine_rate(work, r)) / r.dma_engines
     raise TypeError(f"no time model for {op} on {engine}: work descriptor {work!r}")
+
+
+def dma_engine_rate(work: Dma, r: Rates) -> float:
+    """Bytes per second of one DMA engine for this transfer: the engines' rate, times the documented utilization of a
+    DMA transpose (Trainium2 guide: HBM -> SBUF "up to 90% DMA throughput utilization", SBUF -> SBUF "up to 50%")."""
+    if work.transpose == "hbm":
+        return r.dma_engine_bytes_per_s * r.dma_transpose_hbm_efficiency
+    if work.transpose == "sbuf":
+        return r.dma_engine_bytes_per_s * r.dma_transpose_sbuf_efficiency
+    return r.dma_engine_bytes_per_s
+
+
+def pe_share(work, r: Rates) -> float:
+    """The share of the PE array an instruction holds: a tiled matmul its tile's (when tiles run concurrently,
+    `Rates.pe_tiles_concurrent`), anything else all of it."""
+    if not (isinstance(work, Matmul) and work.tile and r.pe_tiles_concurrent):
+        return 1.0
+    return work.tile[1] * work.tile[3] / (128 * 128)
 
 
 @dataclass
@@ -346,7 +385,7 @@ def model(counters, rates: Rates = TRN2) -> Timing:
         if work is None:
             t.unmodeled[(engine, op)] = t.unmodeled.get((engine, op), 0) + n
             continue
-        seconds = n * instruction_seconds(engine, op, work, rates)
+        seconds = n * instruction_seconds(engine, op, work, rates) * pe_share(work, rates)
         if engine == "dma":
             t.dma_queue_s[core] += seconds
             hbm[core] += n * work.hbm_bytes
@@ -443,6 +482,10 @@ class _Core:
 
     def __init__(self, r: Rates):
         self.free = {q: 0.0 for q in QUEUES}
+        # the PE array in 4 x 4 cells of 32 x 32 PEs: when each is free again (a tiled matmul holds only its tile's
+        # cells); `pe_issue`: the start of the Tensor Engine's last instruction (its queue issues in order)
+        self.pe = [0.0] * 16
+        self.pe_issue = 0.0
         self.dge = [0.0] * r.dge_instances
         self.dma = [_Booked() for _ in range(r.dma_engines)]
         self.hbm = _Booked()
@@ -523,6 +566,8 @@ def _replay(cores_trace, r: Rates, out: Schedule) -> float:
                     if q in ENGINES:
                         _stall(out, q, "core_barrier", "the other core", t - c.free[q])
                     c.free[q] = t
+            c.pe = [max(x, t) for x in c.pe]
+            c.pe_issue = max(c.pe_issue, t)
             c.dge = [max(x, t) for x in c.dge]
             for b in (*c.dma, c.hbm):  # nothing after the barrier moves before it
                 if b.end() < t:
@@ -539,6 +584,7 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
         for q in COMPUTE:
             c.free[q] += r.branch_s
             out.busy[q] += r.branch_s
+        c.pe = [x + r.branch_s for x in c.pe]
         return
     ready, cause = 0.0, None
     for key, kind, *box in accesses:
@@ -547,6 +593,8 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
             ready, cause = _overlaps(c.reads.get(key, ()), box, ready, cause, "WAR")
     if engine == "dma":
         end = _dma(c, work, r, ready, cause, site, out)
+    elif engine == "tensor" and work is not None:
+        end = _tensor(c, work, r, ready, cause, site, out)
     else:
         q = engine if engine in QUEUES else "register"
         seconds = r.sequencer_s if q == "register" or work is None else instruction_seconds(engine, op, work, r)
@@ -559,6 +607,35 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
     c.end = max(c.end, end)
     for key, kind, *box in accesses:
         _note(c, c.writes if kind == "w" else c.reads, key, box, end, engine, site)
+
+
+def _cells(tile: tuple) -> list:
+    """The 32 x 32 cells of the PE array a PE tile (start_row, row_size, start_column, column_size) covers."""
+    out = []
+    for i in range(tile[0] // 32, (tile[0] + tile[1]) // 32):
+        for j in range(tile[2] // 32, (tile[2] + tile[3]) // 32):
+            out.append(4 * i + j)
+    return out
+
+
+def _tensor(c: _Core, work, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
+    """A Tensor Engine instruction: issued in order, it starts once its operands are ready and the PE cells it
+    uses are free. A tiled matmul (when tiles run concurrently) holds only its tile's cells, so matmuls on disjoint
+    tiles overlap; anything else holds the whole array. Busy time counts the array's share in use."""
+    seconds = instruction_seconds("tensor", "", work, r)
+    share = pe_share(work, r)
+    cells = _cells(work.tile) if share < 1.0 else range(16)
+    free = max(c.pe_issue, max(c.pe[i] for i in cells))
+    start = max(free, ready)
+    if start > free:
+        _stall(out, "tensor", site, cause, start - free)
+    end = start + seconds
+    for i in cells:
+        c.pe[i] = end
+    c.pe_issue = start
+    c.free["tensor"] = max(c.pe)
+    out.busy["tensor"] += seconds * share
+    return end
 
 
 def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
@@ -582,7 +659,7 @@ def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedu
     # the transfer: its share on each of k engines (the k whose idle gaps open first) and its bytes through the
     # core's HBM share, each booked at the first idle gap at or after `described`
     k = min(r.dma_engines, -(-w.partitions // r.dma_partitions_per_engine))
-    seconds = r.dma_fixed_s + w.nbytes / (k * r.dma_engine_bytes_per_s)
+    seconds = r.dma_fixed_s + w.nbytes / (k * dma_engine_rate(w, r))
     starts = sorted((b.fit(described, seconds), i) for i, b in enumerate(c.dma))[:k]
     end = starts[-1][0] + seconds
     for t, i in starts:

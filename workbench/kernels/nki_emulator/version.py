@@ -2,10 +2,10 @@
 
 The emulator models **NKI 0.7.0**, the NKI of Neuron SDK 2.33, the first SDK with TorchNeuron (the `neuron`
 device). Source: Neuron docs, "NKI Migration Guides" (version table) and "Migrating from NKI 0.6.0 to NKI 0.7.0".
-Neuron SDK 2.34 (2026-11-30): no NKI version change is documented (read 2026-12-04: the 2.34.0 release notes and
-the torch-neuronx v2.34.0 notes name no new NKI, the migration guides stop at 0.6.0 -> 0.7.0; 2.34's one NKI-facing
-removal is the old `neuronxcc.nki` namespace in neuronx-cc, which the `nki.*` kernels here never import), so 0.7.0
-stands for both; re-check when an NKI release note for 2.34 or later appears.
+Neuron SDK 2.34 documents no NKI version change (its release notes and the torch-neuronx v2.34.0 notes name no new
+NKI, the migration guides stop at 0.6.0 to 0.7.0; 2.34's one NKI-facing removal is the old `neuronxcc.nki`
+namespace in neuronx-cc, which the `nki.*` kernels here never import), so 0.7.0 stands for both; re-check when an
+NKI release note for 2.34 or later appears.
 
 Rules that changed between versions are looked up here, never hard-coded per call site:
 

@@ -31,8 +31,8 @@ import textwrap
 import types
 
 from . import version
-from ._rules import violation
-from ._runtime import DYNAMIC_RANGE_REMOVED, URL_MIGRATION
+from .errors import violation
+from .loops import DYNAMIC_RANGE_REMOVED, URL_MIGRATION
 
 URL_GUIDE = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.31.0/nki/get-started/nki-language-guide.html")
 URL_DYNAMIC = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/deep-dives/nki-dynamic-loops.html"
