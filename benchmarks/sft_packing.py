@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from workbench.data import chat, packing  # noqa: E402
 from workbench.data.loader import resolve  # noqa: E402
-from workbench.data.prepare import Prepared, prepare  # noqa: E402
+from workbench.data.prepare import prepare  # noqa: E402
+from workbench.data.prepared import Prepared  # noqa: E402
 
 
 def next_fit(lengths: np.ndarray, trained: np.ndarray, seq_len: int) -> dict:

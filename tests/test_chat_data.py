@@ -18,7 +18,8 @@ from workbench import data
 from workbench.core.errors import DatasetError
 from workbench.data import chat, packing, view
 from workbench.data.loader import PackedDataset, resolve
-from workbench.data.prepare import Prepared, prepare
+from workbench.data.prepare import prepare
+from workbench.data.prepared import Prepared
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather",
                                              "parameters": {"type": "object",

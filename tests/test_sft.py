@@ -113,7 +113,7 @@ def test_the_loss_is_the_mean_over_the_global_batch_of_trained_targets(sft_runs)
     from workbench.backends import attention
     from workbench.data.loader import resolve
     from workbench.data.packing import ChatRows, PackSpec
-    from workbench.data.prepare import Prepared
+    from workbench.data.prepared import Prepared
 
     runs, _, _ = sft_runs
     model = load_run(runs["2x1"], step=2)[0]
@@ -166,7 +166,7 @@ def test_compare_measures_held_out_conversations_on_their_trained_tokens(sft_run
     from workbench import compare
     from workbench.data.loader import resolve
     from workbench.data.packing import PackSpec, heldout_rows
-    from workbench.data.prepare import Prepared
+    from workbench.data.prepared import Prepared
 
     runs, _, init = sft_runs
     cmp = compare.compare(runs["2x1"], init, seq_len=SEQ, max_new_tokens=2)

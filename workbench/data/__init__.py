@@ -10,8 +10,8 @@ The package, torch-free except `loader`:
 * this module: the tokenizer, the bundled assets, `training.dataset`'s mixture syntax (`mixture`), and
   `document_sources` (which files a dataset is made of);
 * `sources`: reading the documents of one file, skipping bad rows with their locations;
-* `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest) and
-  `Prepared`, the memory-mapped reader of such a folder;
+* `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest);
+* `prepared`: `Prepared`, the memory-mapped reader of such a folder (`manifest`: what it declares and the checks);
 * `chat`: conversations rendered by the tokenizer's chat template, each token with its owner (`prepare --chat`);
 * `packing`: conversations packed best-fit-decreasing into rows with per-document positions and masked labels;
 * `loader`: the packed, seeded, elastic training stream (mixtures too), the torchtitan dataloader, held-out tokens.

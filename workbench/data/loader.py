@@ -40,7 +40,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from workbench.core.errors import DatasetError
 from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.packing import ChatRows, PackSpec, heldout_rows
-from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
+from workbench.data.prepare import FORMAT, prepare
+from workbench.data.prepared import Prepared, fingerprint, is_prepared
 
 
 def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:

@@ -33,7 +33,7 @@ from workbench.core.config import MIN_PACK_WINDOW
 from workbench.core.errors import DatasetError
 from workbench.data import DOC_SEPARATOR, cache_root, tokenizer_dir
 from workbench.data.chat import IM_START, LOSS_ON, trained_lut
-from workbench.data.prepare import Prepared
+from workbench.data.prepared import Prepared
 
 OVERLONG = ("truncate", "split", "drop")
 IGNORE = -100  # the label of a position that is not trained (torchtitan's IGNORE_INDEX)

@@ -16,7 +16,7 @@ import numpy as np
 
 from workbench.data import DOC_SEPARATOR
 from workbench.data.packing import IGNORE, ChatRows, PackSpec
-from workbench.data.prepare import Prepared
+from workbench.data.prepared import Prepared
 
 MARK = {True: ("\x1b[1;32m", "\x1b[0m"), False: ("⟦", "⟧")}  # trained targets: colour on a terminal, brackets else
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from workbench.core.config import JobConfig, validate
 from workbench.data import chat
 from workbench.data.packing import ChatRows, PackSpec
-from workbench.data.prepare import Prepared
+from workbench.data.prepared import Prepared
 from workbench.notebook.display import Table, number, percent
 
 # what each owner is drawn as: trained kinds in colour, the rest grey (legend order)
