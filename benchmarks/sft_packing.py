@@ -61,13 +61,13 @@ def ours(p: Prepared, seq_len: int, overlong: str) -> dict:
             "dropped": st["dropped"], "dropped_tokens": st["dropped_tokens"], "left_out": st["cut_tokens"]}
 
 
-def prepare_throughput(workers: int) -> tuple[float, int, float]:
-    """(seconds, tokens, tokens/s) of a fresh prepare of the bundled chat set."""
+def prepare_throughput(workers: int) -> tuple[float, int, int]:
+    """(seconds, tokens, shards) of a fresh prepare of the bundled chat set."""
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         m = prepare("chitchat", Path(d) / "out", workers=workers, progress=False, say=lambda _: None)
         dt = time.perf_counter() - t0
-    return dt, m["tokens"], m["tokens"] / dt
+    return dt, m["tokens"], len(m["shards"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {seq_len:,} | workbench BFD, {overlong} | {w['rows']:,} | {100 * w['pad']:.2f}% | "
                   f"{w['trained_per_row']:,.0f} | {w['dropped']:,} | {w['left_out']:,} tokens "
                   f"({100 * w['left_out'] / total:.1f}%) |")
-    dt, tokens, rate = prepare_throughput(args.workers)
-    print(f"\nprepare chitchat ({args.workers or os.cpu_count()} worker(s), {os.cpu_count()} cores): {dt:.1f} s for "
-          f"{tokens:,} tokens = {rate:,.0f} tokens/s")
+    dt, tokens, shards = prepare_throughput(args.workers)
+    workers = min(args.workers or os.cpu_count() or 1, shards)
+    print(f"\nprepare chitchat ({shards} shard(s): {workers} worker process(es), {os.cpu_count()} cores): {dt:.1f} s "
+          f"for {tokens:,} tokens = {tokens / dt:,.0f} tokens/s")
     if args.attention_steps:
         attention_table(p, [int(s) for s in args.seq_lens.split(",")], args.attention_steps)
     return 0
