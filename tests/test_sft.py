@@ -97,6 +97,7 @@ def sft_runs(tmp_path_factory):
     return runs, stdout, init
 
 
+@pytest.mark.slow
 def test_the_launch_packs_the_conversations_apart(sft_runs):
     runs, stdout, _ = sft_runs
     assert "workbench: packed chitchat: 4,007 conversations -> 3,326 rows of 128 tokens, pad 8.30%" in stdout["2x1"]
@@ -106,6 +107,7 @@ def test_the_launch_packs_the_conversations_apart(sft_runs):
     assert sorted(loss) == [1, 2, 3, 4] and loss[4] < loss[1] - 0.1  # it learns
 
 
+@pytest.mark.slow
 def test_the_loss_is_the_mean_over_the_global_batch_of_trained_targets(sft_runs):
     """Step 3 from the step-2 weights, recomputed here on the step's two rows (global rows 4 and 5): the logged loss
     is the mean over both rows' trained targets (not the mean of the rows' means), on 2 ranks x 1 micro-batch and on
@@ -134,6 +136,7 @@ def test_the_loss_is_the_mean_over_the_global_batch_of_trained_targets(sft_runs)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
 
 
+@pytest.mark.slow
 def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
     runs, _, _ = sft_runs
     resumed, whole = losses_by_step(runs["2->1x2"]), losses_by_step(runs["2x1"])
@@ -141,6 +144,7 @@ def test_resume_on_fewer_ranks_continues_exactly(sft_runs):
     assert max(abs(resumed[s] - whole[s]) for s in resumed) < 1e-5, (resumed, whole)
 
 
+@pytest.mark.slow
 def test_the_fine_tuned_export_loads_in_transformers_and_its_reply_ends_at_im_end(sft_runs):
     """Through the chat template and transformers' generate (greedy): the initial weights run to the token limit, the
     fine-tuned export ends its reply with <|im_end|> (after 4 tiny steps the reply is that token alone: the most
@@ -160,6 +164,7 @@ def test_the_fine_tuned_export_loads_in_transformers_and_its_reply_ends_at_im_en
     assert got["fine-tuned"][-1] == TURN_END and len(got["fine-tuned"]) < 16
 
 
+@pytest.mark.slow
 def test_compare_measures_held_out_conversations_on_their_trained_tokens(sft_runs):
     """The run held out chitchat's last conversation (training.holdout_docs = 1): compare measures both sides on it,
     on the tokens training.loss_on trains (the assistant's replies), where the fine-tune beats its initial weights."""
