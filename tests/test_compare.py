@@ -86,7 +86,7 @@ def test_runs_on_different_data_are_each_measured_on_their_own_held_out_set(hf_d
 
     def alone(side):  # the model's perplexity on a side's held-out rows
         rows = compare.heldout_rows(side.data, 32, 2, side.vocab_size)[0][""]
-        return compare.perplexity(model(rows[:, :-1]), rows[:, 1:])
+        return compare.perplexity(model(rows.inputs), rows.labels)
 
     assert cmp.heldout["ppl_a"] == alone(a) and cmp.heldout["ppl_b"] == alone(b) != alone(a)
     assert cmp.settings["dataset"] == f"{prose} (a), {numbers} (b)"

@@ -175,7 +175,7 @@ def read(kind: str, folder: Path):
     """Reads the folder the way the workbench does; returns a one-line refusal, or None if it was accepted."""
     from workbench.backends import hf
     from workbench.core.config import load_config
-    from workbench.data.prepare import Prepared
+    from workbench.data.prepared import Prepared
     from workbench.run.checkpoint import verify_checkpoint
 
     if kind == "config":

@@ -88,11 +88,13 @@ def test_notebook_is_committed_clean_and_parameterized(name):
 
 def test_every_notebook_that_trains_or_measures_takes_a_dataset():
     """`dataset` (a plain literal, `training.dataset` syntax) in every notebook that trains or measures data: 01-06
-    train (05 also measures held-out perplexity), 08 prepares and counts; 00 and 07 read no data."""
+    train (05 also measures held-out perplexity), 08 prepares and counts, 09 fine-tunes on conversations (the bundled
+    chat set by default); 00 and 07 read no data."""
     declared = {name: runner.declared_parameters(ROOT / "notebooks" / f"{name}.ipynb") for name in NOTEBOOKS}
     takes = {name for name, params in declared.items() if "dataset" in params}
     assert takes == set(NOTEBOOKS) - {"00_setup", "07_memory_plan"}
-    assert all(declared[name]["dataset"].default == "shakespeare" for name in takes)
+    assert all(declared[name]["dataset"].default == ("chitchat" if name == "09_chat_sft" else "shakespeare")
+               for name in takes)
 
 
 def test_clean_keeps_only_checked_outputs(tmp_path):

@@ -244,7 +244,7 @@ def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     group); `prepare --strict` refuses them in one line (tests/test_data.py)."""
     from workbench.core.config import load_config
     from workbench.data.loader import resolve
-    from workbench.data.prepare import Prepared
+    from workbench.data.prepared import Prepared
     from workbench.train import check_inputs
 
     monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))

@@ -24,8 +24,9 @@ such a buffer counts as zeros (routing without a bias). Logits and perplexity us
 each run held out of training (its `training.dataset` and `training.holdout_docs`, read by
 `workbench.data.loader.heldout_sets`; `dataset=` / `--dataset` measures both on another corpus); for a mixture also
 per member. Runs trained on different data are each measured on their own held-out documents (said in `notes`);
-a held-out set shorter than one row is measured on what there is. Generations use the real tokenizer
-(`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
+a held-out set shorter than one row is measured on what there is. Held-out conversations are one per row and
+measured on their trained tokens (the run's `training.loss_on`): logits, perplexity, top-1 and KL there only.
+Generations use the real tokenizer (`workbench.data.load_tokenizer`). Everything runs on CPU in fp32, one process.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -96,11 +97,25 @@ class HeldOut:
     docs: int = 1
     text_field: str = "text"
     tokenizer_path: str = ""
+    loss_on: str = "assistant"
+    """Conversations: the tokens measured (`training.loss_on`)."""
 
     @classmethod
     def of_run(cls, job) -> HeldOut:
         t = job.training
-        return cls(t.dataset, t.holdout_docs, t.dataset_text_field, job.model.tokenizer_path)
+        return cls(t.dataset, t.holdout_docs, t.dataset_text_field, job.model.tokenizer_path, t.loss_on)
+
+
+class Rows(NamedTuple):
+    """Held-out rows: the inputs [rows, L] and their targets (-100 where nothing is measured: a conversation's
+    context, its padding)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def targets(self) -> int:
+        return int((self.labels != -100).sum())
 
 
 def _load_dcp(run: Path, step_dir: Path | None, step: int | None, backend: str | None) -> Loaded:
@@ -194,22 +209,29 @@ def held_out(side: Loaded, other: Loaded, dataset: str | None) -> HeldOut:
     """What `side` is measured on: `dataset` when given, else its run's data, else the other side's, else the
     bundled corpus; with its run's `holdout_docs` (at least one document) and its own tokenizer."""
     own = side.data or other.data or HeldOut()
-    return HeldOut(dataset or own.dataset, max(own.docs, 1), own.text_field, side.tokenizer_path)
+    return HeldOut(dataset or own.dataset, max(own.docs, 1), own.text_field, side.tokenizer_path, own.loss_on)
 
 
-def heldout_rows(held: HeldOut, seq_len: int, rows: int, vocab_size: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+def heldout_rows(held: HeldOut, seq_len: int, rows: int, vocab_size: int) -> tuple[dict[str, Rows], list[str]]:
     """The held-out rows: "" -> the pooled rows of every member, plus one entry per member of a mixture; and notes
     on sets shorter than one row (measured on what there is). Ids are folded into `vocab_size` (trimmed test vocabs).
+    A conversation member gives its first `rows` held-out conversations, one per row.
 
     Raises:
         ConfigError: a held-out set of fewer than 2 tokens (nothing to predict).
     """
     from workbench.data.loader import heldout_sets
 
-    sets = heldout_sets(held.dataset, held.tokenizer_path, held.docs, held.text_field)
-    named = {"": torch.cat(list(sets.values())), **(sets if len(sets) > 1 else {})}
+    sets = heldout_sets(held.dataset, held.tokenizer_path, held.docs, held.text_field, seq_len, held.loss_on)
+    text = [t for t in sets.values() if isinstance(t, torch.Tensor)]
+    named = {**({"": torch.cat(text)} if text else {}), **(sets if len(sets) > 1 or not text else {})}
     out, notes = {}, []
     for name, tokens in named.items():
+        if isinstance(tokens, tuple):  # conversations: (inputs, labels) one per row
+            ids, labels = tokens
+            out[name] = Rows(ids[:rows] % vocab_size, torch.where(labels[:rows] >= 0, labels[:rows] % vocab_size,
+                                                                  labels[:rows]))
+            continue
         what = f"the held-out set of {name or held.dataset} ({held.docs} document(s))"
         if len(tokens) < 2:
             raise ConfigError(f"{what} has {len(tokens)} token(s): nothing to measure.",
@@ -217,8 +239,19 @@ def heldout_rows(held: HeldOut, seq_len: int, rows: int, vocab_size: int) -> tup
         if len(tokens) < seq_len + 1:
             notes.append(f"{what} has {len(tokens):,} tokens, fewer than one row of {seq_len + 1}: measured on all "
                          f"of it ({len(tokens) - 1:,} predicted tokens).")
-        out[name] = _rows(tokens, seq_len, rows, vocab_size)
+        batch = _rows(tokens, seq_len, rows, vocab_size)
+        out[name] = Rows(batch[:, :-1], batch[:, 1:])
+    if "" not in out or len(out) > len(text) + 1:  # conversations among the members: every member's rows pooled
+        out[""] = _stack([r for name, r in out.items() if name])
     return out, notes
+
+
+def _stack(parts: list[Rows]) -> Rows:
+    """Rows of several members as one batch, shorter rows padded (inputs 0, labels -100: never measured)."""
+    width = max(r.inputs.shape[1] for r in parts)
+    pad = [width - r.inputs.shape[1] for r in parts]
+    return Rows(torch.cat([F.pad(r.inputs, (0, n)) for r, n in zip(parts, pad, strict=True)]),
+                torch.cat([F.pad(r.labels, (0, n), value=-100) for r, n in zip(parts, pad, strict=True)]))
 
 
 def _rows(tokens: torch.Tensor, seq_len: int, rows: int, vocab_size: int) -> torch.Tensor:
@@ -229,31 +262,32 @@ def _rows(tokens: torch.Tensor, seq_len: int, rows: int, vocab_size: int) -> tor
 
 
 def perplexity(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """exp(mean next-token cross-entropy)."""
-    return math.exp(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item())
+    """exp(mean next-token cross-entropy) over the targets that are not -100."""
+    return math.exp(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100).item())
 
 
 @torch.no_grad()
-def heldout_eval(a: Loaded, b: Loaded, batch: torch.Tensor) -> dict[str, float]:
-    """Logits of both models on the same held-out rows: their differences, top-1 agreement, KL(a || b) per token
-    (nats) and perplexities."""
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    la, lb = a.model(inputs).float(), b.model(inputs).float()
+def heldout_eval(a: Loaded, b: Loaded, batch: Rows) -> dict[str, float]:
+    """Logits of both models on the same held-out rows, at the measured targets: their differences, top-1
+    agreement, KL(a || b) per token (nats) and perplexities."""
+    la, lb = a.model(batch.inputs).float(), b.model(batch.inputs).float()
     if la.shape != lb.shape:
         raise ValueError(f"The models' logits differ in shape ({tuple(la.shape)} vs {tuple(lb.shape)}): they do not "
                          "share a vocabulary, so logits and generations cannot be compared.")
-    diff = (la - lb).abs()
+    measured = batch.labels != -100
+    ma, mb = la[measured], lb[measured]
+    diff = (ma - mb).abs()
     # KL(a || b) of the next-token distributions, averaged over the held-out tokens
-    kl = F.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True, reduction="sum") / labels.numel()
+    kl = F.kl_div(mb.log_softmax(-1), ma.log_softmax(-1), log_target=True, reduction="sum") / batch.targets
     return {"logits_max_abs_diff": diff.max().item(), "logits_mean_abs_diff": diff.mean().item(),
-            "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(), "kl_a_b": kl.item(),
-            "ppl_a": perplexity(la, labels), "ppl_b": perplexity(lb, labels), "tokens": labels.numel()}
+            "top1_agreement": (ma.argmax(-1) == mb.argmax(-1)).float().mean().item(), "kl_a_b": kl.item(),
+            "ppl_a": perplexity(la, batch.labels), "ppl_b": perplexity(lb, batch.labels), "tokens": batch.targets}
 
 
 @torch.no_grad()
-def side_perplexities(loaded: Loaded, side: str, batches: dict[str, torch.Tensor]) -> dict[str, float]:
+def side_perplexities(loaded: Loaded, side: str, batches: dict[str, Rows]) -> dict[str, float]:
     """`loaded`'s perplexity on each member's held-out rows of a mixture, as "ppl_<side> <member>"."""
-    return {f"ppl_{side} {name}": perplexity(loaded.model(batch[:, :-1]).float(), batch[:, 1:])
+    return {f"ppl_{side} {name}": perplexity(loaded.model(batch.inputs).float(), batch.labels)
             for name, batch in batches.items() if name}
 
 
@@ -339,14 +373,14 @@ def compare_models(a: Loaded, b: Loaded, *, seq_len: int = 128, rows: int = 4,
     data_a, data_b = held_out(a, b, dataset), held_out(b, a, dataset)
     rows_a, notes = heldout_rows(data_a, seq_len, rows, a.vocab_size)
     heldout = heldout_eval(a, b, rows_a[""]) | side_perplexities(a, "a", rows_a)
-    settings = {"seq_len": rows_a[""].shape[1] - 1, "rows": rows_a[""].shape[0], "dataset": data_a.dataset,
-                "holdout_docs": data_a.docs}
+    settings = {"seq_len": rows_a[""].inputs.shape[1], "rows": rows_a[""].inputs.shape[0],
+                "dataset": data_a.dataset, "holdout_docs": data_a.docs}
     if data_b == data_a:
         heldout |= side_perplexities(b, "b", rows_a)
     else:  # each model on its own run's held-out documents; logits, top-1 and KL on a's
         rows_b, notes_b = heldout_rows(data_b, seq_len, rows, b.vocab_size)
-        heldout |= {"ppl_b": perplexity(b.model(rows_b[""][:, :-1]).float(), rows_b[""][:, 1:]),
-                    "tokens_b": rows_b[""][:, 1:].numel()} | side_perplexities(b, "b", rows_b)
+        heldout |= {"ppl_b": perplexity(b.model(rows_b[""].inputs).float(), rows_b[""].labels),
+                    "tokens_b": rows_b[""].targets} | side_perplexities(b, "b", rows_b)
         settings |= {"dataset": f"{data_a.dataset} (a), {data_b.dataset} (b)", "holdout_docs_b": data_b.docs}
         notes += notes_b + [f"a and b trained on different data (a: {data_a.dataset}, b: {data_b.dataset}): each "
                             "perplexity is on its own run's held-out documents; logits, top-1 and KL on a's."]

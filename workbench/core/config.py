@@ -343,6 +343,20 @@ class Training:
     document_mask: bool = False
     """Packed documents never see each other: positions restart at 0 at each document of a row (RoPE) and
     attention is block-causal, on every backend (docs/attention.md). Off: plain causal rows."""
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """Conversations: the targets trained: every assistant turn's reply and its closing <|im_end|> (assistant), the
+    last assistant turn's only (last_assistant), or every token (all). System, user and tool turns only with all."""
+    train_thinking: bool = True
+    """Conversations: train the <think>...</think> blocks of trained assistant turns (where the template keeps them)."""
+    train_tool_calls: bool = True
+    """Conversations: train the <tool_call>...</tool_call> blocks of trained assistant turns."""
+    overlong: Literal["truncate", "split", "drop"] = "truncate"
+    """Conversations longer than seq_len: keep the first piece cut at a turn boundary (truncate), every such piece
+    (split), or none (drop). A piece without a trained token is dropped."""
+    pack_window: int = 0
+    """Conversations: best-fit packing over windows of this many conversations (at least 10,000); 0 = the whole set."""
+    max_dropped: float = 0.05
+    """Conversations: refuse the launch when more than this share of them is dropped (too long, nothing trained)."""
 
     def global_rows(self, dp: int) -> int:
         """Rows per optimizer step over `dp` data-parallel ranks: global_batch_size, or local x dp x accumulation."""
@@ -364,6 +378,10 @@ class Training:
             raise ConfigError(f"training.seq_len={self.seq_len} must be divisible by parallelism.tp={tp}.")
         if self.holdout_docs < 0:
             raise ConfigError(f"training.holdout_docs must be >= 0; got {self.holdout_docs}.")
+        if self.pack_window and self.pack_window < MIN_PACK_WINDOW:
+            raise ConfigError(f"training.pack_window={self.pack_window}: 0 packs the whole set, a window needs at "
+                              f"least {MIN_PACK_WINDOW} conversations (best-fit needs a wide choice).")
+        check_range("training.max_dropped", self.max_dropped, 0, 1)
         if self.loss_chunks < 0 or (self.loss_chunks and self.seq_len % (self.loss_chunks * max(tp, 1))):
             raise ConfigError(f"training.loss_chunks={self.loss_chunks} must be 0 (plain loss) or divide "
                               f"training.seq_len ({self.seq_len}) per tensor-parallel rank; "
@@ -386,6 +404,11 @@ class Training:
                                         "gradient_accumulation_steps": 1, "holdout_docs": 0, "loss_chunks": 0})
 
 
+    def chat_options(self) -> dict:
+        """The conversation packing options (`workbench.data.packing.PackSpec` fields)."""
+        return {"loss_on": self.loss_on, "train_thinking": self.train_thinking,
+                "train_tool_calls": self.train_tool_calls, "overlong": self.overlong, "window": self.pack_window}
+
     def check_dataset_path(self) -> None:
         """training.dataset as a path: not empty (never the working directory by accident), of a length the file
         system takes, readable where it exists (its existence and contents are the data path's checks)."""
@@ -399,6 +422,9 @@ class Training:
         if d != "shakespeare" and os.path.lexists(d) and not os.access(d, os.R_OK):
             raise ConfigError(f"training.dataset={d!r} is not readable (permissions); fix them or pick another path.")
 
+
+MIN_PACK_WINDOW = 10_000
+"""Conversations per best-fit packing window, at the least (`training.pack_window`)."""
 
 PATH_MAX, NAME_MAX = 4096, 255
 """Linux's limits on a path and on one name in it."""

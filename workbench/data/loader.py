@@ -17,14 +17,17 @@ A raw `training.dataset` (the bundled "shakespeare", a folder of text, jsonl, pa
 into a cache folder (`WORKBENCH_DATA_CACHE`, default ~/.cache/workbench/data), under a lock: the first rank does it
 with a progress bar, the others wait. Mixtures: `training.dataset = "A:0.7,B:0.3"` blends datasets row by row,
 each row going to the member furthest below its share (deterministic; shares exact to one row).
+
+Conversations (a folder prepared with `--chat`, or "chitchat") are not a token stream: their rows come from
+`workbench.data.packing.ChatRows` (best-fit-decreasing, positions restarting per conversation, labels -100 where
+nothing is trained), the same global-row contract.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,10 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
 from workbench.core.errors import DatasetError
-from workbench.data import mixture, parse_mixture, source_root, tokenizer_hash
-from workbench.data.prepare import FORMAT, Prepared, fingerprint, is_prepared, prepare
-
-
-def cache_root() -> Path:
-    """Where raw datasets are prepared on first use (WORKBENCH_DATA_CACHE, default ~/.cache/workbench/data)."""
-    return Path(os.environ.get("WORKBENCH_DATA_CACHE") or Path.home() / ".cache" / "workbench" / "data")
+from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
+from workbench.data.packing import ChatRows, PackSpec, heldout_rows
+from workbench.data.prepare import FORMAT, prepare
+from workbench.data.prepared import Prepared, fingerprint, is_prepared
 
 
 def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:
@@ -155,6 +155,16 @@ class Stream:
         return out
 
 
+def member_rows(name: str, prepared: Prepared, seq_len: int, seed: int, holdout_docs: int, tokenizer_path: str = "",
+                chat: dict | None = None) -> Stream | ChatRows:
+    """One member's rows: a conversation set packed (`ChatRows`, options `chat` = PackSpec fields), or a text
+    stream."""
+    if prepared.chat:
+        spec = PackSpec(seq_len=seq_len, seed=seed, holdout=holdout_docs, **(chat or {}))
+        return ChatRows(prepared, spec, name, tokenizer_path)
+    return Stream(prepared, seed, holdout_docs, name)
+
+
 class PackedDataset(IterableDataset, Stateful):
     """Infinite stream of packed rows for one data-parallel rank (see the module docstring).
 
@@ -168,14 +178,18 @@ class PackedDataset(IterableDataset, Stateful):
         text_field: key/column of the text in raw jsonl/parquet/arrow.
         holdout_docs: documents at the end of each member's fixed order reserved for evaluation (excluded here).
         document_mask: positions restart at 0 at each document start inside a row (the row's first token is
-            position 0 either way), and no target crosses a document end (-100): `document_row`.
+            position 0 either way), and no target crosses a document end (-100): `document_row`. Conversation
+            members always are (their rows come from `ChatRows`).
+        chat: conversation members' packing options (`PackSpec` fields: loss_on, overlong, ...).
     """
 
     def __init__(self, dataset: str, tokenizer_path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
-                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0, document_mask: bool = False):
+                 seed: int = 0, text_field: str = "text", holdout_docs: int = 0, document_mask: bool = False,
+                 chat: dict | None = None):
         members = open_dataset(dataset, tokenizer_path, text_field)
         self.names = [m[0] for m in members]
-        self.streams = [Stream(p, seed, holdout_docs, name) for name, p, _ in members]
+        self.streams = [member_rows(name, p, seq_len, seed, holdout_docs, tokenizer_path, chat)
+                        for name, p, _ in members]
         self.weights = np.asarray([w for *_, w in members])
         self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
         self.document_mask = document_mask
@@ -200,8 +214,13 @@ class PackedDataset(IterableDataset, Stateful):
             if len(counts) == 1:
                 counts[0] += self.dp_world_size
             self._state = {"row": g + self.dp_world_size, "counts": counts}  # the global position once all ranks
+            src = self.streams[member]  # have taken their row
+            if isinstance(src, ChatRows):
+                ids, labels, pos = (torch.from_numpy(a) for a in src.row(index))
+                yield {"input": ids, "positions": pos, "member": torch.tensor(member)}, labels
+                continue
             starts: list[int] | None = [] if self.document_mask else None
-            t = torch.from_numpy(self.streams[member].read(index * row_len, row_len, starts))  # have taken their row
+            t = torch.from_numpy(src.read(index * row_len, row_len, starts))
             inputs, labels = ({"input": t[:-1], "positions": positions}, t[1:]) if starts is None else \
                 document_row(t, starts)
             # "member": which dataset of a mixture the row is from (the trainer takes it off before the model)
@@ -233,13 +252,18 @@ def document_row(row: torch.Tensor, starts: list[int]) -> tuple[dict[str, torch.
     return {"input": row[:-1], "positions": positions}, labels
 
 
-def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1,
-                 text_field: str = "text") -> dict[str, torch.Tensor]:
-    """Per member of `training.dataset`: the token ids of its last `num_docs` documents in the fixed order (for
-    perplexity; never trained on when the training run used the same `holdout_docs`). The one reader of held-out
-    data (`workbench.compare` measures with it)."""
-    out = {}
+def heldout_sets(dataset: str = "shakespeare", tokenizer_path: str = "", num_docs: int = 1, text_field: str = "text",
+                 seq_len: int = 128, loss_on: str = "assistant") -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Per member of `training.dataset`, its last `num_docs` documents in the fixed order (for perplexity; never
+    trained on when the training run used the same `holdout_docs`): a text member's token ids; a conversation
+    member's conversations one per row of `seq_len` (`packing.heldout_rows`) as (inputs, labels), the labels -100
+    where `loss_on` trains nothing. The one reader of held-out data (`workbench.compare` measures with it)."""
+    out: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {}
     for name, p, _ in open_dataset(dataset, tokenizer_path, text_field):
+        if p.chat:
+            rows = heldout_rows(p, PackSpec(seq_len=seq_len, loss_on=loss_on), num_docs, tokenizer_path)
+            out[name] = tuple(torch.from_numpy(a) for a in rows)
+            continue
         docs = range(max(len(p) - num_docs, 0), len(p))
         out[name] = torch.from_numpy(np.concatenate([p.document(i).astype(np.int64) for i in docs]))
     return out
@@ -262,12 +286,15 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         seed: int = 0
         holdout_docs: int = 0
         document_mask: bool = False
+        chat: dict = field(default_factory=dict)
+        """Conversation members' packing options (`workbench.data.packing.PackSpec` fields)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # the prepared folders hold token ids already
         self.packed = PackedDataset(config.dataset, config.tokenizer_path, seq_len, dp_rank, dp_world_size,
-                                    config.seed, config.text_field, config.holdout_docs, config.document_mask)
+                                    config.seed, config.text_field, config.holdout_docs, config.document_mask,
+                                    config.chat)
         super().__init__(self.packed, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
                          num_workers=0, snapshot_every_n_steps=snapshot_every_n_steps)
 

@@ -27,15 +27,18 @@ _COUNT = Int(0, 2**63 - 1)  # what an int64 holds
 _HEX64 = Str(r"[0-9a-f]{64}", what="a sha256 (64 hex digits)")
 _FILES = DictOf(Obj({"bytes": _COUNT, "sha256": _HEX64}), key=Str(r"[a-z]{1,16}", what="a file kind ('tokens')"))
 _NAME = Str(r"\d{5}", what="a shard name of 5 digits (a file in shards/)")
+_CHAT = {"assistant_turns": _COUNT, "trained_ends": _COUNT, "bad_kinds": DictOf(_COUNT, key=Str(max_len=64))}
+"""Conversations (`workbench.data.chat`): the stop audit's counts and the bad rows per kind."""
 MANIFEST = Obj({
     "format": Choice((FORMAT,)), "source": Str(), "fingerprint": _HEX64, "tokenizer_sha256": _HEX64,
     "text_field": Str(), "documents": _COUNT, "tokens": _COUNT, "first_text_document": Int(-1),
     "bad_rows": _COUNT, "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32),
     "shards": ListOf(Obj({"name": _NAME, "documents": _COUNT, "tokens": _COUNT, "files": _FILES}))},
-    {"text_documents": _COUNT, "dtype": Choice(("uint32",)), "separator": AnyOf((Str(), NULL))})
+    {"text_documents": _COUNT, "dtype": Choice(("uint32",)), "separator": AnyOf((Str(), NULL)),
+     "mode": Choice(("text", "chat")), **_CHAT})
 """The manifest a reader trusts: every key it uses, with its type and range."""
 RECORD = Obj({"name": _NAME, "documents": _COUNT, "tokens": _COUNT, "text_documents": _COUNT, "first_text": Int(-1),
-              "bad_rows": _COUNT, "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32), "files": _FILES})
+              "bad_rows": _COUNT, "bad_examples": ListOf(Str()), "vocab_size": Int(1, 2**32), "files": _FILES}, _CHAT)
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -61,8 +64,10 @@ def read_manifest(folder: str | Path) -> dict:
                 raise SchemaError(f"{m}: {key} is {total:,}, but its shards hold {sum(sh[key] for sh in shards):,}")
         if manifest["first_text_document"] >= max(manifest["documents"], 1):
             raise SchemaError(f"{m}: first_text_document is past the last document")
+        chat = manifest.get("mode") == "chat"  # conversations: one owner byte per token in the shard's .mask
         for i, sh in enumerate(shards):
-            for kind, size in (("tokens", 4 * sh["tokens"]), ("docs", 8 * sh["documents"])):
+            for kind, size in (("tokens", 4 * sh["tokens"]), ("docs", 8 * sh["documents"])) + \
+                    (("mask", sh["tokens"]),) * chat:
                 if sh["files"].get(kind, {}).get("bytes") != size:
                     raise SchemaError(f"{m}: shards[{i}].files.{kind}.bytes is not {size:,} (its {kind} count)")
         if len({sh["name"] for sh in shards}) != len(shards):

@@ -1,6 +1,6 @@
-"""Tokenize a dataset once into memory-mapped shards; read it back with `Prepared`.
+"""Tokenize a dataset once into memory-mapped shards; read it back with `workbench.data.prepared.Prepared`.
 
-    python -m workbench.data prepare SRC OUT [--workers N] [--strict] [--text-field text] [--tokenizer DIR]
+    python -m workbench.data prepare SRC OUT [--workers N] [--strict] [--text-field text] [--tokenizer DIR] [--chat]
 
 A prepared folder::
 
@@ -9,6 +9,7 @@ A prepared folder::
     OUT/shards/00000.docs         int64 end offset of each document in the shard's tokens
     OUT/shards/00000.tokens.crc   uint32 crc32 of each 64 KiB block of .tokens (checked on first read), and the
     OUT/shards/00000.docs.crc     same for every other side file of a shard (`SHARD_FILES`): .docs at open
+    OUT/shards/00000.mask         conversations only: one owner byte per token (`workbench.data.chat`), with its .crc
     OUT/shards/00000.json         the shard's record (counts, bad rows, bytes and sha256 of each file): it is done
     OUT/manifest.json             the commit point, written last (atomic rename): the folder is complete
 
@@ -25,23 +26,26 @@ Shards are prepared in parallel by `--workers` processes (default: every core), 
 source. Documents longer than `CHUNK_CHARS` characters are tokenized in pieces cut at whitespace, so memory stays
 near the size of the text (a 50 MB single-line document would need ~8 GiB tokenized whole); documents over
 `MAX_DOCUMENT_BYTES` are refused.
+
+Conversations (`--chat`, or auto-detected when the first row has `messages` or `prompt` and `completion` and no text
+field): each row is rendered whole by the tokenizer's chat template (`workbench.data.chat`), stored without a
+separator, with its owner bytes in the `.mask` file beside the tokens. The stop audit: every assistant turn has its
+closing `<|im_end|>` owned as trained, counted per shard and checked again in the manifest, else prepare refuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import functools
-import hashlib
 import json
-import mmap
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -51,44 +55,24 @@ from workbench.core.errors import EXIT_CHECKPOINT, DatasetError
 from workbench.core.files import read_bytes, write_atomic
 from workbench.core.schema import check
 from workbench.data import (
+    BUNDLED,
     DOC_SEPARATOR,
     TRAINING_ARGS,
-    document_sources,
     flag,
     source_root,
     tokenizer_dir,
     tokenizer_hash,
 )
-from workbench.data.manifest import BLOCK_BYTES, BLOCK_TOKENS, FORMAT, RECORD, SHARD_FILES, digest, read_manifest
+from workbench.data.manifest import FORMAT, RECORD, SHARD_FILES, digest, read_manifest
+from workbench.data.prepared import Prepared, fingerprint
 from workbench.data.sources import plan_units, read_unit
 
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
-UNMAP_ALIGN = 1 << 20  # what a read unmaps is widened to these boundaries (> Linux's 64 KiB fault-around window)
 CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about this many characters
 MAX_DOCUMENT_BYTES = 512 << 20  # a longer document is refused (its text alone would have to sit in memory)
 BATCH_CHARS = 1 << 20  # characters per encode_batch call
 BAD_EXAMPLES = 5  # bad-row locations kept per shard (and in the manifest)
-
-
-# ------------------------------------------------------------------------------------------------
-# Identity of a preparation
-# ------------------------------------------------------------------------------------------------
-
-
-def fingerprint(dataset: str, arg: str = TRAINING_ARGS[0]) -> str:
-    """sha256 over the source files' relative paths, sizes and modification times (no content read)."""
-    root = source_root(dataset, arg)
-    h = hashlib.sha256()
-    for _, f in document_sources(dataset, arg):
-        st = f.stat()
-        h.update(f"{f.relative_to(root) if root.is_dir() else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
-
-
-def is_prepared(path: str | Path) -> bool:
-    """A folder made by `prepare` (complete or not): it has a plan or a manifest."""
-    p = Path(path)
-    return p.is_dir() and ((p / "manifest.json").is_file() or (p / "plan.json").is_file())
+CHAT_BATCH = 256  # conversations rendered, then tokenized together
 
 
 def _lock(out: Path, wait: bool, say) -> files.FileLock:
@@ -131,7 +115,7 @@ def _write_failed(e: OSError, out: Path) -> DatasetError:
 
 def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False, text_field: str = "text",
             tokenizer_path: str = "", shard_bytes: int = SHARD_BYTES, wait: bool = False, progress: bool = True,
-            say=None, args: tuple[str, str] = TRAINING_ARGS) -> dict:
+            say=None, args: tuple[str, str] = TRAINING_ARGS, chat: bool | None = None) -> dict:
     """Tokenizes `src` into the prepared folder `out` (see the module docstring) and returns its manifest.
 
     Args:
@@ -148,6 +132,7 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
         say: where one-line notes go (default: stderr).
         args: how the user named the source and the text field, for messages (`prepare`'s command line: SRC,
             --text-field).
+        chat: rows are conversations (True), documents (False), or whichever the first row is (None).
 
     Raises:
         DatasetError: a missing or empty source, a bad row with `strict` (also in a folder prepared before without
@@ -158,9 +143,13 @@ def prepare(src: str, out: str | Path, *, workers: int = 0, strict: bool = False
     say = say or (lambda m: print(f"workbench data: {m}", file=sys.stderr, flush=True))
     out = Path(out)
     src_root = source_root(src, args[0])
-    identity = {"format": FORMAT, "source": os.path.abspath(src_root) if src != "shakespeare" else "shakespeare",
+    if chat is None:
+        from workbench.data.chat import detect
+
+        chat = detect(src, text_field)
+    identity = {"format": FORMAT, "source": src if src in BUNDLED else os.path.abspath(src_root),
                 "fingerprint": fingerprint(src, args[0]), "tokenizer_sha256": tokenizer_hash(tokenizer_path),
-                "text_field": text_field}
+                "text_field": text_field, "mode": "chat" if chat else "text"}
     try:
         done = _complete(out, identity, strict)
         if done:
@@ -192,8 +181,8 @@ def _complete(out: Path, identity: dict, strict: bool = False) -> dict | None:
                            f"without --strict and skipped {manifest['bad_rows']:,} bad row(s)).",
                            "fix or remove that row and prepare into a new folder, or prepare without --strict.")
     for key, what in (("format", "format version"), ("text_field", "text field"), ("tokenizer_sha256", "tokenizer"),
-                      ("fingerprint", "source fingerprint"), ("source", "source")):
-        if manifest.get(key) != identity[key]:
+                      ("fingerprint", "source fingerprint"), ("source", "source"), ("mode", "mode (text or chat)")):
+        if manifest.get(key, "text" if key == "mode" else None) != identity[key]:
             raise DatasetError(
                 f"{out} was prepared with another {what} ({manifest.get(key)!r}, now {identity[key]!r}): "
                 + ("the source changed since prepare." if key == "fingerprint" else "it is another dataset."),
@@ -203,7 +192,8 @@ def _complete(out: Path, identity: dict, strict: bool = False) -> dict | None:
 
 def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes, progress, say,
                     args):
-    units = plan_units(src, text_field, shard_bytes, args)
+    chat = identity["mode"] == "chat"
+    units = plan_units(src, None if chat else text_field, shard_bytes, args)
     shards, acc = [], []
     for u in units:  # consecutive units up to shard_bytes: a shard is a run of documents in the fixed order
         acc.append(u)
@@ -231,7 +221,7 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
         say(f"resuming {out}: {len(records)} of {len(shards)} shards done and verified")
     workers = min(workers or os.cpu_count() or 1, max(len(pending), 1))
     job = {"tokenizer": str(tokenizer_dir(tokenizer_path) / "tokenizer.json"), "text_field": text_field,
-           "strict": strict, "dir": str(sdir), "args": args}
+           "strict": strict, "dir": str(sdir), "args": args, "chat": chat}
     bar = _Progress(total, sum(u["bytes"] for i in records for u in shards[i]), progress)
     try:
         if workers <= 1:
@@ -273,6 +263,11 @@ def _json_or_none(path: Path):
 
 def _commit(out: Path, plan: dict, records: list[dict], say, args: tuple[str, str]) -> dict:
     counts = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_documents", "bad_rows")}
+    chat = plan["mode"] == "chat"
+    if chat:
+        from workbench.data.chat import audit
+
+        counts |= audit(records, plan["source"])
     bad = [b for r in records for b in r["bad_examples"]][:BAD_EXAMPLES]
     if counts["documents"] == 0:
         where = f" (first: {'; '.join(bad)})" if bad else ""
@@ -287,14 +282,20 @@ def _commit(out: Path, plan: dict, records: list[dict], say, args: tuple[str, st
             first_text = before + r["first_text"]
         before += r["documents"]
     counts["first_text_document"] = first_text
-    manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field")}
+    manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field", "mode")}
     manifest |= {**counts, "vocab_size": max(r["vocab_size"] for r in records), "bad_examples": bad,
-                 "separator": DOC_SEPARATOR, "dtype": "uint32",
+                 "separator": None if chat else DOC_SEPARATOR, "dtype": "uint32",
                  "shards": [{k: r[k] for k in ("name", "documents", "tokens", "files")} for r in records]}
     write_atomic(out / "manifest.json", json.dumps(manifest, indent=1))
-    line = f"prepared {out}: {counts['documents']:,} documents, {counts['tokens']:,} tokens, {len(records)} shards"
+    line = f"prepared {out}: {counts['documents']:,} {'conversations' if chat else 'documents'}, " \
+           f"{counts['tokens']:,} tokens, {len(records)} shards"
+    if chat:
+        line += f"; stop audit: {counts['trained_ends']:,} trained <|im_end|> = {counts['assistant_turns']:,} " \
+                "assistant turns"
     if counts["bad_rows"]:
-        line += f"; skipped {counts['bad_rows']:,} bad row(s), first: {'; '.join(bad)}"
+        kinds = counts.get("bad_kinds")
+        line += f"; skipped {counts['bad_rows']:,} bad row(s)" + (
+            f" ({', '.join(f'{n:,} {k}' for k, n in kinds.items())})" if kinds else "") + f", first: {'; '.join(bad)}"
     say(line)
     return manifest
 
@@ -343,6 +344,10 @@ def _init_worker(job: dict, q) -> None:
         _WORKER["init_error"] = f"the tokenizer {job['tokenizer']} cannot be used: {str(e).strip()[:300]}."
         return
     _WORKER.update(tok=tok, sep=sep, vocab=tok.get_vocab_size(with_added_tokens=True))
+    if job.get("chat"):  # conversations: rendered by transformers' tokenizer (its chat_template)
+        from workbench.data.chat import hf_tokenizer
+
+        _WORKER["hf"] = hf_tokenizer(Path(job["tokenizer"]).parent)
 
 
 @functools.cache
@@ -383,7 +388,7 @@ def _prepare_shard(task: tuple[int, list], report=None) -> dict:
         error = _write_failed(e, sdir.parent)
         return {"error": error.message, "fix": error.fix, "exit_code": error.exit_code, "kind": error.kind}
     finally:
-        for suffix in SHARD_FILES:
+        for suffix in (*SHARD_FILES, "mask"):
             (sdir / f"{name}.{suffix}.tmp").unlink(missing_ok=True)
 
 
@@ -404,10 +409,50 @@ def _write_shard(task: tuple[int, list], report) -> dict:
     n_tokens = text_docs = bad = 0
     first_text = -1  # the shard's first document with text
     bad_examples: list[str] = []
-    batch: list[str] = []
+    batch: list = []
     batch_chars = 0
+    chat = w.get("chat")
+    talk = {"assistant_turns": 0, "trained_ends": 0, "bad_kinds": {}}  # conversations: the stop audit's counts
     tmp = sdir / f"{name}.tokens.tmp"
-    with files.create_new(tmp) as f:
+    with files.create_new(tmp) as f, \
+            files.create_new(sdir / f"{name}.mask.tmp") if chat else contextlib.nullcontext() as mask:
+
+        def skip(where: str, reason: str, kind: str = "") -> dict | None:
+            """Counts a bad row, or (strict) returns the error that refuses it."""
+            nonlocal bad
+            if w["strict"]:
+                return {"error": f"bad row {where}: {reason} (prepare --strict).",
+                        "fix": "fix or remove that row, or prepare without --strict to skip bad rows."}
+            bad += 1
+            if kind:
+                talk["bad_kinds"][kind] = talk["bad_kinds"].get(kind, 0) + 1
+            if len(bad_examples) < BAD_EXAMPLES:
+                bad_examples.append(f"{where} ({reason})")
+            return None
+
+        def flush_chat() -> dict | None:
+            """Renders the batch of conversations into the tokens and owner files (`chat.append`)."""
+            nonlocal n_tokens, first_text, text_docs
+            from workbench.data.chat import append
+
+            try:
+                lengths, bad_rows, counts = append(w["hf"], batch, f, mask)
+            except ValueError as e:  # the stop audit: a template this reader does not understand
+                return {"error": f"{batch[0][0]}..: {e}.", "fix": "use a Qwen3-style chat template "
+                        "(tokenizer_config.json chat_template), or report the template."}
+            for where, e in bad_rows:
+                if err := skip(where, str(e), e.kind):
+                    return err
+            first_text = len(ends) if first_text < 0 and lengths else first_text
+            text_docs += len(lengths)
+            for n in lengths:
+                n_tokens += n
+                ends.append(n_tokens)
+            talk["assistant_turns"] += counts["assistant_turns"]
+            talk["trained_ends"] += counts["trained_ends"]
+            report(counts["chars"], sum(lengths))
+            batch.clear()
+            return None
 
         def flush() -> None:
             nonlocal n_tokens, batch_chars
@@ -425,14 +470,15 @@ def _write_shard(task: tuple[int, list], report) -> dict:
             batch_chars = 0
 
         for unit in units:
-            for where, text, reason in read_unit(unit, field, w["args"][1]):
+            for where, text, reason in read_unit(unit, None if chat else field, w["args"][1]):
                 if text is None:
-                    if w["strict"]:
-                        return {"error": f"bad row {where}: {reason} (prepare --strict).",
-                                "fix": "fix or remove that row, or prepare without --strict to skip bad rows."}
-                    bad += 1
-                    if len(bad_examples) < BAD_EXAMPLES:
-                        bad_examples.append(f"{where} ({reason})")
+                    if err := skip(where, reason, "unreadable" if chat else ""):
+                        return err
+                    continue
+                if chat:
+                    batch.append((where, text))
+                    if len(batch) >= CHAT_BATCH and (err := flush_chat()):
+                        return err
                     continue
                 if len(text) > MAX_DOCUMENT_BYTES:
                     return {"error": f"{where}: a document of {len(text):,} characters is over the limit of "
@@ -455,30 +501,26 @@ def _write_shard(task: tuple[int, list], report) -> dict:
                 batch_chars += len(text)
                 if batch_chars >= BATCH_CHARS:
                     flush()
+        if chat and batch and (err := flush_chat()):
+            return err
         flush()
-        f.flush()
-        os.fsync(f.fileno())
+        for g in (f, mask) if chat else (f,):
+            g.flush()
+            os.fsync(g.fileno())
     write_atomic(sdir / f"{name}.docs", np.asarray(ends, dtype=np.int64).tobytes())
     os.replace(tmp, sdir / f"{name}.tokens")
+    if chat:
+        os.replace(sdir / f"{name}.mask.tmp", sdir / f"{name}.mask")
     send(max(sum(u["bytes"] for u in units) - reported, 0), 0)  # the rest of the shard's bytes (JSON, escapes)
     digests = {}
-    for suffix in SHARD_FILES:  # every file of the shard: a crc per block beside it, bytes and sha256 in the record
-        crcs, digests[suffix] = digest(sdir / f"{name}.{suffix}")
+    for suffix in (*SHARD_FILES, "mask") if chat else SHARD_FILES:  # every file of the shard: a crc per block
+        crcs, digests[suffix] = digest(sdir / f"{name}.{suffix}")  # beside it; bytes and sha256 in the record
         write_atomic(sdir / f"{name}.{suffix}.crc", crcs)
     record = {"name": name, "documents": len(ends), "tokens": n_tokens, "text_documents": text_docs,
               "first_text": first_text, "bad_rows": bad, "bad_examples": bad_examples, "vocab_size": w["vocab"],
-              "files": digests}
+              "files": digests, **(talk if chat else {})}
     write_atomic(sdir / f"{name}.json", json.dumps(record))  # the shard is done only now
     return record
-
-
-def _map_tokens(path: Path) -> mmap.mmap:
-    """A shard's tokens mapped read-only, advised random access: rows are read in a shuffled order, so the kernel
-    reads ahead nothing into this process."""
-    with files.open_regular(path) as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    mm.madvise(mmap.MADV_RANDOM)
-    return mm
 
 
 def _verified_record(sdir: Path, i: int) -> dict | None:
@@ -494,165 +536,6 @@ def _verified_record(sdir: Path, i: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return rec if rec["name"] == name and set(rec["files"]) >= set(SHARD_FILES) else None
-
-
-# ------------------------------------------------------------------------------------------------
-# Reading
-# ------------------------------------------------------------------------------------------------
-
-
-class Prepared:
-    """A complete prepared folder, memory-mapped: documents by global index, in the source's fixed order.
-
-    Opening reads the manifest (checked against `MANIFEST`) and the document index (8 bytes per document, its crc
-    checked and its ends required to rise to the shard's token count), never the tokens; token blocks are
-    crc-checked, and their ids checked against the vocabulary, the first time this process reads them.
-
-    Raises:
-        DatasetError: not a prepared folder, an unfinished one, a manifest that is not what prepare writes (the key
-            named), another tokenizer (both hashes named), a source changed since prepare (the fingerprints named),
-            a truncated, corrupt or linked shard file (the file named).
-    """
-
-    def __init__(self, folder: str | Path, tokenizer_path: str | None = "", check_source: bool = True):
-        self.folder = Path(folder)
-        m = self.folder / "manifest.json"
-        if not m.is_file():
-            state = "was never finished (the prepare was interrupted)" if (self.folder / "plan.json").is_file() \
-                else "is not a prepared dataset"
-            raise DatasetError(f"{self.folder} {state}.", "run python -m workbench.data prepare SRC "
-                               f"{self.folder} (it resumes where it stopped).")
-        self.manifest = read_manifest(self.folder)
-        if tokenizer_path is not None and (want := tokenizer_hash(tokenizer_path)) != self.manifest["tokenizer_sha256"]:
-            raise DatasetError(
-                f"{self.folder} was prepared with tokenizer sha256 {self.manifest['tokenizer_sha256'][:16]}, but "
-                f"model.tokenizer_path={tokenizer_path or '(bundled Qwen3)'!r} has sha256 {want[:16]}.",
-                "prepare the dataset again with this tokenizer (--tokenizer), or train with the one that made it.")
-        src = self.manifest["source"]
-        if check_source and (src == "shakespeare" or Path(src).exists()):
-            now = fingerprint(src)
-            if now != self.manifest["fingerprint"]:
-                raise DatasetError(
-                    f"{src} changed since it was prepared into {self.folder} (source fingerprint "
-                    f"{self.manifest['fingerprint'][:16]} then, {now[:16]} now).",
-                    f"prepare it again into a new folder (or delete {self.folder} first).")
-        link = files.find_link(self.folder)
-        if link is not None:  # a shard is read from this folder only, never through a link to elsewhere
-            raise DatasetError(f"{link} is a symbolic link; a prepared folder is read from its own files only.",
-                               f"prepare again into a new folder: python -m workbench.data prepare SRC {self.folder}.")
-        self.tokens, ends, self._crc, self._checked, self._maps = [], [], [], [], []
-        sdir = self.folder / "shards"
-        for i, s in enumerate(self.manifest["shards"]):
-            crcs = {}
-            for kind, meta in s["files"].items():  # every file of the shard, with its crc file
-                f = sdir / f"{s['name']}.{kind}"
-                self._sized(f, meta["bytes"])
-                self._sized(Path(f"{f}.crc"), -(-meta["bytes"] // BLOCK_BYTES) * 4)
-                crcs[kind] = np.frombuffer(read_bytes(f"{f}.crc"), dtype=np.uint32)
-            self._crc.append(crcs)
-            self._checked.append({kind: np.zeros(len(c), dtype=bool) for kind, c in crcs.items()})
-            t, d = sdir / f"{s['name']}.tokens", sdir / f"{s['name']}.docs"
-            self._maps.append(_map_tokens(t) if s["tokens"] else None)
-            self.tokens.append(np.frombuffer(self._maps[-1], dtype=np.uint32) if s["tokens"] else
-                               np.zeros(0, dtype=np.uint32))
-            raw = read_bytes(d)
-            self.check_blocks(i, "docs", 0, len(raw), raw)  # the whole document index, now
-            e = np.frombuffer(raw, dtype=np.int64)
-            if len(e) and (e[0] < 1 or e[-1] != s["tokens"] or bool(np.any(e[1:] <= e[:-1]))):
-                raise DatasetError(f"shard {d} is corrupt: its document ends must rise from 1 to the shard's "
-                                   f"{s['tokens']:,} tokens (first {int(e[0]):,}, last {int(e[-1]):,}).",
-                                   f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
-            ends.append(e)
-        self.shard_docs = np.cumsum([0] + [len(e) for e in ends])  # global index of each shard's first document
-        self._starts = [np.concatenate([[0], e[:-1]]) for e in ends]
-        self.lengths = np.concatenate([np.diff(e, prepend=0) for e in ends]) if ends else np.zeros(0, np.int64)
-
-    def _sized(self, f: Path, want: int) -> None:
-        """Refuses a shard file that is missing, not a regular file, or not of the size the manifest says."""
-        have = f.stat().st_size if f.is_file() else 0
-        if not f.is_file() or have != want:
-            raise DatasetError(f"shard {f} is truncated or missing ({have:,} bytes, the manifest says {want:,}).",
-                               f"prepare again: python -m workbench.data prepare SRC {self.folder}.")
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def _locate(self, i: int) -> tuple[int, int]:
-        """(shard, offset in its tokens) of document i."""
-        s = int(np.searchsorted(self.shard_docs, i, side="right")) - 1
-        return s, int(self._starts[s][i - self.shard_docs[s]])
-
-    def document(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Tokens [start, stop) of document i (its <|endoftext|> included at the end), as a read-only view."""
-        s, base = self._locate(i)
-        stop = int(self.lengths[i]) if stop is None else stop
-        self._verify(s, base + start, base + stop)
-        return self.tokens[s][base + start:base + stop]
-
-    def copy_into(self, out: np.ndarray, i: int, start: int, stop: int) -> None:
-        """Copies tokens [start, stop) of document i into `out` through the memory map, then unmaps the pages it
-        touched from this process (MADV_DONTNEED; the kernel's page cache keeps them): what a rank has read never
-        counts in its RSS, however long the run and however large the dataset. The unmapped span is widened to
-        `UNMAP_ALIGN` boundaries: a read fault also maps the cached pages around it (the kernel's fault-around)."""
-        s, base = self._locate(i)
-        self._verify(s, base + start, base + stop)
-        out[:] = self.tokens[s][base + start:base + stop]
-        first = (base + start) * 4 // UNMAP_ALIGN * UNMAP_ALIGN
-        end = min(-(-(base + stop) * 4 // UNMAP_ALIGN) * UNMAP_ALIGN, len(self._maps[s]))
-        self._maps[s].madvise(mmap.MADV_DONTNEED, first, end - first)
-
-    def _verify(self, s: int, a: int, b: int) -> None:
-        """The blocks of shard s's tokens that tokens [a, b) touch (`check_blocks`)."""
-        self.check_blocks(s, "tokens", 4 * a, 4 * b)
-
-    def check_blocks(self, s: int, kind: str, a: int, b: int, data: bytes | None = None) -> None:
-        """The crc of every 64 KiB block of shard s's `kind` file ("tokens", "docs", ...) that bytes [a, b) touch,
-        once per block (and for tokens, their ids below the vocabulary): read with pread, not through the map, so a
-        check maps nothing into this process; `data` = the file's bytes, where they were read already.
-
-        Raises:
-            DatasetError: naming the file and the block.
-        """
-        name = self.manifest["shards"][s]["name"]
-        path = self.folder / "shards" / f"{name}.{kind}"
-        checked, crcs = self._checked[s][kind], self._crc[s][kind]
-        for blk in range(a // BLOCK_BYTES, (b - 1) // BLOCK_BYTES + 1 if b > a else 0):
-            if checked[blk]:
-                continue
-            if data is None:
-                with files.open_regular(path) as f:
-                    chunk = os.pread(f.fileno(), BLOCK_BYTES, blk * BLOCK_BYTES)
-            else:
-                chunk = data[blk * BLOCK_BYTES:(blk + 1) * BLOCK_BYTES]
-            fix = f"prepare again: delete {self.folder} and run python -m workbench.data prepare SRC {self.folder}."
-            if zlib.crc32(chunk) != int(crcs[blk]):
-                tokens = f", tokens {blk * BLOCK_TOKENS:,}+" if kind == "tokens" else ""
-                raise DatasetError(f"shard {path} is corrupt: checksum mismatch in block {blk} (bytes "
-                                   f"{blk * BLOCK_BYTES:,}+{tokens}).", fix)
-            ids = np.frombuffer(chunk, dtype=np.uint32) if kind == "tokens" else None
-            if ids is not None and ids.size and int(ids.max()) >= self.manifest["vocab_size"]:
-                at = blk * BLOCK_TOKENS + int(np.argmax(ids >= self.manifest["vocab_size"]))
-                raise DatasetError(f"shard {path} holds token id {int(ids.max()):,} (token {at:,}), outside the "
-                                   f"tokenizer's vocabulary of {self.manifest['vocab_size']:,} ids.", fix)
-            checked[blk] = True
-
-    def verify(self) -> None:
-        """Checks every file of every shard against the manifest (sha256), its crc file, and the token ids against
-        the vocabulary (the whole dataset is read).
-
-        Raises:
-            DatasetError: naming the first file that does not match.
-        """
-        fix = f"delete {self.folder} and prepare again."
-        for i, s in enumerate(self.manifest["shards"]):
-            for kind, meta in s["files"].items():
-                f = self.folder / "shards" / f"{s['name']}.{kind}"
-                crcs, got = digest(f)
-                if got != meta:
-                    raise DatasetError(f"shard {f} is corrupt: its sha256 does not match the manifest.", fix)
-                if read_bytes(f"{f}.crc") != crcs:
-                    raise DatasetError(f"{f}.crc is corrupt: its block checksums do not match {f.name}.", fix)
-                self.check_blocks(i, kind, 0, meta["bytes"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -674,14 +557,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-field", default="text", help="key / column of the text (default: text)")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the bundled Qwen3)")
     p.add_argument("--shard-mb", type=float, default=SHARD_BYTES / 2**20, help="source MiB per shard (default 16)")
+    p.add_argument("--chat", action="store_true", default=None,
+                   help="rows are conversations (default: when the first row has 'messages' or prompt/completion)")
     v = sub.add_parser("verify", help="check every shard of OUT against its sha256")
     v.add_argument("out")
+    sub.add_parser("inspect", help="print training rows of OUT with the trained tokens highlighted (see python -m "
+                   "workbench.data inspect --help)")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.src, args.out, workers=args.workers, strict=args.strict, text_field=args.text_field,
                     tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1),
-                    args=("SRC", "--text-field"))
+                    args=("SRC", "--text-field"), chat=args.chat)
         else:
             Prepared(args.out, tokenizer_path=None, check_source=False).verify()
             print(f"workbench data: {args.out}: every shard matches its sha256")

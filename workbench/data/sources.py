@@ -8,7 +8,8 @@ from file sizes and parquet metadata only, so planning never reads the text.
 A bad row is a null, a value that is not a string, a line that is not JSON (or not an object, or without the text
 field, nested too deeply, an integer of too many digits), bytes that are not UTF-8, a lone surrogate, or a part of a
 file that cannot be decoded (a damaged parquet or arrow file); it is reported as `file:line` (jsonl, text files),
-`file:row N` (parquet, arrow), `file:record K` (json) or `file:rows A-B` (a damaged part).
+`file:row N` (parquet, arrow), `file:record K` (json) or `file:rows A-B` (a damaged part). With `text_field=None`
+(conversations, `prepare --chat`) a row is the whole record, an object checked by `workbench.data.chat`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ Unit = dict  # {"kind", "path", "start", "stop", "first", "bytes"}: see `plan_un
 BATCH_ROWS = 8192  # rows decoded at a time from a row group read in part
 
 
-def plan_units(dataset: str, text_field: str, unit_bytes: int, args: tuple[str, str] = TRAINING_ARGS) -> list[Unit]:
+def plan_units(dataset: str, text_field: str | None, unit_bytes: int, args: tuple[str, str] = TRAINING_ARGS
+               ) -> list[Unit]:
     """Cuts a raw dataset into units of about `unit_bytes` of source each, in the dataset's fixed order.
 
     Args:
@@ -49,7 +51,7 @@ def plan_units(dataset: str, text_field: str, unit_bytes: int, args: tuple[str, 
     return units
 
 
-def _parquet_units(path: Path, field: str, unit_bytes: int, field_arg: str) -> list[Unit]:
+def _parquet_units(path: Path, field: str | None, unit_bytes: int, field_arg: str) -> list[Unit]:
     """Row ranges [start, stop) of a parquet file: consecutive row groups up to `unit_bytes`, and a row group larger
     than that cut into parts of about `unit_bytes` (so `--shard-mb` and the workers apply to a one-group file). A
     file whose metadata cannot be read is one unit that reads as one bad row."""
@@ -117,13 +119,13 @@ def _count_newlines(f, n: int) -> int:
     return count
 
 
-def _check_column(path: Path, names: list[str], field: str, field_arg: str) -> None:
-    if field not in names:
+def _check_column(path: Path, names: list[str], field: str | None, field_arg: str) -> None:
+    if field is not None and field not in names:
         raise DatasetError(f"{path} has no column {field!r} ({field_arg}); columns: {names}.",
                            f"pass {flag(field_arg)} with one of {names}.")
 
 
-def read_unit(unit: Unit, text_field: str, field_arg: str = TRAINING_ARGS[1]
+def read_unit(unit: Unit, text_field: str | None, field_arg: str = TRAINING_ARGS[1]
               ) -> Iterator[tuple[str, str | None, str]]:
     """The documents of a unit: (location, text, "") for a good row, (location, None, reason) for a bad one."""
     path = Path(unit["path"])
@@ -156,7 +158,8 @@ def read_unit(unit: Unit, text_field: str, field_arg: str = TRAINING_ARGS[1]
         try:
             for column in _arrow_columns(unit, text_field, field_arg):
                 for value in column:
-                    yield _value(f"{path}:row {row}", value, text_field)
+                    yield _value(f"{path}:row {row}", value, text_field) if text_field else \
+                        (f"{path}:row {row}", value, "")
                     row += 1
         except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a truncated or damaged part of the file
             end = f"-{unit['stop'] - 1}" if kind == "parquet" else "+"
@@ -178,14 +181,14 @@ def _parse(data: bytes, line: bool) -> tuple[object, str]:
         return None, f"an integer of over {sys.get_int_max_str_digits():,} digits"
 
 
-def _jsonl_row(where: str, line: bytes, field: str) -> Iterator[tuple[str, str | None, str]]:
+def _jsonl_row(where: str, line: bytes, field: str | None) -> Iterator[tuple[str, str | None, str]]:
     if not line.strip():
         return  # blank lines are not rows
     row, why = _parse(line, line=True)
     yield (where, None, why) if why else _record(where, row, field)
 
 
-def _json_records(path: Path, field: str) -> Iterator[tuple[str, str | None, str]]:
+def _json_records(path: Path, field: str | None) -> Iterator[tuple[str, str | None, str]]:
     """The records of a .json file: an array of records (`file:record 3`), an object of records keyed by id
     (`file:record 'id'`, the shape of chitchat's dataset.json), or one record."""
     value, why = _parse(path.read_bytes(), line=False)
@@ -203,9 +206,11 @@ def _json_records(path: Path, field: str) -> Iterator[tuple[str, str | None, str
         yield str(path), None, f"a JSON {type(value).__name__}: not an array or object of records"
 
 
-def _record(where: str, row, field: str) -> tuple[str, str | None, str]:
+def _record(where: str, row, field: str | None) -> tuple[str, str | None, str]:
     if not isinstance(row, dict):
         return where, None, f"a JSON {type(row).__name__}, not an object"
+    if field is None:  # the whole record (a conversation)
+        return where, row, ""
     if field not in row:
         return where, None, f"no {field!r} key (keys: {sorted(row)[:8]})"
     return _value(where, row[field], field)
@@ -224,8 +229,9 @@ def _value(where: str, value, field: str) -> tuple[str, str | None, str]:
     return where, value, ""
 
 
-def _arrow_columns(unit: Unit, field: str, field_arg: str) -> Iterator[list]:
-    """The text column of a parquet unit's rows, or of an .arrow file's record batches, a batch at a time."""
+def _arrow_columns(unit: Unit, field: str | None, field_arg: str) -> Iterator[list]:
+    """The text column of a parquet unit's rows, or of an .arrow file's record batches, a batch at a time (field
+    None: the rows as dicts)."""
     import pyarrow as pa
 
     path = Path(unit["path"])
@@ -237,14 +243,17 @@ def _arrow_columns(unit: Unit, field: str, field_arg: str) -> Iterator[list]:
         for g in range(pf.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
             lo, hi = max(unit["start"] - first, 0), min(unit["stop"] - first, n)
+            columns = None if field is None else [field]
             if lo < hi and (lo, hi) == (0, n):
-                yield pf.read_row_group(g, columns=[field]).column(field).to_pylist()
+                table = pf.read_row_group(g, columns=columns)
+                yield table.to_pylist() if field is None else table.column(field).to_pylist()
             elif lo < hi:  # a part of a large row group: decoded in batches, only [lo, hi) kept
                 at = 0
-                for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=[field]):
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=columns):
                     a, b = max(lo - at, 0), min(hi - at, batch.num_rows)
                     if a < b:
-                        yield batch.column(0).slice(a, b - a).to_pylist()
+                        part = batch.slice(a, b - a)
+                        yield part.to_pylist() if field is None else part.column(0).to_pylist()
                     at += batch.num_rows
                     if at >= hi:
                         break
@@ -263,4 +272,4 @@ def _arrow_columns(unit: Unit, field: str, field_arg: str) -> Iterator[list]:
             batches = iter(reader)
         for batch in batches:
             _check_column(path, batch.schema.names, field, field_arg)
-            yield batch.column(field).to_pylist()
+            yield batch.to_pylist() if field is None else batch.column(field).to_pylist()

@@ -36,6 +36,9 @@ _EXPORTS = {
     "Dashboard": "dashboard", "TrainingFailed": "dashboard", "live_frontend": "dashboard",
     "train_with_dashboard": "dashboard", "fresh_run_dir": "dashboard", "transient_progress": "dashboard",
     "status_line": "dashboard",
+    # chat fine-tuning (09)
+    "chat_data": "chat", "Conversation": "chat", "packing_table": "chat", "initial_weights": "chat",
+    "replies": "chat",
     # runner
     "run_notebooks": "runner", "NotebookParameterError": "runner",
 }

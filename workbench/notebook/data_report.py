@@ -7,7 +7,7 @@ import numpy as np
 
 from workbench.core.config import JobConfig
 from workbench.data import load_tokenizer
-from workbench.data.prepare import Prepared
+from workbench.data.prepared import Prepared
 from workbench.notebook.display import Table, key_values
 
 SHOWN_TOKENS = 64  # tokens of each document shown

@@ -51,8 +51,8 @@ def resolve_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
 
 
 def resolve_dataset(dataset: str, one: bool = False) -> str:
-    """A `dataset` parameter (`training.dataset` syntax) with its paths resolved as `resolve_path` does: "shakespeare"
-    as is, each member of a mixture on its own.
+    """A `dataset` parameter (`training.dataset` syntax) with its paths resolved as `resolve_path` does: the bundled
+    names ("shakespeare", "chitchat") as they are, each member of a mixture on its own.
 
     Args:
         dataset: the parameter.
@@ -61,15 +61,15 @@ def resolve_dataset(dataset: str, one: bool = False) -> str:
     Raises:
         ConfigError: a mixture where `one` (the message names a member to pass), or a malformed one.
     """
-    from workbench.data import dataset_label, parse_mixture
+    from workbench.data import BUNDLED, dataset_label, parse_mixture
 
     members = parse_mixture(dataset)
     if one and len(members) > 1:
         raise ConfigError(f"dataset={dataset!r} is a mixture ({dataset_label(dataset)}): mixtures are not shown here; "
                           f"pass one member, e.g. dataset={members[0][0]!r}.")
     if len(members) == 1:
-        return dataset if dataset == "shakespeare" else str(resolve_path(dataset))
-    return ",".join(f"{name if name == 'shakespeare' else resolve_path(name)}:{w!r}" for name, w in members)
+        return dataset if dataset in BUNDLED else str(resolve_path(dataset))
+    return ",".join(f"{name if name in BUNDLED else resolve_path(name)}:{w!r}" for name, w in members)
 
 
 # Notebook parameter name -> config key. Only parameters given as something other than None are applied;

@@ -471,6 +471,7 @@ def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) ->
             dataset=job.training.dataset, text_field=job.training.dataset_text_field,
             tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
             document_mask=job.training.document_mask,
+            chat=job.training.chat_options(),
         ),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
             pattern=r".*", optimizer_name=opt.name,
