@@ -173,7 +173,7 @@ def mutations(originals: dict[str, Path]) -> list[Mutation]:
 
 def read(kind: str, folder: Path):
     """Reads the folder the way the workbench does; returns a one-line refusal, or None if it was accepted."""
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
     from workbench.core.config import load_config
     from workbench.data.prepared import Prepared
     from workbench.run.checkpoint import verify_checkpoint

@@ -79,7 +79,7 @@ def load_hf_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     by Hugging Face key."""
     from safetensors.torch import load_file
 
-    from workbench.backends.hf import weight_files
+    from workbench.hf_weights import weight_files
 
     files = weight_files(checkpoint_dir)
     state: dict[str, torch.Tensor] = {}
@@ -227,7 +227,7 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
     titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
     # Before transformers reads anything: its from_pretrained would torch.load a pickle-only folder.
-    from workbench.backends.hf import weight_files
+    from workbench.hf_weights import weight_files
 
     weight_files(checkpoint_dir)
     ref, ref_forward = reference_model(checkpoint_dir)

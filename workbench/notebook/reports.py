@@ -571,12 +571,12 @@ def shared_init(job: JobConfig, out: str | os.PathLike) -> Path:
     loads it), so that the paths start from the very same weights."""
     import copy
 
-    from workbench.backends import hf
+    from workbench import hf_weights
     from workbench.model import build_model
 
     native = copy.deepcopy(job)
     native.model.backend = "native"
-    return hf.export_model(build_model(native), out, dtype="float32", overwrite=True)
+    return hf_weights.export_model(build_model(native), out, dtype="float32", overwrite=True)
 
 
 def measured_on_h200(path: str | os.PathLike | None = None):

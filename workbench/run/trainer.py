@@ -368,14 +368,14 @@ class WorkbenchTrainer(Trainer):
         if self.job.model.hf_checkpoint:
             # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
             # super().train()) then overwrites them with the newer state, optimizer included.
-            from workbench.backends import hf
+            from workbench import hf_weights
 
-            hf.load_into_trainer(self, self.job.model.hf_checkpoint)
+            hf_weights.load_into_trainer(self, self.job.model.hf_checkpoint)
         super().train()
         if self.job.checkpoint.export_hf:
-            from workbench.backends import hf
+            from workbench import hf_weights
 
-            out = hf.export_trainer(self, run_dir / "hf")
+            out = hf_weights.export_trainer(self, run_dir / "hf")
             say(f"exported Hugging Face weights to {out}")
         hist = self.metrics_processor.history
         if hist and _rank() == 0:
