@@ -31,7 +31,7 @@ def one_rank_trainer(job):
     """A WorkbenchTrainer of `job` in this process (a gloo world of one), closed with its process group after."""
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs
 
     with socket.socket() as s:

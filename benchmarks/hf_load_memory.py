@@ -60,7 +60,7 @@ def measure(ckpt: str) -> dict:
 
     job = JobConfig()
     job.model.hf_checkpoint = ckpt
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     backends.get("native")  # imports torchtitan: part of the baseline, not of the model
     base = _rss_now()
     model = build_model(job)

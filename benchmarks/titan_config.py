@@ -26,7 +26,7 @@ def workbench_job():
         raise RuntimeError(f"Set {ENV} to a workbench TOML (benchmarks/engine_overhead.py does this).")
     job = load_config(os.environ[ENV])
     kind = device.detect(job.job.device).kind
-    titan_device.prepare(kind)  # torchtitan on CPU needs the workbench's CPU adjustments (as the native path has them)
+    titan_device.pin(kind)  # torchtitan on CPU needs the workbench's CPU adjustments (as the native path has them)
 
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer

@@ -23,7 +23,7 @@ from workbench.core import errors, flavors
 from workbench.core.config import load_config
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.pin("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
 
@@ -377,7 +377,7 @@ def units_of(shape: flavors.Qwen3Shape, **model_options):
     return sd, hf.group_units(sd, adapter)
 
 
-def test_plan_units_groups_in_model_order_and_names_the_dropped_keys():
+def test_group_units_groups_in_model_order_and_names_the_dropped_keys():
     sd, units = units_of(MOE, moe_load_balance_coeff=1e-3)  # with torchtitan's expert bias
     assert [u.name for u in units] == ["tok_embeddings", "layers.0", "layers.1", "norm", "lm_head"]
     assert [k for u in units for k in u.model] == list(sd)  # every key once, in state-dict order
@@ -393,7 +393,7 @@ def test_plan_units_groups_in_model_order_and_names_the_dropped_keys():
     assert [u.dropped for u in units] == [[], ["layers.0.moe.expert_bias_E"], ["layers.1.moe.expert_bias_E"], [], []]
 
 
-def test_plan_units_tied_output_has_no_hf_key():
+def test_group_units_tied_output_has_no_hf_key():
     _, units = units_of(DENSE)
     head = units[-1]
     assert (head.name, list(head.model), head.hf) == ("lm_head", ["lm_head.weight"], {})

@@ -41,11 +41,11 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
     return job
 
 
-def _prepare_device(job: JobConfig) -> None:
+def _pin_device(job: JobConfig) -> None:
     """torchtitan must be pinned to a device before it is imported (on CPU: the CPU adjustments)."""
     from workbench.platform import device, titan_device
 
-    titan_device.prepare(titan_device.prepared_kind() or device.detect(job.job.device).kind)
+    titan_device.pin(titan_device.pinned_kind() or device.detect(job.job.device).kind)
 
 
 def materialize(model_config, seed: int | None, parallelize: Callable | None = None) -> torch.nn.Module:
@@ -81,7 +81,7 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     """
     from workbench import backends, hf_weights
 
-    _prepare_device(job)
+    _pin_device(job)
     spec = backends.model_spec(job)
     model = materialize(spec.model, job.job.seed).float().eval()
     model.workbench_info = hf_weights.ModelInfo(job.model.backend, job.shape, spec.model, job.model.tokenizer_path)

@@ -224,7 +224,7 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
 
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
+    titan_device.pin("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
     # Before transformers reads anything: its from_pretrained would torch.load a pickle-only folder.
     from workbench.hf_weights import weight_files
@@ -285,7 +285,7 @@ def run_packed_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = B
 
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     settings = settings or Settings()
     if len(settings.doc_lengths) < 3 or sum(settings.doc_lengths) > settings.seq_len:
         raise ConfigError(f"--packed needs at least 3 documents within seq_len {settings.seq_len}; got lengths "

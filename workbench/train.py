@@ -43,7 +43,7 @@ def run(job: JobConfig, info=None) -> Path:
     from workbench.platform import device, titan_device
 
     info = info or device.detect(job.job.device)
-    adjusted = titan_device.prepare(info.kind, job.neuron)
+    adjusted = titan_device.pin(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -41,7 +41,7 @@ from workbench.core.errors import DatasetError
 from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.packing import ChatRows, PackSpec, heldout_rows
 from workbench.data.prepare import FORMAT, prepare
-from workbench.data.prepared import Prepared, fingerprint, is_prepared
+from workbench.data.prepared import PreparedDataset, fingerprint, is_prepared
 
 
 def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:
@@ -98,9 +98,9 @@ REPEAT_WARNING = 4.0
 
 
 def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
-                 progress: bool = True) -> list[tuple[str, Prepared, float]]:
-    """Every member of `training.dataset`, prepared (raw ones into the cache) and opened: [(name, Prepared, w)]."""
-    return [(d, Prepared(resolve(d, tokenizer_path, text_field, progress), tokenizer_path), w)
+                 progress: bool = True) -> list[tuple[str, PreparedDataset, float]]:
+    """Every member of `training.dataset`, prepared (raw ones into the cache) and opened: [(name, dataset, w)]."""
+    return [(d, PreparedDataset(resolve(d, tokenizer_path, text_field, progress), tokenizer_path), w)
             for d, w in mixture(dataset)]
 
 
@@ -114,7 +114,7 @@ class Stream:
         name: the dataset as the user wrote it (for messages).
     """
 
-    def __init__(self, prepared: Prepared, seed: int, holdout_docs: int, name: str):
+    def __init__(self, prepared: PreparedDataset, seed: int, holdout_docs: int, name: str):
         n = len(prepared) - holdout_docs
         if n <= 0:
             raise DatasetError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(prepared)} "
@@ -155,8 +155,8 @@ class Stream:
         return out
 
 
-def member_rows(name: str, prepared: Prepared, seq_len: int, seed: int, holdout_docs: int, tokenizer_path: str = "",
-                chat: dict | None = None) -> Stream | ChatRows:
+def member_rows(name: str, prepared: PreparedDataset, seq_len: int, seed: int, holdout_docs: int,
+                tokenizer_path: str = "", chat: dict | None = None) -> Stream | ChatRows:
     """One member's rows: a conversation set packed (`ChatRows`, options `chat` = PackSpec fields), or a text
     stream."""
     if prepared.chat:

@@ -127,7 +127,7 @@ class _ShardWriter:
         """Writes the index (sharded exports); checks that every planned tensor was written."""
         unwritten = [name for name, left in self.remaining.items() if left]
         if unwritten:
-            raise RuntimeError(f"export plan not fulfilled: {unwritten} incomplete")
+            raise RuntimeError(f"export incomplete: shard(s) {unwritten} not fully written")
         names = set(self.file_of.values())
         if names != {SINGLE_FILE}:
             total = sum((self.folder / n).stat().st_size for n in names)  # close to tensor bytes; headers are tiny
@@ -169,7 +169,7 @@ def export_weights(model: torch.nn.Module, out_dir: str | os.PathLike, *, model_
     Args:
         model: a plain or parallelised (DTensor) model; every rank calls, rank 0 writes.
         out_dir: the directory to create.
-        model_config: its torchtitan config (rebuilt on meta to plan keys, shapes and shards).
+        model_config: its torchtitan config (rebuilt on meta to list keys, shapes and shards).
         shape: the architecture (config.json).
         backend: whose `hf_adapter` maps the keys.
         dtype: dtype of the stored tensors.

@@ -21,7 +21,7 @@ class ModelInfo:
     Attributes:
         backend: the backend that built it (its `hf_adapter` maps the keys).
         shape: the architecture (written as config.json).
-        model_config: the torchtitan model config (rebuilt on meta to plan keys and shapes).
+        model_config: the torchtitan model config (rebuilt on meta to list keys and shapes).
         tokenizer_path: `model.tokenizer_path` ("" = the bundled Qwen3 tokenizer).
     """
 

@@ -429,7 +429,7 @@ def trace(job: JobConfig, device: str, world_size: int, progress=to_stderr) -> d
     from workbench.run.trainer import quiet_titan_logs
 
     device_kind = tables.DEVICES[device].kind
-    titan_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
+    titan_device.pin("cpu")  # the trace runs on this host's CPU whatever the target
     quiet_titan_logs(job.job.verbose)  # the warnings training hides (initial_load_model_only, DTensor RNG) too
     t0 = time.perf_counter()
     if dist.is_initialized():
