@@ -115,7 +115,7 @@ def test_clean_keeps_only_checked_outputs(tmp_path):
 def test_param_counts_formula_matches_flavors():
     """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
     from workbench.core import flavors
-    from workbench.notebook.reports import param_counts
+    from workbench.core.flavors import param_counts
 
     for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
         assert param_counts(flavors.get_shape(name)) == flavors.count_params(flavors.get_shape(name)), name

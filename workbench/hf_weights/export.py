@@ -343,9 +343,7 @@ def export_trainer(trainer, out_dir: str | os.PathLike, *, overwrite: bool = Tru
         out_dir: the directory to write (`<run>/hf`).
         overwrite: replace an existing export.
     """
-    job = trainer.job
-    return export_weights(
-        single_part(trainer), out_dir, model_config=trainer.model_config, shape=job.shape,
-        backend=job.model.backend, dtype=job.checkpoint.export_dtype,
-        tokenizer_path=job.model.tokenizer_path, overwrite=overwrite,
-    )
+    run = trainer.run
+    return export_weights(single_part(trainer), out_dir, model_config=trainer.model_config, shape=run.shape,
+                          backend=run.backend, dtype=run.export_dtype, tokenizer_path=run.tokenizer_path,
+                          overwrite=overwrite)

@@ -164,9 +164,8 @@ def load_into_trainer(trainer, path: str | os.PathLike) -> dict[str, float]:
         trainer: the trainer, after torchtitan built, parallelised and initialised `trainer.model_parts`.
         path: the checkpoint directory (`model.hf_checkpoint`).
     """
-    job = trainer.job
-    stats = load_weights(single_part(trainer), path, model_config=trainer.model_config, shape=job.shape,
-                         backend=job.model.backend)
+    stats = load_weights(single_part(trainer), path, model_config=trainer.model_config, shape=trainer.run.shape,
+                         backend=trainer.run.backend)
     if _rank() == 0:
         print(f"loaded {stats['tensors']} Hugging Face tensors ({stats['elements'] / 1e6:.1f}M values) from {path} "
               f"in {stats['seconds']:.1f}s" + (f"; {describe_casts(stats['casts'])}" if stats["casts"] else ""),

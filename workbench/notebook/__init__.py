@@ -23,7 +23,7 @@ _EXPORTS = {
     "environment_report": "reports", "asset_facts": "reports", "config_table": "reports",
     "flavor_table": "reports", "metrics_frame": "reports", "read_metrics": "reports", "read_summary": "reports",
     "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
-    "param_counts": "reports", "profile_report": "reports", "performance_table": "reports",
+    "profile_report": "reports", "performance_table": "reports",
     "plot_breakdown": "reports", "comparison_summary": "reports", "largest_differences": "reports",
     "parity_facts": "reports", "bench_table": "reports", "trn2_model_table": "reports",
     "metrics_table": "reports", "training_checks": "reports", "run_summary": "reports", "token_agreement": "reports",

@@ -17,8 +17,8 @@ from typing import Any
 
 import pandas as pd
 
-GiB = 1024**3
-MiB = 1024**2
+from workbench.core.units import GiB, MiB
+
 MISSING = "—"
 _NUMBER_TEXT = re.compile(r"^(|—|[<>]?\s?-?[\d,]*\.?\d+(e[+-]\d+)?\s?(%|×)?)$")
 """Cells that read as a number (right-aligned): "1,234", "0.25", "< 0.01", "26 %", "—", ""."""

@@ -148,31 +148,11 @@ def config_table(job: JobConfig, *, changed_only: bool = True, skip: Iterable[st
     return Table.of(rows, ["key", "value", "default"])
 
 
-def param_counts(shape) -> dict[str, int]:
-    """Parameter counts of a Qwen3 shape, by formula (no model is built, torchtitan is not imported).
-
-    Same keys and numbers as `workbench.core.flavors.count_params` (which builds the torchtitan model on the meta
-    device; tests/test_notebooks.py checks they agree): total, embedding, active (MoE: top_k of the experts).
-    """
-    d, hd = shape.dim, shape.head_dim
-    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2 + 2 * hd  # q, o, k, v + q_norm, k_norm
-    norms = 2 * d  # attention_norm, ffn_norm
-    if shape.is_moe:
-        experts = 3 * shape.num_experts * d * shape.moe_ffn_dim
-        mlp, router = experts, d * shape.num_experts
-    else:
-        experts, mlp, router = 0, 3 * d * shape.ffn_dim, 0
-    embedding = shape.vocab_size * d
-    total = embedding * (1 if shape.tied else 2) + d + shape.n_layers * (attn + norms + mlp + router)
-    per_layer_inactive = experts - (experts * shape.top_k // shape.num_experts if shape.is_moe else 0)
-    return {"total": total, "embedding": embedding, "active": total - shape.n_layers * per_layer_inactive}
-
-
 def flavor_table(job: JobConfig) -> Table:
     """Architecture numbers and parameter counts of the job's model."""
     from workbench.core import flavors
 
-    counts = param_counts(job.shape)
+    counts = flavors.param_counts(job.shape)
     rows = [("flavor", job.flavor_name), *flavors.describe(job.shape).items(),
             ("parameters (total)", counts["total"]), ("parameters (embedding)", counts["embedding"]),
             ("parameters (non-embedding)", counts["total"] - counts["embedding"]),
@@ -790,7 +770,7 @@ def plot_metrics(frames: pd.DataFrame | dict[str, pd.DataFrame], title: str = ""
 
 
 __all__ = [
-    "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "param_counts", "read_metrics",
+    "environment_report", "asset_facts", "neuron_cores", "config_table", "flavor_table", "read_metrics",
     "metrics_frame", "read_summary", "summary_table", "run_folder_table", "plot_metrics", "PATH_KEYS",
     "ProfileReport", "profile_report", "performance_table", "plot_breakdown", "comparison_summary",
     "largest_differences", "parity_facts", "bench_table", "BENCH_HEADERS", "significant", "metrics_table",

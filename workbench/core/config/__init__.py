@@ -15,7 +15,6 @@ shard degree (`parallelism.dp_shard`), `job.enable_checkpoint` -> `checkpoint.en
 
     sections.py   one dataclass per [section] with its own check; JobConfig, all of them; the article's ALIASES
     rules.py      the rules that join sections: each backend's (BACKEND_RULES), the device's (check_device)
-    checks.py     the value checks the sections use (a range, a count, a folder name)
     load.py       read_config (TOML + overrides), validate, load_config (both)
     cli.py        --section.key arguments, the --help text
 """
