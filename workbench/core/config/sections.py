@@ -161,7 +161,7 @@ class Model:
         if self.n_layers < 0 or (self.n_layers and self.hf_checkpoint):
             raise ConfigError(f"model.n_layers={self.n_layers}: give a positive number of decoder layers (0 = the "
                               "flavor's), and none with model.hf_checkpoint, whose config.json fixes the depth.")
-        # Before the shape is resolved: an absurd depth would make every estimate (the memory gate's) build it.
+        # Before the shape is resolved: an absurd depth would make every estimate (the memory plan's) build it.
         check_range("model.n_layers", self.n_layers, 0, flavors.MAX_LAYERS, special="(0 = the flavor's)")
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
