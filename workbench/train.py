@@ -47,7 +47,6 @@ def train_in_this_process(checked: Preflight) -> Path:
     from workbench.platform import titan_device
 
     job, info = checked.job, checked.device
-
     adjusted = titan_device.pin(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
@@ -77,7 +76,7 @@ def train_in_this_process(checked: Preflight) -> Path:
     return job.run_dir
 
 
-def check_inputs(job: JobConfig, world_size: int = 1):
+def check_inputs(job: JobConfig, world_size: int = 1) -> OpenedMembers:
     """Checks the files the run needs (tokenizer, dataset) before any process group starts, says what a mixture
     of datasets will give (`workbench.data.loader.mixture_report`), and returns the members it opened
     (`OpenedMembers`: the run's loader reads them, nothing is opened twice).
