@@ -78,7 +78,7 @@ def test_prepared_stream_is_the_packing_of_whole_documents():
     got = labels(PackedDataset("shakespeare", "", 1024, seed=5, holdout_docs=1), rows)
     assert rows > 40
     assert all(torch.equal(got[r], torch.tensor(ref[r * 1025 + 1:(r + 1) * 1025])) for r in range(rows))
-    prepared = data.loader.Prepared(data.loader.resolve("shakespeare"))
+    prepared = data.loader.PreparedDataset(data.loader.resolve("shakespeare"))
     assert (prepared.manifest["documents"], prepared.manifest["tokens"]) == (38, 1479492)
     assert prepared.tokens[0].dtype == np.uint32
 
@@ -234,7 +234,7 @@ def test_kill_9_during_prepare_then_resume(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
     assert not (out / "manifest.json").exists()
     with pytest.raises(DatasetError, match="was never finished"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     notes = []
     resumed = prep.prepare(str(src), out, workers=1, progress=False, shard_bytes=int(0.01 * 2**20),
                            say=notes.append)
@@ -254,20 +254,20 @@ def test_corrupt_truncated_shard_and_tokenizer_mismatch(cache, tmp_path):
     raw = bytearray(tokens.read_bytes())
     raw[100] ^= 0xFF
     tokens.write_bytes(raw)
-    p = prep.Prepared(out)
+    p = prep.PreparedDataset(out)
     with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is corrupt: checksum mismatch"):
         take(PackedDataset(str(out), "", 16), 1)
     with pytest.raises(DatasetError, match=r"00000\.tokens is corrupt: its sha256"):
         p.verify()
     tokens.write_bytes(raw[:-8])
     with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is truncated"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     other = tmp_path / "tok"
     other.mkdir()
     (other / "tokenizer.json").write_text(json.dumps(json.loads((data.tokenizer_dir() / "tokenizer.json")
                                                                 .read_text()), indent=1))
     with pytest.raises(DatasetError) as e:
-        prep.Prepared(out, tokenizer_path=str(other))
+        prep.PreparedDataset(out, tokenizer_path=str(other))
     assert data.tokenizer_hash()[:16] in str(e.value) and data.tokenizer_hash(str(other))[:16] in str(e.value)
 
 
@@ -291,7 +291,7 @@ def test_source_changed_since_prepare_is_named(tmp_path):
     before = prep.prepare(str(src), out, workers=1, progress=False)["fingerprint"]
     os.utime(src, ns=(1, 1))
     with pytest.raises(DatasetError, match=f"changed since it was prepared .*fingerprint {before[:16]} then"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     with pytest.raises(DatasetError, match="another source fingerprint .* the source changed since prepare"):
         prep.prepare(str(src), out, workers=1, progress=False)
 
@@ -329,7 +329,7 @@ def test_long_document_is_tokenized_in_pieces(tmp_path, monkeypatch):
     tok = data.load_tokenizer()
     whole = tok.encode(text, add_special_tokens=False).ids + [151643]
     assert m["tokens"] == len(whole)
-    assert prep.Prepared(tmp_path / "p").document(0).tolist() == whole  # cut at spaces: the same tokens
+    assert prep.PreparedDataset(tmp_path / "p").document(0).tolist() == whole  # cut at spaces: the same tokens
     monkeypatch.setattr(prep, "MAX_DOCUMENT_BYTES", 10_000)
     with pytest.raises(DatasetError, match=r"long.jsonl:1: a document of 2.,... characters is over the limit"):
         prep.prepare(str(tmp_path / "long.jsonl"), tmp_path / "p2", workers=1, progress=False)
@@ -406,8 +406,8 @@ def test_check_inputs_refuses_before_training(cache, tmp_path):
     with pytest.raises(DatasetError, match="holdout_docs=3 leaves no training documents"):
         check_inputs(workbench.load_config(ROOT / "configs/cpu_dense.toml",
                                            training={"dataset": str(src), "holdout_docs": 3}))
-    assert Stream(prep.Prepared(next(cache.iterdir())), 0, 0, "x").total == prep.Prepared(next(cache.iterdir())
-                                                                                          ).manifest["tokens"]
+    folder = next(cache.iterdir())
+    assert Stream(prep.PreparedDataset(folder), 0, 0, "x").total == prep.PreparedDataset(folder).manifest["tokens"]
 
 
 def test_user_tokenizer_dir(tmp_path):

@@ -19,7 +19,7 @@ from test_training_native import assert_learns
 from run_helpers import FIRST_12_OF_30, cached_run, losses_by_step, read_metrics, run_train
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
 from workbench.core import flavors  # noqa: E402  (after the device is pinned)

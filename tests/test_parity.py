@@ -12,7 +12,7 @@ import torch
 
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 from workbench import parity  # noqa: E402
 from workbench.core import flavors  # noqa: E402

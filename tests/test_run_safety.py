@@ -244,7 +244,7 @@ def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     group); `prepare --strict` refuses them in one line (tests/test_data.py)."""
     from workbench.core.config import load_config
     from workbench.data.loader import resolve
-    from workbench.data.prepared import Prepared
+    from workbench.data.prepared import PreparedDataset
     from workbench.train import check_inputs
 
     monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
@@ -253,7 +253,7 @@ def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     (data / "a.txt").write_text("To be, or not to be.")
     (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)
     check_inputs(load_config(ROOT / DENSE, ["--training.dataset", str(data), "--training.holdout_docs", "0"]))
-    m = Prepared(resolve(str(data))).manifest
+    m = PreparedDataset(resolve(str(data))).manifest
     assert (m["documents"], m["bad_rows"], m["bad_examples"]) == (1, 1, [f"{data / 'b.txt'}:1 (not UTF-8 (byte 12))"])
 
 

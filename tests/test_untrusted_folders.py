@@ -185,7 +185,7 @@ def test_a_killed_exports_partial_folder_is_cleaned_by_the_next_export(run_sourc
 # ---- 3. nothing hangs: a FIFO is refused; absurd shapes are refused by range --------------------------------------
 
 def test_a_fifo_named_safetensors_is_refused_not_read(tmp_path):
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -265,12 +265,12 @@ def test_a_string_tie_word_embeddings_is_refused_not_tied(tiny_hf, tmp_path):
 
 
 def test_an_index_naming_a_file_outside_is_refused_before_it_is_opened(tiny_hf, tmp_path):
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
 
     d = Path(shutil.copytree(tiny_hf, tmp_path / "ckpt"))
     outside = tmp_path / "outside.safetensors"
     shutil.move(d / "model.safetensors", outside)
-    keys = hf._file_keys(outside)
+    keys = hf.folder._file_keys(outside)
     (d / hf.INDEX_FILE).write_text(json.dumps({"weight_map": {k: "../outside.safetensors" for k in keys}}))
     with pytest.raises(errors.HFCheckpointError, match=r"weight_map\['model.embed_tokens.weight'\] is "
                                                        r"'../outside.safetensors' \(a string\); expected a"):

@@ -58,8 +58,8 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
              ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
     "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
                      ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
-    "hf": (["workbench/backends/hf.py"], _names("workbench.backends.hf",
-                                                     ("unit_of", "plan_units", "_ignorable", "check_against")),
+    "hf": (["workbench/hf_weights/units.py"], _names("workbench.hf_weights.units",
+                                                      ("unit_of", "group_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
            ["tests/test_hf_io.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),
