@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import FIRST_12_OF_30, cached_run, use_machine_cpu_path
+from tests.run_helpers import FIRST_12_OF_30, cached_run, use_machine_cpu_path
 
 
 @pytest.fixture(scope="module", autouse=True)
