@@ -124,6 +124,12 @@ def kill_run_when(config: str, *args: str, ready, nproc: int = 1, timeout: float
     return victims
 
 
+def python_child(code: str) -> subprocess.Popen:
+    """A Python child running `code` from the repository (the workbench importable); stdout and stderr are pipes."""
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """step -> loss; a resumed run appends to the same file, the latest record of a step wins."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
@@ -202,6 +208,17 @@ def unblocking(fifo: Path, every_s: float = 5.0):
     finally:
         helper.kill()
         helper.wait()
+
+
+class PicklePayload:
+    """Unpickling it runs `exec`, which writes "ran" into `marker`: the proof that a loader unpickled what it was
+    given (a refusal names the class `builtins.exec`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:

@@ -9,15 +9,18 @@ at the tiny-moe width.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
+import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import workbench
-from tests.run_helpers import randomize_norms_and_biases, run_train
+from tests.run_helpers import PicklePayload, randomize_norms_and_biases, run_train, unblocking
 from workbench.backends import hf
 from workbench.core import errors, flavors
 from workbench.core.config import load_config
@@ -297,22 +300,12 @@ def test_not_qwen3(saved, tmp_path):
         load_model(None, hf_checkpoint=d)
 
 
-class _Tripwire:
-    """Unpickling this creates a file: proof that a loader unpickled the weights."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return open, (str(self.marker), "w")
-
-
 def test_pickle_weights_are_refused_never_unpickled(saved, tmp_path):
     d = tmp_path / "pickled"
     d.mkdir()
     shutil.copy(saved["dense"][0] / "config.json", d)
     marker = tmp_path / "unpickled"
-    (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Tripwire(marker)))
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(PicklePayload(marker)))
     with pytest.raises(errors.HFCheckpointError, match=r"pytorch_model.bin.*never unpickles.*save_pretrained"):
         load_model(None, hf_checkpoint=d)
     assert not marker.exists()
@@ -485,7 +478,6 @@ def test_check_against_any_one_kind_alone_is_refused_and_lists_are_separated():
 
 
 def _mount_tmpfs(path: Path, options: str) -> None:
-    import subprocess
 
     path.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"wb-{path.name}", str(path)], capture_output=True,
@@ -495,7 +487,6 @@ def _mount_tmpfs(path: Path, options: str) -> None:
 
 
 def _umount(path: Path) -> None:
-    import subprocess
 
     subprocess.run(["umount", "-l", str(path)], check=False)
 
@@ -566,3 +557,65 @@ def test_an_export_onto_a_full_disk_exits_4(saved, tmp_path):
         assert "nothing was written there" in e.value.message and list(full.iterdir()) == []
     finally:
         _umount(full)
+
+
+def test_a_fifo_named_safetensors_is_refused_not_read(tmp_path):
+    from workbench.backends import hf
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    flavors.hf_config(DENSE).save_pretrained(str(d))
+    os.mkfifo(d / "model.safetensors")
+    with unblocking(d / "model.safetensors") as hung, pytest.raises(errors.HFCheckpointError) as refused:
+        hf.table_of_contents(d)
+    assert not hung(), "the reader blocked on the FIFO"
+    assert f"{d / 'model.safetensors'} is a FIFO, not a regular file" in refused.value.one_line()
+
+
+def _rewrite(d: Path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(d / "model.safetensors"))
+    change(state)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_cast_weights_are_reported_and_non_finite_ones_refused(saved, tmp_path):
+    from workbench.model import load_model
+
+    d = Path(shutil.copytree(saved["dense"][0], tmp_path / "ckpt"))
+    key = "model.layers.0.mlp.up_proj.weight"
+
+    def to_int8(state):
+        state[key] = state[key].mul(100).to(torch.int8)
+        state["model.norm.weight"] = state["model.norm.weight"].half()
+
+    _rewrite(d, to_int8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model(None, hf_checkpoint=d)
+    said = [str(w.message) for w in caught if "cast on load" in str(w.message)]
+    assert said == [f"{d}: cast on load: 1 weight(s) float16 -> float32 (first: norm.weight); 1 weight(s) int8 -> "
+                    "float32 (first: layers.0.feed_forward.w3.weight)"], [str(w.message) for w in caught]
+
+    def nan(state):
+        state[key] = state[key].float()
+        state[key][3, 1] = float("nan")
+
+    _rewrite(d, nan)
+    with pytest.raises(errors.HFCheckpointError, match=r"The weights of layers.0.feed_forward.w3.weight hold NaN or "
+                                                       r"infinite values"):
+        load_model(None, hf_checkpoint=d)
+
+
+def test_an_index_naming_a_file_outside_is_refused_before_it_is_opened(saved, tmp_path):
+    from workbench.backends import hf
+
+    d = Path(shutil.copytree(saved["dense"][0], tmp_path / "ckpt"))
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(d / "model.safetensors", outside)
+    keys = hf._file_keys(outside)
+    (d / hf.INDEX_FILE).write_text(json.dumps({"weight_map": {k: "../outside.safetensors" for k in keys}}))
+    with pytest.raises(errors.HFCheckpointError, match=r"weight_map\['model.embed_tokens.weight'\] is "
+                                                       r"'../outside.safetensors' \(a string\); expected a"):
+        hf.table_of_contents(d)

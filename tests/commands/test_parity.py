@@ -5,17 +5,20 @@ logits as transformers itself (<= 1e-4 max abs between the two paths) and the sa
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.run_helpers import PicklePayload
 from workbench.platform import titan_device
 
 titan_device.prepare("cpu")
 
 from workbench import parity  # noqa: E402
-from workbench.core import flavors  # noqa: E402
+from workbench.core import errors, flavors  # noqa: E402
 
 # Small custom shapes (vocab 512): one tied dense model, one untied MoE model, so both tie paths are crossed.
 SHAPES = {
@@ -69,3 +72,17 @@ def test_moe_parity(checkpoints):
     # nki_moe is the other engineer's path (its emulated kernels are slow here); its row is exercised by them.
     table = parity.run_parity(checkpoints["moe"], backends=("huggingface_v5", "native"), settings=SETTINGS)
     assert_paths_agree(table)
+
+
+def test_parity_refuses_a_pickle_only_folder_before_transformers_reads_it(checkpoints, tmp_path, capsys):
+    from workbench import parity
+
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(checkpoints["dense"] / "config.json", d)
+    marker = tmp_path / "unpickled"
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(PicklePayload(marker)))
+    assert parity.main([str(d), "--steps", "1"]) == errors.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pytorch_model.bin" in err and "never unpickles" in err
+    assert not marker.exists()

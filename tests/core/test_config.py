@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
 from tests.run_helpers import ROOT
+from workbench.core import errors, flavors
 from workbench.core.config import help_text, load_config, parse_cli, validate
 from workbench.core.errors import ConfigError
 
@@ -32,7 +34,6 @@ def test_world_size_is_passed_not_read_from_the_environment(monkeypatch):
 
 
 def test_shape_is_resolved_once_and_carried(monkeypatch):
-    from workbench.core import flavors
 
     calls = []
     real = flavors.resolve
@@ -287,3 +288,27 @@ def test_multi_rank_and_tp_rules_refuse(world, argv, message):
 ])
 def test_multi_rank_and_tp_rules_accept(world, argv):
     load_config(DENSE, argv=argv, world_size=world)
+
+
+@pytest.mark.parametrize("lr", ["0", "-0.01", "-1e-12", "nan"])
+def test_non_positive_lr_is_refused(lr):
+    with pytest.raises(ConfigError, match=rf"optimizer.lr must be positive; got {re.escape(str(float(lr)))}\."):
+        load_config(DENSE, ["--optimizer.lr", lr])
+    assert load_config(DENSE, ["--optimizer.lr", "1e-30"]).optimizer.lr == 1e-30  # the edge: any positive lr
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../../elsewhere", "/abs/run", "x" * 300])
+def test_experiment_name_is_one_folder_name(name):
+    with pytest.raises(errors.ConfigError) as refused:
+        load_config(DENSE, job={"experiment_name": name})
+    assert refused.value.one_line().startswith(f"workbench: config error: job.experiment_name={name[:60]!r} ")
+    assert "one folder name" in refused.value.message
+    assert load_config(DENSE, job={"experiment_name": "run-2.b"}).run_dir.name == "run-2.b"
+
+
+def test_an_absurd_depth_is_refused_before_any_estimate():
+    """10^7 layers: refused by range when the config is read (the memory gate's estimate would build every layer)."""
+    with pytest.raises(errors.ConfigError, match=r"model.n_layers=10000000 is out of range: valid is 0 <= n_layers "
+                                                 r"<= 1024 \(0 = the flavor's\)"):
+        load_config(DENSE, model={"n_layers": 10_000_000})
+    assert load_config(DENSE, model={"n_layers": 3}).shape.n_layers == 3

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from workbench.core import flavors
+from workbench.core import errors, flavors
+from workbench.core.config import load_config
 
 OFFICIAL = [n for n, s in flavors.FLAVORS.items() if s.official_params]
 
@@ -51,3 +54,18 @@ def test_resolve_from_checkpoint_and_disagreement(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="trains Qwen3 only"):
         flavors.resolve("", str(tmp_path))
+
+
+TINY = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, ffn_dim=48, vocab_size=512, tied=True, max_seq_len=256)
+
+
+def test_a_string_tie_word_embeddings_is_refused_not_tied(tmp_path):
+    d = tmp_path / "ckpt"
+    flavors.hf_config(TINY).save_pretrained(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["tie_word_embeddings"] = "false"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(errors.ConfigError) as refused:
+        load_config(None, model={"hf_checkpoint": str(d)})
+    assert refused.value.one_line() == (f"workbench: config error: {d / 'config.json'}: tie_word_embeddings is "
+                                        "'false' (a string); expected true or false")

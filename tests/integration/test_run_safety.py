@@ -1,30 +1,23 @@
-"""Runs that cannot be destroyed: one launch per run folder (flock), checksummed checkpoints, a clean stop
-on SIGTERM/SIGINT, and one line with a documented exit code for every failure the workbench knows.
-
-Unit tests run the real pieces in this process or a small child process; the launches are real torchrun over gloo
-(configs/cpu_dense.toml, few steps; the stop test and the second-launch test share one launch)."""
+"""Runs that cannot be destroyed, through real torchrun launches over gloo (configs/cpu_dense.toml, few steps): a
+clean stop on SIGTERM that saves the step while a second launch into the same folder is refused, and one line with
+a documented exit code for a failure in a launch. The pieces alone: tests/run/test_run_folder.py (the lock),
+tests/run/test_checkpoint.py (checksums), tests/platform/test_dist_utils.py (the stop request)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from tests.run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
-from workbench.core import errors
-from workbench.run.checkpoint import checksumming_writer, commit_checksums, verify_checkpoint
-from workbench.run.metrics import trim_metrics
-from workbench.run.run_folder import LOCK_FILE, RunLock, step_dirs
+from workbench.run.checkpoint import verify_checkpoint
+from workbench.run.run_folder import LOCK_FILE, step_dirs
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
@@ -40,12 +33,6 @@ def reference_12(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     return run_dir, losses_by_step(run_dir)
 
 
-def _child(code: str) -> subprocess.Popen:
-    """A Python child running `code` with the workbench importable; stdout is a pipe."""
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
 def tail(proc, n: int = 3) -> str:
     return "\n".join(proc.stderr.strip().splitlines()[-n:])
 
@@ -53,122 +40,6 @@ def tail(proc, n: int = 3) -> str:
 def root_cause(proc) -> str:
     """The root-cause block of torchrun's failure summary (its last block)."""
     return proc.stderr.split("Root Cause (first observed failure):")[-1]
-
-
-# ---- one run per folder: the lock ---------------------------------------------------------------------------------
-
-def test_lock_refuses_a_second_holder_and_takes_over_a_stale_one(tmp_path):
-    run = tmp_path / "run"
-    holder = _child(f"from workbench.run.run_folder import RunLock; RunLock({str(run)!r}).acquire(); print('held', "
-                    "flush=True); import time; time.sleep(60)")
-    assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(errors.RunLockedError) as refused:
-        RunLock(run).acquire()
-    assert re.fullmatch(rf"workbench: run folder locked: {run} is in use by another launch \(host \S+, pid "
-                        rf"{holder.pid}, started [^)]+\); .* Fix: .*another folder \(--job.experiment_name\).",
-                        refused.value.one_line()), refused.value.one_line()
-    assert refused.value.exit_code == 2
-    holder.kill()  # kill -9: no clean-up, its record stays in the lock file
-    holder.wait()
-    lock = RunLock(run)
-    previous = lock.acquire()
-    assert previous["pid"] == holder.pid  # the stale holder, named for the take-over warning
-    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
-    lock.release()
-    assert (run / LOCK_FILE).read_text() == ""  # a clean exit leaves no stale record
-    assert RunLock(run).acquire() is None
-
-
-def test_lock_refuses_a_folder_it_cannot_create(tmp_path):
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(errors.RunFolderError, match="cannot create the run folder .*file/run: Not a directory"):
-        RunLock(tmp_path / "file" / "run").acquire()
-
-
-# ---- checkpoints verified: checksums.json --------------------------------------------------------------------------
-
-def _save(path: Path) -> None:
-    """A real DCP save through the checksumming writer (a world of one), then the commit."""
-    import torch.distributed.checkpoint as dcp
-
-    sums: dict = {}
-    state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
-    metadata = dcp.save(state, storage_writer=checksumming_writer(str(path), sums), no_dist=True)
-    commit_checksums(path, sums, metadata)
-
-
-def test_checksums_name_the_changed_file(tmp_path):
-    step = tmp_path / "step-2"
-    _save(step)
-    sums = json.loads((step / "checksums.json").read_text())["files"]
-    assert sorted(sums) == [".metadata", "__0_0.distcp"]
-    assert all(sums[f]["bytes"] == (step / f).stat().st_size for f in sums)
-    assert verify_checkpoint(step) is None
-    shard = step / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    middle = len(data) // 2
-    data[middle:middle + 100] = os.urandom(100)  # the issue's damage: 100 random bytes, size unchanged
-    shard.write_bytes(bytes(data))
-    assert verify_checkpoint(step) == f"{shard} does not match its checksum (bytes changed after the save)"
-    shard.write_bytes(bytes(data[: middle]))
-    assert verify_checkpoint(step) == f"{shard} is truncated ({middle:,} of {len(data):,} bytes)"
-    shard.unlink()
-    assert verify_checkpoint(step) == f"{shard} is missing"
-    (step / "checksums.json").unlink()
-    assert verify_checkpoint(step) == f"{step / 'checksums.json'} is missing (the save did not finish)"
-    assert step_dirs(tmp_path, complete=True) == {}
-
-
-def test_trim_metrics_drops_steps_after_the_checkpoint(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 8)))
-    assert trim_metrics(tmp_path, 4) == 3
-    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4]
-    assert trim_metrics(tmp_path, 4) == 0
-
-
-# ---- the stop request: SIGTERM/SIGINT once = finish and save; a second one = at once ------------------------------
-
-STOPPER = """
-import sys, time
-from workbench.platform.dist_utils import StopRequest
-stop = StopRequest(same_within_s=1.0)
-print('ready', flush=True)
-while True:
-    time.sleep(0.05)
-    if stop.requested and not getattr(stop, 'said', False):
-        stop.said = True
-        print('requested', stop.name, flush=True)
-"""
-
-
-def test_second_signal_stops_at_once_and_a_repeat_counts_once():
-    proc = _child(STOPPER)
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGTERM)  # Slurm signals every process and torchrun forwards: the same request twice
-    assert proc.stdout.readline().strip() == "requested SIGTERM"
-    time.sleep(1.5)
-    assert proc.poll() is None, "a repeat within 1 s must not stop the process"
-    proc.send_signal(signal.SIGINT)  # a second, later signal: at once
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, err)
-    assert err.strip().splitlines()[-1] == ("workbench: stopped: a second SIGINT: stopped at once; nothing was saved "
-                                             "after the newest checkpoint. Fix: relaunch the same command to resume "
-                                             "from the newest checkpoint.")
-
-
-def test_ctrl_c_twice_under_torchrun_is_sigint_130():
-    """torchrun forwards the first Ctrl-C as SIGINT and relays the second as SIGTERM (its agent's default shutdown
-    signal): the stop is reported as what the user sent, SIGINT, with the README's code 130."""
-    proc = _child(STOPPER)
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGINT)
-    assert proc.stdout.readline().strip() == "requested SIGINT"
-    time.sleep(1.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 130, (proc.returncode, err)
-    assert err.strip().splitlines()[-1].startswith("workbench: stopped: a second SIGINT: stopped at once;")
 
 
 # ---- launches: SIGTERM at step 5 (interval 4) while a second launch into the same folder is refused ----------------
@@ -239,24 +110,6 @@ def _one_line_failure(proc, code: int, start: str) -> str:
     return lines[0].split("traceback : ")[-1].strip()
 
 
-def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
-    """Bytes that are not UTF-8 are a bad row, skipped and located in the launcher's check (before any process
-    group); `prepare --strict` refuses them in one line (tests/test_data.py)."""
-    from workbench.core.config import load_config
-    from workbench.data.loader import resolve
-    from workbench.data.prepared import Prepared
-    from workbench.train import check_inputs
-
-    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.txt").write_text("To be, or not to be.")
-    (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)
-    check_inputs(load_config(ROOT / DENSE, ["--training.dataset", str(data), "--training.holdout_docs", "0"]))
-    m = Prepared(resolve(str(data))).manifest
-    assert (m["documents"], m["bad_rows"], m["bad_examples"]) == (1, 1, [f"{data / 'b.txt'}:1 (not UTF-8 (byte 12))"])
-
-
 @pytest.mark.parametrize("damage", ["config", "truncated"])
 @pytest.mark.slow
 def test_unloadable_hf_checkpoint_is_one_line(tmp_path, damage):
@@ -291,45 +144,3 @@ def test_unwritable_dump_folder_is_one_line(tmp_path):
         subprocess.run(["umount", "-l", str(ro)], check=False)
     line = _one_line_failure(proc, 4, "workbench: run folder error:")
     assert f"cannot create the run folder {target}/cpu_dense: {reason}. Fix: point --job.dump_folder" in line
-
-
-# ---- values checked ------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("lr", ["0", "-0.01", "-1e-12", "nan"])
-def test_non_positive_lr_is_refused(lr):
-    from workbench.core.config import load_config
-
-    with pytest.raises(errors.ConfigError, match=rf"optimizer.lr must be positive; got {re.escape(str(float(lr)))}\."):
-        load_config(ROOT / DENSE, ["--optimizer.lr", lr])
-    assert load_config(ROOT / DENSE, ["--optimizer.lr", "1e-30"]).optimizer.lr == 1e-30  # the edge: any positive lr
-
-
-@pytest.mark.parametrize("holdout", [0, 1])
-def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdout, monkeypatch):
-    from workbench.core.config import load_config
-    from workbench.train import check_inputs
-
-    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.txt").write_text("")
-    (data / "b.txt").write_text(" <|endoftext|>\n<|endoftext|> ")
-    (data / "c.txt").write_text("\n")
-    job = load_config(ROOT / DENSE, ["--training.dataset", str(data), "--training.holdout_docs", str(holdout)])
-    with pytest.raises(errors.DatasetError) as refused:
-        check_inputs(job)
-    assert refused.value.one_line() == (
-        f"workbench: config error: training.dataset={str(data)!r}: its {3 - holdout} training document(s) hold no "
-        "text (empty, whitespace or <|endoftext|> only). Fix: point --training.dataset at files with text.")
-    (data / "a.txt").write_text("Now is the winter of our discontent")
-    check_inputs(job)  # one document with text is enough
-
-
-def test_undecodable_text_names_the_file_and_offset(tmp_path):
-    from workbench.data.prepare import prepare
-
-    f = tmp_path / "latin1.txt"
-    f.write_bytes("naïve café".encode("latin-1"))
-    with pytest.raises(errors.DatasetError) as refused:
-        prepare(str(f), tmp_path / "p", strict=True, progress=False)
-    assert f"bad row {f}:1: not UTF-8 (byte 2) (prepare --strict)" in refused.value.one_line()

@@ -1,46 +1,33 @@
 """A checkpoint from elsewhere never runs code (issue 33): DCP's pickles are read through an allowlist on every entry
-point (resume, hf_export, compare, notebook 05's compare, load_model of a run folder), BYTE_IO entries with
-weights_only, and `.metadata` is hashed before it is parsed.
+point (resume, hf_export, compare, notebook 05's compare, load_model of a run folder), and `.metadata` is hashed
+before it is parsed. The allowlist itself (BYTE_IO entries with weights_only, the dataloader's pickle, the metadata's
+globals): tests/run/test_checkpoint.py.
 
 Each crafted pickle tries to create a marker file; the tests assert the marker never appears and the one-line
-refusal names the file and the class. The run folders are copies of the shared 12-step reference launch
-(test_checkpoint_recovery.py / test_run_safety.py); the only launch here is one resume that must stop before
+refusal names the file and the class. The run folders are copies of the shared 12-step reference launch (the one
+test_checkpoint_recovery.py and test_run_safety.py use); the only launch here is one resume that must stop before
 training."""
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tests.run_helpers import cached_run, run_train
+from tests.run_helpers import PicklePayload, cached_run, run_train
 from workbench import compare, hf_export
 from workbench.core import errors
 from workbench.model import load_model
-from workbench.run.checkpoint import check_checkpoint, load_dcp, read_metadata
+from workbench.run.checkpoint import check_checkpoint, read_metadata
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
-
-
-class Payload:
-    """Unpickling it would run `exec`, which writes the marker file."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +45,7 @@ def crafted_run(reference: Path, tmp_path: Path, *, update_checksum: bool = True
     shutil.copy(reference / "config.toml", run / "config.toml")
     step = Path(shutil.copytree(reference / "checkpoint" / "step-4", run / "checkpoint" / "step-4"))
     marker = tmp_path / "MARKER"
-    data = pickle.dumps(Payload(marker))
+    data = pickle.dumps(PicklePayload(marker))
     (step / ".metadata").write_bytes(data)
     sums = json.loads((step / "checksums.json").read_text())
     sums["files"][".metadata"] = {"bytes": len(data),
@@ -122,49 +109,3 @@ def test_a_real_checkpoint_loads_through_the_allowlist(reference):
     assert len(md.state_dict_metadata) > 10
     model = load_model(reference, step=12)
     assert model.workbench_info.backend == "native"
-
-
-# ---- the pickles inside the data files (BYTE_IO entries) -------------------------------------------------------
-
-def _save(tmp_path: Path, state: dict) -> Path:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
-    return tmp_path / "ckpt"
-
-
-def test_byte_io_entries_load_weights_only(tmp_path):
-    marker = tmp_path / "MARKER"
-    ckpt = _save(tmp_path, {"w": torch.ones(3), "train_state": {"step": 7, "betas": (0.9, 0.95)}})
-    state = {"w": torch.zeros(3), "train_state": {"step": 0, "betas": None}}
-    load_dcp(state, ckpt)  # plain values load through weights_only
-    assert state["train_state"] == {"step": 7, "betas": (0.9, 0.95)} and torch.equal(state["w"], torch.ones(3))
-
-    ckpt = _save(tmp_path, {"train_state": {"step": Payload(marker)}})
-    with pytest.raises(errors.UnsafeCheckpointError, match=r"entry train_state.step\) tries to load builtins.exec"):
-        load_dcp({"train_state": {"step": 0}}, ckpt)
-    assert not marker.exists()
-
-
-def test_a_pickled_dataloader_state_must_hold_builtins_only(tmp_path):
-    """torchtitan unpickles the dataloader's bytes itself: they are checked before it sees them."""
-    marker = tmp_path / "MARKER"
-    ckpt = _save(tmp_path, {"dataloader": {"dp_rank_0": pickle.dumps({"epoch": 1, "carry": [1, 2]})}})
-    state = {"dataloader": {"dp_rank_0": b""}}
-    load_dcp(state, ckpt)
-    assert pickle.loads(state["dataloader"]["dp_rank_0"]) == {"epoch": 1, "carry": [1, 2]}
-    ckpt = _save(tmp_path, {"dataloader": {"dp_rank_0": pickle.dumps(Payload(marker))}})
-    with pytest.raises(errors.UnsafeCheckpointError, match="dp_rank_0.*builtins.exec"):
-        load_dcp({"dataloader": {"dp_rank_0": b""}}, ckpt)
-    assert not marker.exists()
-
-
-def test_metadata_allowlist_refuses_any_other_global(tmp_path):
-    marker = tmp_path / "MARKER"
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(errors.UnsafeCheckpointError, match=r"\.metadata tries to load builtins\.exec"):
-        read_metadata(tmp_path)
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(io.BytesIO(b"x")))  # harmless, but not DCP metadata
-    with pytest.raises(errors.UnsafeCheckpointError, match="_io.BytesIO"):
-        read_metadata(tmp_path)
-    assert not marker.exists()

@@ -1,12 +1,18 @@
-"""The checkpoint checks and the choice of the checkpoint to resume from, in-process on real DCP step folders
-(written by DCP through the workbench's checksumming writer, committed by `commit_checksums`): which one is "the
-newest" among several, every size/metadata refusal with its exact message, flipped bytes, and the resume order."""
+"""workbench.run.checkpoint: the checks of a step folder and the choice of the checkpoint to resume from, in-process
+on real DCP step folders (written by DCP through the workbench's checksumming writer, committed by
+`commit_checksums`): which one is "the newest" among several, every size/metadata refusal with its exact message,
+checksums that name a changed file, the train state, the purge, and DCP's pickles read through an allowlist (a
+crafted one never runs). The same refusals through a launch and every command: tests/integration/."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 import subprocess
+import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,10 +21,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from tests.run_helpers import ROOT
-from workbench.core.errors import CheckpointError, ConfigError, RunFolderError
-from workbench.run import checkpoint, metrics, run_folder
-from workbench.run.checkpoint import check_checkpoint, commit_checksums, newest_complete, verify_checkpoint
+from tests.run_helpers import PicklePayload, free_port
+from workbench.core import errors
+from workbench.core.errors import CheckpointError
+from workbench.run import checkpoint, run_folder
+from workbench.run.checkpoint import (
+    check_checkpoint,
+    commit_checksums,
+    load_dcp,
+    newest_complete,
+    read_metadata,
+    stale_checkpoints,
+    verify_checkpoint,
+)
+from workbench.run.run_folder import step_dirs
 
 # DCP in one process without a process group (what this file wants) warns that it assumes so
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -214,7 +230,6 @@ def test_resume_refuses_a_folder_of_unusable_checkpoints(tmp_path):
 
 def _fresh_load_on_two_ranks(r: int, folder: str, port: int) -> None:
     """One gloo rank of `test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none`."""
-    import time
 
     import torch.distributed as dist
     from torchtitan.components.checkpointer import dcp as titan_dcp
@@ -240,51 +255,12 @@ def test_a_fresh_run_looks_for_checkpoints_on_every_rank_or_none(tmp_path):
     (TypeError, seen in CI). Loading now creates nothing."""
     import torch.multiprocessing as mp
 
-    from tests.run_helpers import free_port
 
     mp.spawn(_fresh_load_on_two_ranks, args=(str(tmp_path / "checkpoint"), free_port()), nprocs=2)
     assert not (tmp_path / "checkpoint").exists()
 
 
-# ---- the run's metrics file ------------------------------------------------------------------------------
-
-
-def test_read_and_trim_metrics(tmp_path):
-    with pytest.raises(FileNotFoundError) as e:
-        metrics.read_metrics(tmp_path)
-    assert str(e.value) == (f"{tmp_path / 'metrics.jsonl'} does not exist: the run logged no step (see its log), "
-                            f"or {tmp_path} is not a run folder.")
-    assert metrics.read_metrics(tmp_path, missing_ok=True) == [] and metrics.trim_metrics(tmp_path, 3) == 0
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3, 4, 5)) + "\n")
-    inode = path.stat().st_ino
-    assert metrics.trim_metrics(tmp_path, 5) == 0 and path.stat().st_ino == inode  # nothing to drop: untouched
-    assert metrics.trim_metrics(tmp_path, 3) == 2  # an interrupted launch logged 4 and 5 past its checkpoint
-    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left
-
-
-def test_a_torn_last_metrics_line_is_left_out_and_trimmed_on_resume(tmp_path):
-    """A crash mid-append leaves half a line: readers skip it, the resume's trim removes it (nothing else)."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
-    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3]
-    assert metrics.trim_metrics(tmp_path, 3) == 1
-    assert path.read_text() == "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
-    path.write_text(path.read_text() + "not json\n" + json.dumps({"step": 4}) + "\n")  # damage inside the file
-    with pytest.raises(RunFolderError, match=r"metrics.jsonl:4 is not a metrics record") as e:
-        metrics.trim_metrics(tmp_path, 3)
-    assert "Fix: delete that line" in e.value.one_line()
-
-
-def test_step_dir_without_checkpoints_names_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError) as e:
-        run_folder.step_dir(tmp_path, "checkpoint", None)
-    assert str(e.value) == (f"No DCP checkpoint in {tmp_path / 'checkpoint'}: train with --checkpoint.enable true "
-                            "(and --checkpoint.interval N) to write one.")
-
-
-# ---- the global batch a resume keeps ---------------------------------------------------------------------------------
+# ---- what a step folder holds besides the weights: the train state, checksums, pickles -------------------------------
 
 
 def test_the_train_state_is_committed_with_the_step_and_read_only_when_it_matches(tmp_path):
@@ -299,26 +275,93 @@ def test_the_train_state_is_committed_with_the_step_and_read_only_when_it_matche
     assert checkpoint.read_train_state(save_step(tmp_path, 4)) is None  # a step saved without one
 
 
-def test_resume_keeps_the_checkpoints_global_batch_or_refuses_naming_the_setting():
-    from workbench.core.config import load_config
-    from workbench.run.trainer import resume_batch
+def test_checksums_name_the_changed_file(tmp_path):
+    step = save_step(tmp_path, 2)
+    sums = json.loads((step / "checksums.json").read_text())["files"]
+    assert sorted(sums) == [".metadata", "__0_0.distcp"]
+    assert all(sums[f]["bytes"] == (step / f).stat().st_size for f in sums)
+    assert verify_checkpoint(step) is None
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 100] = os.urandom(100)  # the issue's damage: 100 random bytes, size unchanged
+    shard.write_bytes(bytes(data))
+    assert verify_checkpoint(step) == f"{shard} does not match its checksum (bytes changed after the save)"
+    shard.write_bytes(bytes(data[: middle]))
+    assert verify_checkpoint(step) == f"{shard} is truncated ({middle:,} of {len(data):,} bytes)"
+    shard.unlink()
+    assert verify_checkpoint(step) == f"{shard} is missing"
+    (step / "checksums.json").unlink()
+    assert verify_checkpoint(step) == f"{step / 'checksums.json'} is missing (the save did not finish)"
+    assert step_dirs(tmp_path, complete=True) == {}
 
-    record = {"global_batch_size": 12, "local_batch_size": 2, "data_parallel_ranks": 2,
-              "gradient_accumulation_steps": 3}
-    training = load_config(ROOT / "configs/cpu_dense.toml").training  # local batch 2, global batch from the ranks
-    assert resume_batch(None, training, 1, None) is None  # a fresh run
-    assert resume_batch(record, training, 6, 8) is None  # 6 ranks x 2 = 12 rows: what the config gives already
-    kept, line = resume_batch(record, training, 3, 8)
-    assert kept == 12 and "3 data-parallel rank(s) x local batch 2 x 2 accumulation step(s) (step 8 trained with 2 " \
-                          "data-parallel rank(s) x local batch 2 x 3 accumulation step(s))" in line
-    with pytest.raises(ConfigError) as e:  # 4 ranks x 2 = 8 rows per pass do not divide 12
-        resume_batch(record, training, 4, 8)
-    assert "global batch of 12 rows, which 4 data-parallel rank(s) x training.local_batch_size 2 = 8 rows per pass " \
-           "do not divide" in e.value.message and e.value.fix.startswith("set --training.local_batch_size 1 ")
-    with pytest.raises(ConfigError, match="global batch of 12 rows") as e:
-        resume_batch(record, training, 5, 8)
-    assert e.value.fix.startswith("resume on a number of data-parallel ranks that divides 12")
-    training.global_batch_size = 8  # set on purpose: wins, and the line says so
-    assert resume_batch(record, training, 4, 8) == (8, "workbench: resuming with training.global_batch_size=8 as set; "
-                                                       "the checkpoint's was 12 (step 8 trained with 2 data-parallel "
-                                                       "rank(s) x local batch 2 x 3 accumulation step(s)).")
+
+def test_purge_keeps_complete_checkpoints_only(tmp_path):
+    for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, False)):
+        (tmp_path / f"step-{step}").mkdir()
+        if complete:
+            (tmp_path / f"step-{step}" / "checksums.json").write_text("{}")
+    # keep 2 complete (6, 8); the partial 4 goes, the partial 10 may be a save in flight and stays
+    assert [p.name for p in stale_checkpoints(tmp_path, 2)] == ["step-2", "step-4"]
+    assert [p.name for p in stale_checkpoints(tmp_path, 3)] == ["step-4"]
+    assert newest_complete(tmp_path) == 8
+
+
+def _save(tmp_path: Path, state: dict) -> Path:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    return tmp_path / "ckpt"
+
+
+def test_byte_io_entries_load_weights_only(tmp_path):
+    marker = tmp_path / "MARKER"
+    ckpt = _save(tmp_path, {"w": torch.ones(3), "train_state": {"step": 7, "betas": (0.9, 0.95)}})
+    state = {"w": torch.zeros(3), "train_state": {"step": 0, "betas": None}}
+    load_dcp(state, ckpt)  # plain values load through weights_only
+    assert state["train_state"] == {"step": 7, "betas": (0.9, 0.95)} and torch.equal(state["w"], torch.ones(3))
+
+    ckpt = _save(tmp_path, {"train_state": {"step": PicklePayload(marker)}})
+    with pytest.raises(errors.UnsafeCheckpointError, match=r"entry train_state.step\) tries to load builtins.exec"):
+        load_dcp({"train_state": {"step": 0}}, ckpt)
+    assert not marker.exists()
+
+
+def test_a_pickled_dataloader_state_must_hold_builtins_only(tmp_path):
+    """torchtitan unpickles the dataloader's bytes itself: they are checked before it sees them."""
+    marker = tmp_path / "MARKER"
+    ckpt = _save(tmp_path, {"dataloader": {"dp_rank_0": pickle.dumps({"epoch": 1, "carry": [1, 2]})}})
+    state = {"dataloader": {"dp_rank_0": b""}}
+    load_dcp(state, ckpt)
+    assert pickle.loads(state["dataloader"]["dp_rank_0"]) == {"epoch": 1, "carry": [1, 2]}
+    ckpt = _save(tmp_path, {"dataloader": {"dp_rank_0": pickle.dumps(PicklePayload(marker))}})
+    with pytest.raises(errors.UnsafeCheckpointError, match="dp_rank_0.*builtins.exec"):
+        load_dcp({"dataloader": {"dp_rank_0": b""}}, ckpt)
+    assert not marker.exists()
+
+
+def test_metadata_allowlist_refuses_any_other_global(tmp_path):
+    marker = tmp_path / "MARKER"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(PicklePayload(marker)))
+    with pytest.raises(errors.UnsafeCheckpointError, match=r"\.metadata tries to load builtins\.exec"):
+        read_metadata(tmp_path)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(io.BytesIO(b"x")))  # harmless, but not DCP metadata
+    with pytest.raises(errors.UnsafeCheckpointError, match="_io.BytesIO"):
+        read_metadata(tmp_path)
+    assert not marker.exists()
+
+
+def test_dcp_metadata_naming_a_file_outside_its_step_is_refused_before_dcp_opens_it(tmp_path):
+    """A `.metadata` whose storage entry points at ../../x (its checksum updated to match): refused by the cheap
+    check, before DCP's reader would open <step>/../../x."""
+    step = save_step(tmp_path / "checkpoint", 2)
+    metadata = read_metadata(step)
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = type(info)("../../secret", info.offset, info.length)
+    data = pickle.dumps(metadata)
+    (step / ".metadata").write_bytes(data)
+    sums = json.loads((step / "checksums.json").read_text())
+    sums["files"][".metadata"] = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    (step / "checksums.json").write_text(json.dumps(sums))
+    assert check_checkpoint(step) == (f"{step / '.metadata'} names a file outside its step folder ('../../secret'); "
+                                      "nothing was read")

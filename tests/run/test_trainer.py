@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.run_helpers import free_port
+from tests.run_helpers import ROOT, free_port
 from workbench.core.config import load_config
 from workbench.core.errors import ConfigError
 from workbench.memory import tracer
@@ -63,3 +63,28 @@ def test_chunked_loss_equals_plain(one_rank, backend, flavor):
 def test_loss_chunks_must_divide_seq_len():
     with pytest.raises(ConfigError, match="loss_chunks"):
         load_config(argv=["--model.flavor", "tiny", "--training.seq_len", "100", "--training.loss_chunks", "8"])
+
+
+def test_resume_keeps_the_checkpoints_global_batch_or_refuses_naming_the_setting():
+    from workbench.core.config import load_config
+    from workbench.run.trainer import resume_batch
+
+    record = {"global_batch_size": 12, "local_batch_size": 2, "data_parallel_ranks": 2,
+              "gradient_accumulation_steps": 3}
+    training = load_config(ROOT / "configs/cpu_dense.toml").training  # local batch 2, global batch from the ranks
+    assert resume_batch(None, training, 1, None) is None  # a fresh run
+    assert resume_batch(record, training, 6, 8) is None  # 6 ranks x 2 = 12 rows: what the config gives already
+    kept, line = resume_batch(record, training, 3, 8)
+    assert kept == 12 and "3 data-parallel rank(s) x local batch 2 x 2 accumulation step(s) (step 8 trained with 2 " \
+                          "data-parallel rank(s) x local batch 2 x 3 accumulation step(s))" in line
+    with pytest.raises(ConfigError) as e:  # 4 ranks x 2 = 8 rows per pass do not divide 12
+        resume_batch(record, training, 4, 8)
+    assert "global batch of 12 rows, which 4 data-parallel rank(s) x training.local_batch_size 2 = 8 rows per pass " \
+           "do not divide" in e.value.message and e.value.fix.startswith("set --training.local_batch_size 1 ")
+    with pytest.raises(ConfigError, match="global batch of 12 rows") as e:
+        resume_batch(record, training, 5, 8)
+    assert e.value.fix.startswith("resume on a number of data-parallel ranks that divides 12")
+    training.global_batch_size = 8  # set on purpose: wins, and the line says so
+    assert resume_batch(record, training, 4, 8) == (8, "workbench: resuming with training.global_batch_size=8 as set; "
+                                                       "the checkpoint's was 12 (step 8 trained with 2 data-parallel "
+                                                       "rank(s) x local batch 2 x 3 accumulation step(s)).")
