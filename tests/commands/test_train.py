@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.data.helpers import corpus
 from tests.run_helpers import ROOT
 from workbench.core import errors
+from workbench.core.errors import DatasetError
+from workbench.data import prepare as prep
+from workbench.data.loader import Stream
 
 DENSE = ROOT / "configs/cpu_dense.toml"
 
@@ -48,3 +52,20 @@ def test_a_dataset_without_text_is_refused_whatever_holdout_docs(tmp_path, holdo
         "text (empty, whitespace or <|endoftext|> only). Fix: point --training.dataset at files with text.")
     (data / "a.txt").write_text("Now is the winter of our discontent")
     check_inputs(job)  # one document with text is enough
+
+
+def test_check_inputs_refuses_before_training(tmp_path, monkeypatch):
+    """The launcher's check (every rank, before any process group) prepares a raw dataset and refuses a bad one."""
+    import workbench
+    from workbench.train import check_inputs
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(cache))
+    src = corpus(tmp_path, 3)
+    check_inputs(workbench.load_config(DENSE, training={"dataset": str(src)}))
+    assert len(list(cache.iterdir())) == 1  # prepared into the cache once
+    with pytest.raises(DatasetError, match="holdout_docs=3 leaves no training documents"):
+        check_inputs(workbench.load_config(DENSE,
+                                           training={"dataset": str(src), "holdout_docs": 3}))
+    assert Stream(prep.Prepared(next(cache.iterdir())), 0, 0, "x").total == prep.Prepared(next(cache.iterdir())
+                                                                                          ).manifest["tokens"]

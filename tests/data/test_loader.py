@@ -1,22 +1,17 @@
-"""Data: real tokenizer and corpus, prepared shards, deterministic packing, elastic DP sharding and resume,
-mixtures, bad rows, and every refusal of a folder training must not trust (all in process but the kill -9 test)."""
+"""workbench.data.loader: the rows training reads from prepared folders: the packing of whole documents, shifted and
+deterministic rows, elastic data-parallel sharding and resume (also on another number of ranks), mixtures and their
+held-out sets. All in process, on the real tokenizer and the bundled corpus."""
 
 from __future__ import annotations
 
-import fcntl
-import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.data.helpers import corpus, labels, take
 from workbench import data
 from workbench.core.errors import DatasetError
 from workbench.data import dataset_label, mixture
@@ -24,44 +19,11 @@ from workbench.data import prepare as prep
 from workbench.data.loader import (
     PackedDataset,
     PackedTextDataLoader,
-    Stream,
     heldout_sets,
     mixture_report,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def take(ds, n):
-    return list(itertools.islice(iter(ds), n))
-
-
-def labels(ds, n):
-    return [y for _, y in take(ds, n)]
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """Raw tmp datasets are prepared into a tmp cache (Shakespeare tests keep the shared one)."""
-    monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-def write_jsonl(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
-
-
-def corpus(tmp_path: Path, n: int = 60, name: str = "c.jsonl", word: str = "doc") -> Path:
-    """n documents of different lengths (10..~120 tokens)."""
-    return write_jsonl(tmp_path / name, [f"{word} {i} " + "lorem ipsum dolor " * (1 + i % 13) for i in range(n)])
-
-
-def test_bundled_assets_are_the_real_ones():
-    tok = data.load_tokenizer()
-    assert tok.get_vocab_size() == 151669  # Qwen3's tokenizer (the model pads the table to 151936)
-    assert tok.token_to_id("<|endoftext|>") == 151643
-    assert len(data.document_sources("shakespeare")) == 38
 
 
 def test_prepared_stream_is_the_packing_of_whole_documents():
@@ -216,202 +178,3 @@ def test_mixture_weights_are_normalised_and_the_launch_says_what_each_member_giv
     assert mixture_report("/d/a:0.5,/d/b:0.5", [1000, 1000], 10, 9)[0][0].startswith("workbench: mixture member")
     assert dataset_label("/data/web.prepared:0.7,/x/code.jsonl:0.7") == "web.prepared 0.5 + code.jsonl 0.5"
     assert dataset_label("shakespeare") == "shakespeare" and dataset_label("/d/c.prepared/") == "c.prepared"
-
-
-def test_kill_9_during_prepare_then_resume(tmp_path):
-    """A real `prepare` process killed with SIGKILL after its first shard: its folder is refused as unfinished, and
-    the next prepare keeps the verified shards and ends with the same shards as an uninterrupted prepare."""
-    src = write_jsonl(tmp_path / "big.jsonl", [f"row {i} " + "words and more words " * 40 for i in range(300)])
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "workbench.data", "prepare", str(src), str(out), "--workers", "1",
-                             "--shard-mb", "0.01"], env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (out / "shards" / "00000.json").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
-    assert not (out / "manifest.json").exists()
-    with pytest.raises(DatasetError, match="was never finished"):
-        prep.Prepared(out)
-    notes = []
-    resumed = prep.prepare(str(src), out, workers=1, progress=False, shard_bytes=int(0.01 * 2**20),
-                           say=notes.append)
-    assert any("resuming" in n and "shards done and verified" in n for n in notes), notes
-    clean = prep.prepare(str(src), tmp_path / "clean", workers=2, progress=False, shard_bytes=int(0.01 * 2**20))
-    assert len(clean["shards"]) >= 10 and resumed["shards"] == clean["shards"]  # sha256 of each shard equal
-    again = []
-    assert prep.prepare(str(src), out, workers=1, progress=False, shard_bytes=int(0.01 * 2**20),
-                        say=again.append) == resumed and again == []  # a re-run does nothing
-
-
-def test_corrupt_truncated_shard_and_tokenizer_mismatch(cache, tmp_path):
-    src = corpus(tmp_path)
-    out = tmp_path / "p"
-    prep.prepare(str(src), out, workers=1, progress=False)
-    tokens = out / "shards" / "00000.tokens"
-    raw = bytearray(tokens.read_bytes())
-    raw[100] ^= 0xFF
-    tokens.write_bytes(raw)
-    p = prep.Prepared(out)
-    with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is corrupt: checksum mismatch"):
-        take(PackedDataset(str(out), "", 16), 1)
-    with pytest.raises(DatasetError, match=r"00000\.tokens is corrupt: its sha256"):
-        p.verify()
-    tokens.write_bytes(raw[:-8])
-    with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is truncated"):
-        prep.Prepared(out)
-    other = tmp_path / "tok"
-    other.mkdir()
-    (other / "tokenizer.json").write_text(json.dumps(json.loads((data.tokenizer_dir() / "tokenizer.json")
-                                                                .read_text()), indent=1))
-    with pytest.raises(DatasetError) as e:
-        prep.Prepared(out, tokenizer_path=str(other))
-    assert data.tokenizer_hash()[:16] in str(e.value) and data.tokenizer_hash(str(other))[:16] in str(e.value)
-
-
-def test_second_concurrent_prepare_is_refused(tmp_path):
-    src = corpus(tmp_path)
-    out = tmp_path / "p"
-    out.mkdir()
-    with (out / ".lock").open("a+") as held:  # another prepare holds the folder
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("pid 12345")
-        held.flush()
-        with pytest.raises(DatasetError, match="being prepared by pid 12345 right now; a second prepare into the"):
-            prep.prepare(str(src), out, workers=1, progress=False)
-    assert not (out / "manifest.json").exists()
-    assert prep.prepare(str(src), out, workers=1, progress=False)["documents"] == 60  # free again
-
-
-def test_source_changed_since_prepare_is_named(tmp_path):
-    src = corpus(tmp_path)
-    out = tmp_path / "p"
-    before = prep.prepare(str(src), out, workers=1, progress=False)["fingerprint"]
-    os.utime(src, ns=(1, 1))
-    with pytest.raises(DatasetError, match=f"changed since it was prepared .*fingerprint {before[:16]} then"):
-        prep.Prepared(out)
-    with pytest.raises(DatasetError, match="another source fingerprint .* the source changed since prepare"):
-        prep.prepare(str(src), out, workers=1, progress=False)
-
-
-def test_bad_rows_are_skipped_and_located_or_refused_with_strict(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    lines = [json.dumps({"text": "good one"}), json.dumps({"text": None}), json.dumps({"text": 3}), "{not json",
-             json.dumps(["a list"]), json.dumps({"body": "x"}), "", json.dumps({"text": "good two"})]
-    src = tmp_path / "rows.jsonl"
-    src.write_bytes("\n".join(lines).encode() + b"\n" + b'{"text": "\xff\xfe"}\n')
-    m = prep.prepare(str(src), tmp_path / "p", workers=1, progress=False)
-    assert (m["documents"], m["bad_rows"]) == (2, 6)
-    assert [b.split(" (")[0].rsplit(":", 1)[1] for b in m["bad_examples"]] == ["2", "3", "4", "5", "6"]
-    assert "'text' is null" in m["bad_examples"][0] and "not JSON" in m["bad_examples"][2]
-    with pytest.raises(DatasetError, match=r"bad row .*rows.jsonl:2: 'text' is null \(prepare --strict\)"):
-        prep.prepare(str(src), tmp_path / "s", workers=1, progress=False, strict=True)
-    pq.write_table(pa.table({"text": ["ok", None, "fine"]}), tmp_path / "t.parquet")
-    m = prep.prepare(str(tmp_path / "t.parquet"), tmp_path / "pq", workers=1, progress=False)
-    assert (m["documents"], m["bad_rows"]) == (2, 1)
-    assert m["bad_examples"][0].endswith("t.parquet:row 1 ('text' is null)")
-    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "int.parquet")
-    with pytest.raises(DatasetError, match=r"no documents: 2 bad row\(s\) \(first: .*row 0"):
-        prep.prepare(str(tmp_path / "int.parquet"), tmp_path / "pi", workers=1, progress=False)
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    with pytest.raises(DatasetError, match=r"latin1.txt:1 \(not UTF-8 \(byte 3\)\)"):
-        prep.prepare(str(tmp_path / "latin1.txt"), tmp_path / "pl", workers=1, progress=False)
-
-
-def test_long_document_is_tokenized_in_pieces(tmp_path, monkeypatch):
-    text = " ".join(f"word{i % 97}" for i in range(3000))  # ~20k characters, one line
-    monkeypatch.setattr(prep, "CHUNK_CHARS", 1000)
-    m = prep.prepare(str(write_jsonl(tmp_path / "long.jsonl", [text])), tmp_path / "p", workers=1, progress=False)
-    tok = data.load_tokenizer()
-    whole = tok.encode(text, add_special_tokens=False).ids + [151643]
-    assert m["tokens"] == len(whole)
-    assert prep.Prepared(tmp_path / "p").document(0).tolist() == whole  # cut at spaces: the same tokens
-    monkeypatch.setattr(prep, "MAX_DOCUMENT_BYTES", 10_000)
-    with pytest.raises(DatasetError, match=r"long.jsonl:1: a document of 2.,... characters is over the limit"):
-        prep.prepare(str(tmp_path / "long.jsonl"), tmp_path / "p2", workers=1, progress=False)
-
-
-def test_sources_text_jsonl_parquet_and_save_to_disk(cache, tmp_path):
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    (tmp_path / "txt").mkdir()
-    (tmp_path / "txt" / "a.txt").write_text("hello world " * 50)
-    (tmp_path / "txt" / "b.md").write_text("# title\n" * 20)
-    rows = [f"document number {i} " * 20 for i in range(5)]
-    write_jsonl(tmp_path / "d.jsonl", rows)
-    pq.write_table(pa.table({"body": rows}), tmp_path / "d.parquet")
-    datasets.Dataset.from_dict({"text": rows + ["six"]}).save_to_disk(str(tmp_path / "hf"))
-    assert len(take(PackedDataset(str(tmp_path / "txt"), "", 16, holdout_docs=1), 3)) == 3
-    assert len(take(PackedDataset(str(tmp_path / "d.parquet"), "", 16, text_field="body"), 3)) == 3
-    for src, field, docs in (("txt", "text", 2), ("d.jsonl", "text", 5), ("d.parquet", "body", 5), ("hf", "text", 6)):
-        m = prep.prepare(str(tmp_path / src), tmp_path / f"p-{src}", workers=1, progress=False, text_field=field)
-        assert m["documents"] == docs, src
-    with pytest.raises(DatasetError, match=r"has no column 'text' .* columns: \['body'\]"):
-        prep.prepare(str(tmp_path / "d.parquet"), tmp_path / "x", workers=1, progress=False)
-
-
-def test_a_local_hub_cache_folder_reads_the_snapshot_refs_main_names(cache, tmp_path):
-    """A dataset in a Hugging Face hub cache (blobs/, refs/main, snapshots/REV/ of links into blobs/): the folder
-    reads as the snapshot refs/main names, older snapshots left out; without refs/main, two snapshots are refused."""
-    repo = tmp_path / "hub" / "datasets--me--tiny"
-    (repo / "blobs").mkdir(parents=True)
-    for rev, words in (("aaa111", "old text"), ("bbb222", "new text")):
-        write_jsonl(repo / "blobs" / rev, [f"{words} {i} " * 20 for i in range(4)])
-        (repo / "snapshots" / rev / "data").mkdir(parents=True)
-        (repo / "snapshots" / rev / "data" / "train.jsonl").symlink_to(repo / "blobs" / rev)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("bbb222")
-    newest = repo / "snapshots" / "bbb222" / "data" / "train.jsonl"
-    assert data.document_sources(str(repo)) == [("rows", newest)]
-    got, want = labels(PackedDataset(str(repo), "", 16), 3), labels(PackedDataset(str(newest), "", 16), 3)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    (repo / "refs" / "main").unlink()
-    with pytest.raises(DatasetError, match=r"hub cache folder whose refs/main does not name one of its snapshots "
-                                           r"\['aaa111', 'bbb222'\]"):
-        data.document_sources(str(repo))
-
-
-def test_missing_empty_and_looping_paths_name_the_fix(cache, tmp_path):
-    with pytest.raises(DatasetError, match="does not exist"):
-        data.document_sources(str(tmp_path / "nothing"))
-    with pytest.raises(DatasetError, match="holds no .txt, .md, .json, .jsonl, .parquet or .arrow"):
-        data.document_sources(str(tmp_path))
-    with pytest.raises(DatasetError, match="training.dataset is empty"):
-        data.document_sources("")
-    (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    with pytest.raises(DatasetError, match="is a symlink loop"):
-        data.document_sources(str(tmp_path / "loop"))
-    with pytest.raises(FileNotFoundError, match="No tokenizer.json"):
-        data.load_tokenizer(str(tmp_path))
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "blank.txt").write_text(" \n<|endoftext|>\n")
-    with pytest.raises(DatasetError, match=r"its 1 training document\(s\) hold no text"):
-        PackedDataset(str(tmp_path / "e"), "", 16)
-
-
-def test_check_inputs_refuses_before_training(cache, tmp_path):
-    """The launcher's check (every rank, before any process group) prepares a raw dataset and refuses a bad one."""
-    import workbench
-    from workbench.train import check_inputs
-
-    src = corpus(tmp_path, 3)
-    check_inputs(workbench.load_config(ROOT / "configs/cpu_dense.toml", training={"dataset": str(src)}))
-    assert len(list(cache.iterdir())) == 1  # prepared into the cache once
-    with pytest.raises(DatasetError, match="holdout_docs=3 leaves no training documents"):
-        check_inputs(workbench.load_config(ROOT / "configs/cpu_dense.toml",
-                                           training={"dataset": str(src), "holdout_docs": 3}))
-    assert Stream(prep.Prepared(next(cache.iterdir())), 0, 0, "x").total == prep.Prepared(next(cache.iterdir())
-                                                                                          ).manifest["tokens"]
-
-
-def test_user_tokenizer_dir(tmp_path):
-    import shutil
-
-    shutil.copy(data.bundled_tokenizer_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
-    assert data.load_tokenizer(str(tmp_path)).token_to_id("<|endoftext|>") == 151643
