@@ -221,6 +221,15 @@ class PicklePayload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
+def assert_plan_close(planned: dict, measured: dict, tol: float = 0.15) -> None:
+    """A memory plan against a real step's tracked peak: the peak, and every category that is over 2% of it, within
+    `tol` (relative)."""
+    assert abs(planned["peak_bytes"] / measured["peak_bytes"] - 1) <= tol, (planned, measured)
+    for cat, real in measured["categories"].items():
+        if real > 0.02 * measured["peak_bytes"]:  # categories that matter to the peak
+            assert abs(planned["categories"][cat] / real - 1) <= tol, (cat, planned["categories"], measured)
+
+
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
     """Draws every norm weight of a transformers model as 1 + N(0, 0.3) and every bias as N(0, 0.1), in place.
 

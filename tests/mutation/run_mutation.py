@@ -44,11 +44,11 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
                    _names("workbench.run.checkpoint", ("newest_complete", "check_checkpoint", "verify_files",
                                                    "verify_checkpoint", "stale_checkpoints", "shape_mismatches"),
                           (("WorkbenchCheckpointManager", "_find_load_step"),)),
-                   ["tests/run/test_checkpoint.py", "tests/integration/test_checkpoint_recovery.py"], ""),
+                   ["tests/run/test_checkpoint.py"], ""),
     "run_folder": (["workbench/run/run_folder.py", "workbench/run/metrics.py"],
                    _names("workbench.run.metrics", ("_parse", "read_metrics", "trim_metrics"))
                    + _names("workbench.run.run_folder", ("is_complete", "step_dirs", "step_dir")),
-                   ["tests/run/test_checkpoint.py", "tests/integration/test_run_safety.py",
+                   ["tests/run/test_run_folder.py", "tests/run/test_metrics.py", "tests/run/test_checkpoint.py",
                     "tests/commands/test_bench.py"], ""),
     "metrics": (["workbench/notebook/dashboard.py", "workbench/bench.py"],
                 _names("workbench.bench", ("summarize_run", "_percentile"))
@@ -58,9 +58,9 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
     # The memory plan's categorising part: the tracker's reference types -> categories, and the tracker that files
     # tensors under them (its nested methods are mutants of `tracker_class`).
     "plan": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("categories_at_peak",)),
-             ["tests/commands/test_plan.py"], PLAN_TESTS),
+             ["tests/memory/test_tracer.py"], PLAN_TESTS),
     "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
-                     ["tests/commands/test_plan.py"], PLAN_TESTS),
+                     ["tests/memory/test_tracer.py"], PLAN_TESTS),
     "hf": (["workbench/backends/hf.py"], _names("workbench.backends.hf",
                                                      ("unit_of", "plan_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
