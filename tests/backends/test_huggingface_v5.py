@@ -1,22 +1,17 @@
 """huggingface_v5: transformers' Qwen3 / Qwen3-MoE inside torchtitan's Trainer.
 
-Fast, in-process: init covers every parameter and buffer deterministically, the HF key mapping writes what
-`save_pretrained` writes, FLOPs match torchtitan's, unsupported options fail with a fix.
-Slow, torchrun over gloo (2 ranks, FSDP2): both CPU configs learn, a resumed run continues exactly, and the
-exported `hf/` directory loads in `transformers.AutoModelForCausalLM`.
+In-process: init covers every parameter and buffer deterministically, the HF key mapping writes what
+`save_pretrained` writes, FLOPs match torchtitan's, unsupported options fail with a fix. Its launches (both CPU
+configs learn, an exact resume, the export loads in transformers): tests/integration/test_training.py.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_training_native import assert_learns
-from tests.run_helpers import FIRST_12_OF_30, cached_run, losses_by_step, read_metrics, run_train
 from workbench.platform import titan_device
 
 titan_device.prepare("cpu")
@@ -115,68 +110,3 @@ def test_titan_moe_swap_is_refused_with_the_fix():
 
 # ------------------------------------------------------------------------------------------------
 # torchrun, 2 ranks
-# ------------------------------------------------------------------------------------------------
-
-
-CHECKPOINT_EVERY_5 = ("--checkpoint.enable", "true", "--checkpoint.interval", "5")
-
-
-@pytest.fixture(scope="module")
-def dense_run(tmp_path_factory) -> Path:
-    """12 of 30 steps of configs/cpu_dense.toml, checkpoints at 5 and 10: the learning check, the resume test's
-    checkpoint and reference (and a golden curve: saving checkpoints changes no number)."""
-    return cached_run(tmp_path_factory, DENSE, *BACKEND, *FIRST_12_OF_30, *CHECKPOINT_EVERY_5, nproc=2)[0]
-
-
-@pytest.fixture(scope="module")
-def moe_run(tmp_path_factory) -> Path:
-    """12 of 30 steps of configs/cpu_moe.toml, exported to <run>/hf at the end (and a golden curve)."""
-    return cached_run(tmp_path_factory, MOE, *BACKEND, *FIRST_12_OF_30, "--checkpoint.export_hf", "true",
-                      "--checkpoint.export_dtype", "float32", nproc=2)[0]
-
-
-@pytest.mark.slow
-def test_dense_trains_12_steps(dense_run):
-    assert_learns(dense_run)
-    assert read_metrics(dense_run)[-1]["backend"] == "huggingface_v5"
-
-
-@pytest.mark.slow
-def test_moe_trains_12_steps(moe_run):
-    assert_learns(moe_run)
-    assert read_metrics(moe_run)[-1]["backend"] == "huggingface_v5"
-
-
-@pytest.mark.slow
-def test_resume_continues_exactly(dense_run, outdir):
-    """`dense_run`'s step-5 checkpoint, relaunched to step 10 in a new run folder (as a run stopped after its step-5
-    save would be), gives the same losses for steps 6-10 as the uninterrupted run: one launch, its reference shared.
-    Both follow the 30-step lr schedule (`lr_scheduler.total_steps 30`)."""
-    step5 = dense_run / "checkpoint" / "step-5"
-    assert (step5 / ".metadata").is_file()
-    shutil.copytree(step5, outdir / "cpu_dense" / "checkpoint" / "step-5")
-    proc = run_train(DENSE, *BACKEND, *CHECKPOINT_EVERY_5, "--lr_scheduler.total_steps", "30", "--training.steps", "10",
-                     "--job.dump_folder", str(outdir), nproc=2)
-    assert "steps 6-10" in proc.stdout
-    resumed, reference = losses_by_step(outdir / "cpu_dense"), losses_by_step(dense_run)
-    assert sorted(resumed) == list(range(6, 11))
-    for step in range(6, 11):
-        assert abs(resumed[step] - reference[step]) <= 1e-6, (step, resumed[step], reference[step])
-
-
-@pytest.mark.slow
-def test_export_loads_in_transformers(moe_run):
-    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
-
-    from workbench.data.loader import PackedDataset
-
-    model, info = AutoModelForCausalLM.from_pretrained(moe_run / "hf", output_loading_info=True)
-    assert isinstance(model, Qwen3MoeForCausalLM)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # tiny-moe is tied
-    row, labels = next(iter(PackedDataset("shakespeare", "", 128)))
-    with torch.no_grad():
-        logits = model(input_ids=row["input"][None]).logits
-    loss = torch.nn.functional.cross_entropy(logits[0], labels).item()
-    # the trained weights, not an initialisation (ln 151936 = 11.93 at init; ~9.9 after 12 steps)
-    assert loss < read_metrics(moe_run)[0]["loss"] - 1.5, loss

@@ -239,16 +239,3 @@ def test_rows_of_packages_that_are_not_installed(monkeypatch, tmp_path):
         assert rows[dist] == ("fail", "not installed", "`make setup` (or `make setup-neuron` on trn2)")
     assert rows["nki"][:2] == ("warn", "0.6.2; kernels written for NKI 0.7.0 (Neuron SDK 2.33)")
     assert list(rows) == ["python", "torch", "torch-neuronx", "nki", "torchtitan", "transformers"]
-
-
-def test_compiled_for_lnc_sets_and_restores_the_variable(monkeypatch):
-    from workbench.core.neuron_env import LNC_ENV, compiled_for_lnc, logical_nc_config
-
-    monkeypatch.delenv(LNC_ENV, raising=False)
-    with compiled_for_lnc(1):
-        assert logical_nc_config() == 1
-    assert LNC_ENV not in os.environ  # unset before: unset after
-    monkeypatch.setenv(LNC_ENV, "2")
-    with pytest.raises(RuntimeError), compiled_for_lnc(1):
-        raise RuntimeError  # restored on the way out of a failure too
-    assert os.environ[LNC_ENV] == "2"

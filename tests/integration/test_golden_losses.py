@@ -70,15 +70,15 @@ HF_EXPORT = ("--checkpoint.export_hf", "true", "--checkpoint.export_dtype", "flo
 # name -> (config, args, nproc). Arguments equal to another test's cached_run share its launch: keep them in step.
 CASES: dict[str, tuple[str, tuple[str, ...], int]] = {
     "dense-native-1rank": ("configs/cpu_dense.toml", NATIVE + LONG_1RANK, 1),
-    "dense-native-2rank": ("configs/cpu_dense.toml", NATIVE + LONG, 2),                 # test_training_native
+    "dense-native-2rank": ("configs/cpu_dense.toml", NATIVE + LONG, 2),                 # test_training
     "dense-huggingface_v5-1rank": ("configs/cpu_dense.toml", HF + SHORT, 1),
-    "dense-huggingface_v5-2rank": ("configs/cpu_dense.toml", HF + LONG + CKPT_5, 2),    # test_huggingface_v5::dense_run
+    "dense-huggingface_v5-2rank": ("configs/cpu_dense.toml", HF + LONG + CKPT_5, 2),    # test_training::hf_dense_run
     "moe-native-1rank": ("configs/cpu_moe.toml", NATIVE + LONG_1RANK, 1),
     "moe-native-2rank": ("configs/cpu_moe.toml", NATIVE + LONG, 2),                     # conftest::native_moe_2rank
     "moe-huggingface_v5-1rank": ("configs/cpu_moe.toml", HF + SHORT, 1),
-    "moe-huggingface_v5-2rank": ("configs/cpu_moe.toml", HF + LONG + HF_EXPORT, 2),     # test_huggingface_v5::moe_run
+    "moe-huggingface_v5-2rank": ("configs/cpu_moe.toml", HF + LONG + HF_EXPORT, 2),     # test_training::hf_moe_run
     "moe-nki_moe-1rank": ("configs/cpu_moe.toml", NKI + SHORT, 1),
-    "moe-nki_moe-2rank": ("configs/cpu_moe.toml", NKI + LONG, 2),                       # test_nki_moe_backend
+    "moe-nki_moe-2rank": ("configs/cpu_moe.toml", NKI + LONG, 2),                       # test_training
 }
 
 
