@@ -1,4 +1,5 @@
-"""Helpers for tests that launch real training runs (torchrun over gloo) and read their run folders.
+"""Helpers shared by the tests: launching real training runs (torchrun over gloo) and reading their run folders, the
+CPU code path every test process runs on, child processes, crafted pickles, transformers' reference models.
 
 A module of its own (not conftest.py): notebooks/ has a conftest.py too, and `from conftest import` would be
 ambiguous.
@@ -251,6 +252,45 @@ def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
                 continue
             drawn.append(name)
     return drawn
+
+
+def hf_model(shape, seed: int = 0):
+    """transformers' own model of a `flavors.Qwen3Shape` (seeded init, random norms), fp32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workbench.core import flavors
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+    randomize_norms_and_biases(model, seed)  # from_config's norm weights are all 1.0: a swap would not show
+    return model
+
+
+def hf_logits(model_or_dir, ids):
+    """transformers' fp32 logits of `ids`, from a model or a checkpoint folder it loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = model_or_dir
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+def assert_identical(cmp) -> None:
+    """A `workbench.compare.Comparison` of a checkpoint with an identical one: equal in every tensor, logit,
+    perplexity and generation."""
+    assert (cmp.tensors.status == "same keys").all()
+    assert (cmp.tensors.max_abs == 0).all() and (cmp.tensors.rel_norm == 0).all()
+    assert cmp.heldout["logits_max_abs_diff"] == 0 and cmp.heldout["top1_agreement"] == 1
+    assert cmp.heldout["ppl_a"] == cmp.heldout["ppl_b"]
+    assert cmp.generations.same.all()
 
 
 def check_memory_report(run_dir: Path, stdout: str, ranks: int) -> dict:

@@ -1,9 +1,9 @@
-"""Hugging Face safetensors in and out: parity with transformers' own models, round trips through training
-and export, and a clear refusal for every kind of bad input.
+"""workbench.backends.hf: Hugging Face safetensors in and out, in this process: parity with transformers' own
+models, export round trips, and a clear refusal for every kind of bad input (a FIFO, a file named outside the
+folder, cast or non-finite weights, pickles never unpickled).
 
 Checkpoints here are written by transformers itself (random init, fp32) from small custom shapes with a
-512-token vocabulary; the training round trip uses the real 151936 vocabulary (the bundled tokenizer needs it)
-at the tiny-moe width.
+512-token vocabulary. Round trips through training (launches): tests/integration/test_weights_in_and_out.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import workbench
-from tests.run_helpers import PicklePayload, randomize_norms_and_biases, run_train, unblocking
+from tests.run_helpers import PicklePayload, hf_logits, hf_model, max_diff, unblocking
 from workbench.backends import hf
 from workbench.core import errors, flavors
 from workbench.core.config import load_config
@@ -28,7 +28,7 @@ from workbench.platform import titan_device
 
 titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
-from workbench.model import build_model, export_hf, load_model  # noqa: E402  (after the device is pinned)
+from workbench.model import export_hf, load_model  # noqa: E402  (after the device is pinned)
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
@@ -36,34 +36,12 @@ DENSE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, ffn_dim=48, vocab_size=512, 
 MOE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, vocab_size=512, tied=False, max_seq_len=256, num_experts=4,
                          top_k=2, moe_ffn_dim=16)
 TOL = 1e-4
-
-
-def hf_model(shape: flavors.Qwen3Shape, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
-    randomize_norms_and_biases(model, seed)  # from_config's norm weights are all 1.0: a swap would not show
-    return model
-
-
-def hf_logits(model_or_dir, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = model_or_dir
-    if not isinstance(model, torch.nn.Module):
-        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
+TEXT_END, TURN_END = 151643, 151645  # <|endoftext|>, <|im_end|> in the bundled Qwen3 tokenizer
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -162,79 +140,6 @@ def test_export_warns_about_the_expert_bias(saved, tmp_path):
     model.layers["0"].moe.expert_bias_E.fill_(0.5)  # what torchtitan's load balancing learns in training
     with pytest.warns(UserWarning, match="expert_bias_E.*moe_load_balance_coeff = 0"):
         export_hf(model, tmp_path / "out")
-
-
-# ------------------------------------------------------------------------------------------------
-# Through training: load in the trainer, train, export (1 rank), and exact load + export on 2 ranks
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_checkpoint(tmp_path_factory) -> Path:
-    """transformers' Qwen3-MoE at the tiny-moe shape (real vocabulary, tied), saved in shards."""
-    path = tmp_path_factory.mktemp("tiny_moe") / "ckpt"
-    hf_model(flavors.get_shape("tiny-moe"), seed=3).save_pretrained(path, max_shard_size="8MB")
-    return path
-
-
-TRAIN = ("--training.seq_len", "32", "--model.moe_load_balance_coeff", "0", "--checkpoint.export_hf", "true",
-         "--checkpoint.export_dtype", "float32")
-
-
-@pytest.mark.slow
-def test_train_from_hf_then_export(tiny_moe_checkpoint, tmp_path):
-    run_train("configs/cpu_moe.toml", *TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "5",
-              "--model.hf_checkpoint", str(tiny_moe_checkpoint), "--checkpoint.enable", "true",
-              "--checkpoint.interval", "5")
-    run = tmp_path / "cpu_moe"
-    export = run / "hf"
-    ids = torch.randint(0, 151936, (2, 16), generator=torch.Generator().manual_seed(2))
-    reference = hf_logits(export, ids)
-    # the exported files hold the trained weights: equal to the DCP checkpoint of the last step
-    from workbench.run.checkpoint import load_dcp_model_state
-    from workbench.run.run_folder import step_dir
-
-    job = load_config(run / "config.toml")
-    trained = build_model(job)
-    load_dcp_model_state(trained, step_dir(run, "checkpoint", None))
-    assert max_diff(logits(trained, ids), reference) <= TOL
-    assert max_diff(logits(load_model(None, hf_checkpoint=export), ids), reference) <= TOL
-    assert max_diff(reference, hf_logits(tiny_moe_checkpoint, ids)) > 1e-3  # training changed the weights
-
-    from transformers import AutoTokenizer
-
-    from workbench import data
-
-    text = "Shall I compare thee to a summer's day?"
-    assert AutoTokenizer.from_pretrained(export)(text)["input_ids"] == data.load_tokenizer().encode(text).ids
-
-    # the CLI exports the same weights from the DCP checkpoint
-    from safetensors.torch import load_file
-
-    from workbench.hf_export import main
-
-    assert main(["--run", str(run), "--out", str(tmp_path / "cli"), "--dtype", "float32"]) == 0
-    a, b = load_file(str(export / "model.safetensors")), load_file(str(tmp_path / "cli" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.slow
-def test_two_ranks_load_and_export_exactly(tiny_moe_checkpoint, tmp_path):
-    """FSDP-sharded load and gathered export over 2 ranks give back the checkpoint bit for bit.
-
-    The one step runs at lr 1e-30 without weight decay (lr 0 is refused as a mistake): Adam's first update is about
-    lr x sign(grad) = 1e-30, far below half an fp32 ulp of any weight larger than ~1e-22, so every weight rounds back
-    to itself and any difference is the load or the export.
-    """
-    run_train("configs/cpu_moe.toml", *TRAIN, "--job.dump_folder", str(tmp_path), "--training.steps", "1",
-              "--optimizer.lr", "1e-30", "--optimizer.weight_decay", "0",
-              "--model.hf_checkpoint", str(tiny_moe_checkpoint), nproc=2)
-    from safetensors.torch import load_file
-
-    source = {k: v for f in tiny_moe_checkpoint.glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    exported = load_file(str(tmp_path / "cpu_moe" / "hf" / "model.safetensors"))
-    assert source.keys() == exported.keys()
-    assert all(torch.equal(source[k], exported[k]) for k in source)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -619,3 +524,45 @@ def test_an_index_naming_a_file_outside_is_refused_before_it_is_opened(saved, tm
     with pytest.raises(errors.HFCheckpointError, match=r"weight_map\['model.embed_tokens.weight'\] is "
                                                        r"'../outside.safetensors' \(a string\); expected a"):
         hf.table_of_contents(d)
+
+
+def make_im_end_likeliest(model) -> None:
+    """Edits a transformers Qwen3 (tied embeddings) so that <|im_end|> is the greedy next token after any input: the
+    blocks add nothing to the residual, the final norm keeps one dimension, where every embedding is 1 and
+    <|im_end|>'s is 2."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 1.0
+        emb[TURN_END, 0] = 2.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+
+
+def test_export_declares_the_stop_tokens_and_generate_stops_at_im_end(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = export_hf(load_model(load_config(model={"flavor": "tiny"})), tmp_path / "hf", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg.get("pad_token_id")) == (TEXT_END, TURN_END, None)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [TURN_END, TEXT_END] and gen["bos_token_id"] == gen["pad_token_id"] == TEXT_END
+    assert (gen["do_sample"], gen["temperature"], gen["top_k"], gen["top_p"]) == (True, 0.6, 20, 0.95)
+
+    old = tmp_path / "old"  # the export as it was: null special tokens, no generation_config.json
+    shutil.copytree(out, old)
+    (old / "generation_config.json").unlink()
+    (old / "config.json").write_text(json.dumps({**cfg, "bos_token_id": None, "eos_token_id": None}))
+
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    n = prompt["input_ids"].shape[1]
+    replies = []
+    for folder in (out, old):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        make_im_end_likeliest(model)
+        replies.append(model.generate(**prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist())
+    assert replies == [[TURN_END], [TURN_END] * 12]  # stops at the turn's end; without the ids it never stops

@@ -1,20 +1,19 @@
-"""workbench.compare: a checkpoint against itself, two backends from one HF checkpoint, DCP vs its HF export."""
+"""workbench.compare: a checkpoint against itself, two backends from one HF checkpoint, held-out perplexity per
+mixture member and per run. A run's DCP checkpoint against its HF export (a launch):
+tests/integration/test_weights_in_and_out.py."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from tests.run_helpers import ROOT, read_metrics, run_train
+from tests.run_helpers import ROOT, assert_identical
 from workbench import compare
 from workbench.core.config import load_config
 from workbench.core.errors import ConfigError
-from workbench.hf_export import export_run
 from workbench.model import load_model
-from workbench.run.run_folder import step_dirs
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
@@ -29,14 +28,6 @@ def hf_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "hf"
     export_hf(load_model(ROOT / "configs/cpu_moe.toml", backend="native"), out, dtype="float32")
     return out
-
-
-def _assert_identical(cmp: compare.Comparison) -> None:
-    assert (cmp.tensors.status == "same keys").all()
-    assert (cmp.tensors.max_abs == 0).all() and (cmp.tensors.rel_norm == 0).all()
-    assert cmp.heldout["logits_max_abs_diff"] == 0 and cmp.heldout["top1_agreement"] == 1
-    assert cmp.heldout["ppl_a"] == cmp.heldout["ppl_b"]
-    assert cmp.generations.same.all()
 
 
 def test_tensor_diffs_reports_values_and_key_mismatches():
@@ -54,7 +45,7 @@ def test_tensor_diffs_reports_values_and_key_mismatches():
 
 def test_hf_checkpoint_compared_with_itself_is_identical(hf_dir):
     cmp = compare.compare(hf_dir, hf_dir, **SMALL)
-    _assert_identical(cmp)
+    assert_identical(cmp)
     keys = set(cmp.tensors[cmp.tensors.hf].key)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys  # HF key space, per expert
     assert "lm_head.weight" not in keys  # tied
@@ -120,79 +111,6 @@ def test_expert_bias_outside_the_hf_format_is_reported_and_explains_logit_differ
     summary = compare.compare_models(a, b, **SMALL).summary()
     assert summary["mismatched_keys"] == 0 and summary["weights_max_abs"] == 0  # HF weights identical ...
     assert summary["non_hf_buffers_max_abs"] == 5 and summary["logits_max_abs_diff"] > 1e-3  # ... routing is not
-
-
-def weight_diffs(a, b) -> float:
-    """The largest |a - b| of any weight of two checkpoints (HF key space)."""
-    (wa, _), (wb, _) = (compare.comparable_state(compare.load_checkpoint(p)) for p in (a, b))
-    diffs = compare.tensor_diffs(wa, wb)
-    assert (diffs.status == "same keys").all()
-    return diffs.max_abs.max()
-
-
-@pytest.fixture(scope="module")
-def own_data_run(tmp_path_factory):
-    """A run on data of one's own, made here: a mixture of two small jsonl corpora (weights 0.7 and 0.7), the
-    numbers' documents shorter than one held-out row; 4 steps, DCP checkpoints at 2 and 4, the fp32 HF export at
-    the end, all state in HF format. Yields (run folder, the mixture, the launch's stdout)."""
-    root = tmp_path_factory.mktemp("own_data")
-    prose = root / "prose.jsonl"
-    prose.write_text("".join(json.dumps({"text": f"Essay {i}: the river bends where the old mill stood, and " * 3})
-                             + "\n" for i in range(30)))
-    numbers = root / "numbers.jsonl"
-    numbers.write_text("".join(json.dumps({"text": ", ".join(str(i * k % 97) for k in range(8))}) + "\n"
-                               for i in range(12)))
-    mixture = f"{prose}:0.7,{numbers}:0.7"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("WORKBENCH_DATA_CACHE", str(root / "cache"))  # the launch and compare prepare into it
-        proc = run_train("configs/cpu_moe.toml", "--training.steps", "4", "--job.dump_folder", str(root / "out"),
-                         "--training.dataset", mixture, "--checkpoint.enable", "true", "--checkpoint.interval", "2",
-                         "--checkpoint.keep_latest_k", "0", "--checkpoint.export_hf", "true",
-                         "--checkpoint.export_dtype", "float32", "--model.moe_load_balance_coeff", "0")
-        yield root / "out" / "cpu_moe", mixture, proc.stdout
-
-
-@pytest.mark.slow
-def test_a_mixture_of_ones_own_data_is_normalised_out_loud_and_logged_per_member(own_data_run):
-    run, mixture, stdout = own_data_run
-    prose, numbers = (m.rsplit(":", 1)[0] for m in mixture.split(","))
-    assert "workbench: training.dataset weights 0.7, 0.7 sum to 1.4: normalised to shares 0.5, 0.5." in stdout
-    assert f"workbench: mixture member {numbers}: share 0.5, " in stdout and "epoch(s) over the run (4 rows" in stdout
-    records = read_metrics(run)
-    before = {prose: 0, numbers: 0}
-    for r in records:  # every step: rows per member add up to the batch, the member losses to the step's loss
-        now = {m: r[f"rows {m}"] for m in before}
-        taken = {m: now[m] - before[m] for m in before}
-        assert sum(taken.values()) == 2 and set(taken) == {m for m in before if f"loss {m}" in r} | \
-            {m for m in before if not taken[m]}
-        pooled = sum(r[f"loss {m}"] * n for m, n in taken.items() if n) / 2
-        assert abs(pooled - r["loss"]) <= 1e-5 * r["loss"], (r["step"], pooled, r["loss"])
-        before = now
-    assert before == {prose: 4, numbers: 4}
-
-
-@pytest.mark.slow
-def test_compare_and_export_of_a_run_use_its_newest_checkpoint_and_its_own_data(own_data_run, tmp_path, capsys):
-    run, mixture, _ = own_data_run
-    prose, numbers = (m.rsplit(":", 1)[0] for m in mixture.split(","))
-    assert sorted(step_dirs(run / "checkpoint", complete=True)) == [2, 4]
-    _assert_identical(compare.compare(run, run / "checkpoint" / "step-4", **SMALL))
-    assert weight_diffs(run, run / "hf") == 0 < weight_diffs(run / "checkpoint" / "step-2", run / "hf")
-    # The command line: the newest DCP step (trained weights, titan keys) vs the fp32 HF export written at the end,
-    # each measured on the run's own held-out documents, per member too.
-    assert compare.main([str(run), str(run / "hf"), "--seq-len", "32", "--rows", "2", "--max-new-tokens", "4",
-                         "--out", str(tmp_path / "cmp")]) == 0
-    out = capsys.readouterr().out
-    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
-    assert summary["mismatched_keys"] == 0 and summary["weights_max_abs"] == 0
-    assert summary["logits_max_abs_diff"] == 0 and summary["generations_same"] == summary["generations"]
-    assert summary["dataset"] == mixture and summary["holdout_docs"] == 1
-    assert summary[f"ppl_a {prose}"] == summary[f"ppl_b {prose}"] and 1 < summary[f"ppl_a {numbers}"] < 1e6
-    short = [line for line in out.splitlines() if line.startswith(f"note: the held-out set of {numbers} ")]
-    assert len(short) == 1 and "fewer than one row of 33: measured on all of it" in short[0], out
-    assert (tmp_path / "cmp" / "compare.md").read_text().startswith("# Checkpoint comparison")
-    # hf_export of the run without --step: the newest checkpoint, the weights of the export written at the end
-    assert weight_diffs(export_run(run, tmp_path / "hf4"), run / "hf") == 0
 
 
 def test_a_path_that_is_no_checkpoint_names_what_is_expected(tmp_path):

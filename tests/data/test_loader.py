@@ -16,12 +16,7 @@ from workbench import data
 from workbench.core.errors import DatasetError
 from workbench.data import dataset_label, mixture
 from workbench.data import prepare as prep
-from workbench.data.loader import (
-    PackedDataset,
-    PackedTextDataLoader,
-    heldout_sets,
-    mixture_report,
-)
+from workbench.data.loader import PackedDataset, PackedTextDataLoader, heldout_sets, mixture_report
 
 ROOT = Path(__file__).resolve().parents[2]
 

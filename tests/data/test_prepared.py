@@ -15,9 +15,7 @@ from tests.data.helpers import corpus, take
 from workbench import data
 from workbench.core.errors import EXIT_CONFIG, DatasetError
 from workbench.data import prepare as prep
-from workbench.data.loader import (
-    PackedDataset,
-)
+from workbench.data.loader import PackedDataset
 
 ROOT = Path(__file__).resolve().parents[2]
 

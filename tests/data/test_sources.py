@@ -17,9 +17,7 @@ from tests.run_helpers import unblocking
 from workbench import data
 from workbench.core.errors import EXIT_CONFIG, DatasetError
 from workbench.data import prepare as prep
-from workbench.data.loader import (
-    PackedDataset,
-)
+from workbench.data.loader import PackedDataset
 
 
 def test_bundled_assets_are_the_real_ones():

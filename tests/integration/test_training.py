@@ -17,14 +17,7 @@ import psutil
 import pytest
 import torch
 
-from tests.run_helpers import (
-    FIRST_12_OF_30,
-    cached_run,
-    kill_run_when,
-    losses_by_step,
-    read_metrics,
-    run_train,
-)
+from tests.run_helpers import FIRST_12_OF_30, cached_run, kill_run_when, losses_by_step, read_metrics, run_train
 from workbench.run.run_folder import step_dirs
 
 pytestmark = pytest.mark.slow
