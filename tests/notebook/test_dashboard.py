@@ -4,10 +4,16 @@ appends to the file, a fresh run replaces it), lines still being written, and th
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
-from workbench.notebook.dashboard import Dashboard
+import pytest
+
+from tests.run_helpers import ROOT
+from workbench.notebook.dashboard import Dashboard, live_frontend
+
+pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
 
 
 def record(step: int, loss: float = 5.0, tps: float = 100.0) -> str:
@@ -143,3 +149,179 @@ def test_a_mixture_plots_each_members_loss(tmp_path):
     assert [line.get_label() for line in ax_loss.lines] == ["all", "web.jsonl", "code.jsonl"]
     assert list(ax_loss.lines[1].get_ydata()) == [4.2, 3.2, 2.2] and ax_loss.lines[2].get_linestyle() == "--"
     assert [t.get_text() for t in ax_loss.get_legend().get_texts()] == ["all", "web.jsonl", "code.jsonl"]
+
+
+def _record(step: int, loss: float) -> str:
+    return json.dumps({"step": step, "loss": loss, "tokens_per_second": 100.0 + step, "mfu": 0.01,
+                       "peak_memory_bytes": 2**30, "backend": "native"}) + "\n"
+
+
+def test_dashboard_tails_metrics_and_degrades_to_static(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORKBENCH_DASHBOARD", raising=False)
+    assert live_frontend() is False  # plain Python: nobody to show widgets to
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "live")
+    assert live_frontend() is True
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(_record(1, 99.0))  # an earlier launch in the same run folder: ignored
+    with Dashboard(tmp_path, total_steps=3, title="t") as dash:
+        assert dash.live is False
+        with open(metrics, "a") as f:
+            f.write(_record(1, 12.0) + _record(2, 11.0)[:20])  # step 2 half written
+        dash("step 1/3 ...\n")
+        assert [r["step"] for r in dash.records] == [1]
+        with open(metrics, "a") as f:
+            f.write(_record(2, 11.0)[20:] + _record(3, 10.0))
+        dash("step 3/3 ...\n")
+    assert [r["loss"] for r in dash.records] == [12.0, 11.0, 10.0]
+    out = capsys.readouterr().out
+    assert "t: finished" in out and "loss 12.0000 → 10.0000" in out and "steps 1–3 of 3" in out
+    assert "step 1/3" not in out  # static mode does not echo the training output
+
+
+def test_dashboard_follows_a_replaced_or_truncated_metrics_file(tmp_path, capsys, monkeypatch):
+    """Re-run in the same folder: the trainer replaces metrics.jsonl at its first step; the dashboard
+    must read the new file from its start, also when the new inode number equals the old one or the new file
+    has already outgrown the old read position; a truncation in place likewise."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 9)))  # the previous run: 8 steps
+    dash = Dashboard(tmp_path, total_steps=8, title="rerun")
+    dash("building model\n")
+    assert dash.records == []
+    metrics.unlink()  # what workbench.run.trainer does on a fresh run
+    metrics.write_text(_record(1, 12.0))
+    dash("step 1/8\n")
+    assert [r["loss"] for r in dash.records] == [12.0]
+    # replaced by a file longer than the read position (9 records) whose first record differs
+    metrics.unlink()
+    metrics.write_text("".join(_record(s, 30.0 - s) for s in range(1, 10)))
+    dash("step 9\n")
+    assert [r["step"] for r in dash.records] == list(range(1, 10)) and dash.records[0]["loss"] == 29.0
+    metrics.write_text(_record(1, 5.0))  # truncated in place (same inode)
+    dash("again\n")
+    assert [r["loss"] for r in dash.records] == [5.0]
+    dash.close()
+    assert "rerun: finished" in capsys.readouterr().out
+
+
+def test_dashboard_shows_the_resumed_step_range(tmp_path, capsys, monkeypatch):
+    """A resumed run appends to metrics.jsonl: only its own steps count, and the summary says it resumed."""
+    monkeypatch.setenv("WORKBENCH_DASHBOARD", "static")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(_record(s, 20.0 - s) for s in range(1, 5)))
+    with Dashboard(tmp_path, total_steps=8, title="resume") as dash:
+        with open(metrics, "a") as f:
+            f.write("".join(_record(s, 20.0 - s) for s in range(5, 9)))
+        dash("step 8/8\n")
+    assert [r["step"] for r in dash.records] == [5, 6, 7, 8]
+    assert "steps 5–8 of 8 (resumed after step 4)" in capsys.readouterr().out
+
+
+def _run_like_a_frontend(source: str, cwd: Path, timeout: float = 120) -> list[dict]:
+    """Executes `source` in a real IPython kernel and returns the outputs a frontend would save for the cell.
+
+    A small frontend over jupyter_client (not nbclient: its emulation of Output widgets occasionally never
+    returns from a cell that closes widgets under nbclient 0.11, which is not what this test is about). It applies
+    what JupyterLab applies: `update_display_data` replaces the outputs with that display id, `clear_output`
+    clears, and outputs captured by an `ipywidgets.Output` (its `msg_id` set to the cell's) go to that widget,
+    not to the cell.
+    """
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(cwd))
+    outputs: list[dict] = []
+    capturing: set[str] = set()  # Output widgets currently capturing this cell's output
+    try:
+        msg_id = kc.execute(source)
+        while True:
+            msg = kc.get_iopub_msg(timeout=timeout)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status" and content["execution_state"] == "idle":
+                break
+            if kind in ("comm_open", "comm_msg"):
+                state = content.get("data", {}).get("state", {})
+                if "msg_id" in state:
+                    (capturing.add if state["msg_id"] == msg_id else capturing.discard)(content["comm_id"])
+                continue
+            if kind == "error":
+                raise AssertionError("the cell failed:\n" + "\n".join(content["traceback"]))
+            if capturing and kind in ("stream", "display_data", "clear_output"):
+                continue  # inside `with output_widget:`: shown in the widget, not saved with the cell
+            if kind == "clear_output":
+                outputs.clear()
+            elif kind == "update_display_data":
+                did = content.get("transient", {}).get("display_id")
+                for o in outputs:
+                    if o.get("display_id") == did:
+                        o["data"] = content["data"]
+            elif kind in ("display_data", "execute_result"):
+                outputs.append({"data": content["data"], "display_id": content.get("transient", {}).get("display_id")})
+            elif kind == "stream":
+                outputs.append({"data": {"text/plain": content["text"]}})
+        reply = kc.get_shell_msg(timeout=timeout)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return outputs
+
+
+@pytest.mark.slow  # starts a notebook kernel
+def test_live_dashboard_in_a_kernel(tmp_path):
+    """The live widgets path, in a real kernel (forced live), fed from a growing metrics.jsonl."""
+    metrics = tmp_path / "metrics.jsonl"
+    src = (f"import json, os\nos.environ['WORKBENCH_DASHBOARD'] = 'live'\n"
+           f"from workbench.notebook import Dashboard\n"
+           f"d = Dashboard({str(tmp_path)!r}, total_steps=2, title='live', refresh_s=0)\n"
+           f"assert d.live\n"
+           f"for s in (1, 2):\n"
+           f"    open({str(metrics)!r}, 'a').write(json.dumps(dict(step=s, loss=12.0 - s, tokens_per_second=50.0,"
+           f" mfu=0.01, peak_memory_bytes=1, backend='native')) + '\\n')\n"
+           f"    d(f'step {{s}}/2\\n')\n"
+           f"assert d._widgets['image'].value[:4] == b'\\x89PNG'\n"
+           f"d.close()\n"
+           f"from tqdm.auto import tqdm\n"
+           f"from workbench.notebook import transient_progress\n"
+           f"with transient_progress('bars done'):\n"
+           f"    for _ in tqdm(range(3), desc='bench bar'): pass\n")
+    saved = _run_like_a_frontend(src, tmp_path)
+    text = "".join(str(v) for o in saved for k, v in o["data"].items() if k.startswith("text/"))
+    assert "live: finished" in text and "steps 1–2 of 2" in text and "bars done" in text
+    assert any("image/png" in o["data"] for o in saved)
+    # The widgets were replaced in place: the saved outputs hold no dead widget views or their text.
+    dumped = json.dumps([o["data"] for o in saved], ensure_ascii=False)
+    for stale in ("application/vnd.jupyter.widget-view+json", "VBox(children", "waiting for the first step", "0%|"):
+        assert stale not in dumped, stale
+
+
+@pytest.mark.slow  # starts a notebook kernel
+def test_frontend_detection_in_a_real_kernel():
+    """Interactive frontends send allow_stdin and store_history; nbclient (papermill) and nbval do not."""
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORKBENCH_DASHBOARD", None)
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(ROOT / "notebooks"))
+    try:
+        def detected(**kw) -> str:
+            msg_id = kc.execute("from workbench.notebook import live_frontend; print(live_frontend())", **kw)
+            text = ""
+            while True:
+                msg = kc.get_iopub_msg(timeout=60)
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "stream":
+                    text += msg["content"]["text"]
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    return text.strip()
+
+        assert detected(allow_stdin=True, store_history=True) == "True"  # JupyterLab, Notebook, VS Code
+        assert detected(allow_stdin=False, store_history=True) == "False"  # nbclient: papermill, nbconvert
+        assert detected(allow_stdin=True, store_history=False) == "False"  # nbval
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
