@@ -25,10 +25,8 @@ from workbench.platform import titan_device
 
 titan_device.prepare("cpu")
 
-from tests.commands import test_parity  # noqa: E402
 from workbench.backends import attention  # noqa: E402
 
-checkpoints = test_parity.checkpoints  # the fixture: tiny dense and MoE checkpoints written by transformers
 GQA = dict(heads=4, kv_heads=2, head_dim=8)
 
 

@@ -7,10 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from pathlib import Path
-
-import pytest
-import torch
 
 from tests.run_helpers import PicklePayload
 from workbench.platform import titan_device
@@ -18,28 +14,9 @@ from workbench.platform import titan_device
 titan_device.prepare("cpu")
 
 from workbench import parity  # noqa: E402
-from workbench.core import errors, flavors  # noqa: E402
+from workbench.core import errors  # noqa: E402
 
-# Small custom shapes (vocab 512): one tied dense model, one untied MoE model, so both tie paths are crossed.
-SHAPES = {
-    "dense": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, ffn_dim=128, vocab_size=512, tied=True, max_seq_len=512),
-    "moe": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, vocab_size=512, max_seq_len=512, num_experts=8, top_k=2,
-                              moe_ffn_dim=32),
-}
 SETTINGS = parity.Settings(steps=20, batch_size=2, seq_len=64, lr=1e-3)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Checkpoints written by transformers itself (save_pretrained, default published format)."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, shape in SHAPES.items():
-        torch.manual_seed(0)
-        out[name] = tmp_path_factory.mktemp(f"ckpt_{name}")
-        AutoModelForCausalLM.from_config(flavors.hf_config(shape)).save_pretrained(out[name])
-    return out
 
 
 def assert_paths_agree(table) -> None:
