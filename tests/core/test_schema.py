@@ -1,6 +1,7 @@
-"""JSON files from outside, fuzzed (issue 53; tests/test_config_fuzz.py is the model): mutated copies of a Hugging
-Face `config.json` and `model.safetensors.index.json`, a checkpoint step's `checksums.json` and a prepared folder's
-`manifest.json`, each read the way the workbench reads it for real.
+"""workbench.core.schema, through every reader of JSON from outside, fuzzed (issue 53; the config fuzz of
+tests/commands/test_train.py is the model): mutated copies of a Hugging Face `config.json` and
+`model.safetensors.index.json`, a checkpoint step's `checksums.json` and a prepared folder's `manifest.json`, each
+read the way the workbench reads it for real.
 
 Every mutation is bad by construction, written down here by kind, not asked of the validator: a key the reader uses
 given a value of the wrong type or out of its range, a required key removed, a name that leaves its folder, a file
