@@ -374,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.platform import titan_device
 
     try:
-        titan_device.prepare("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
+        titan_device.pin("cuda" if torch.cuda.is_available() else "cpu")  # before anything imports torchtitan
     except Exception as e:  # noqa: BLE001 - e.g. a torch too old for torchtitan: the env step records it
-        print(f"accelerator_check: device.prepare failed: {type(e).__name__}: {e}", flush=True)
+        print(f"accelerator_check: titan_device.pin failed: {type(e).__name__}: {e}", flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="accelerator_check_"))
     ctx = {"scale": scale, "out": args.out, "work": work}
     print(f"accelerator_check: results in {args.out}, run folders in {work}", flush=True)

@@ -31,8 +31,9 @@ def one_rank_trainer(job):
     """A WorkbenchTrainer of `job` in this process (a gloo world of one), closed with its process group after."""
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
-    from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs
+    titan_device.pin("cpu")
+    from workbench.run.titan_config import build_titan_config
+    from workbench.run.trainer import WorkbenchTrainer, quiet_titan_logs
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +43,6 @@ def one_rank_trainer(job):
     os.environ.update(env)
     quiet_titan_logs(job.job.verbose)
     cfg = build_titan_config(job, "cpu", 1)
-    cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
     trainer = WorkbenchTrainer(cfg)
     try:
         yield trainer

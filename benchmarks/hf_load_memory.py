@@ -5,7 +5,7 @@
 Writes a ~0.5 GB fp32 random-init Qwen3 checkpoint with transformers' own `save_pretrained(max_shard_size=...)`
 (in a child process, so its memory does not count), then, in a fresh child process: builds the model
 (`workbench.model.build_model`, fp32 on CPU), resets the RSS high-water mark (Linux /proc/self/clear_refs),
-loads the checkpoint with `workbench.backends.hf.load_into_model`, and prints checkpoint size, RSS before the model
+loads the checkpoint with `workbench.hf_weights.load_into_model`, and prints checkpoint size, RSS before the model
 existed, RSS with the model built, the peak during the load, and the ratios. The goal is
 peak - RSS-before-model <= 1.5 x checkpoint size (the model's own copy is 1.0 x of that).
 """
@@ -53,21 +53,20 @@ def make_checkpoint(out: str) -> None:
 
 
 def measure(ckpt: str) -> dict:
-    from workbench import backends
-    from workbench.backends import hf
+    from workbench import backends, hf_weights
     from workbench.core.config import JobConfig
     from workbench.model import build_model
     from workbench.platform import titan_device
 
     job = JobConfig()
     job.model.hf_checkpoint = ckpt
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     backends.get("native")  # imports torchtitan: part of the baseline, not of the model
     base = _rss_now()
     model = build_model(job)
     built = _rss_now()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    stats = hf.load_into_model(model, ckpt)
+    stats = hf_weights.load_into_model(model, ckpt)
     peak = _hwm()
     size = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors"))
     return {"checkpoint_bytes": size, "shards": len(list(Path(ckpt).glob("*.safetensors"))),

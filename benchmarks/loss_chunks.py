@@ -75,7 +75,7 @@ def main() -> None:
     from tests.run_helpers import free_port
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     print(f"seq {a.seq} x batch {a.batch}, {a.chunks} chunks; memory = peak live tensor bytes of one step")

@@ -50,7 +50,7 @@ def measure(argv: list[str]) -> dict:
     from workbench.memory import tracer
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     if "MASTER_ADDR" not in os.environ:

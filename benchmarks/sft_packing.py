@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from workbench.data import chat, packing  # noqa: E402
 from workbench.data.loader import resolve  # noqa: E402
 from workbench.data.prepare import prepare  # noqa: E402
-from workbench.data.prepared import Prepared  # noqa: E402
+from workbench.data.prepared import PreparedDataset  # noqa: E402
 
 
 def next_fit(lengths: np.ndarray, trained: np.ndarray, seq_len: int) -> dict:
@@ -54,7 +54,7 @@ def next_fit(lengths: np.ndarray, trained: np.ndarray, seq_len: int) -> dict:
             "dropped": dropped, "dropped_tokens": dropped_tokens}
 
 
-def ours(p: Prepared, seq_len: int, overlong: str) -> dict:
+def ours(p: PreparedDataset, seq_len: int, overlong: str) -> dict:
     rows = packing.ChatRows(p, packing.PackSpec(seq_len=seq_len, overlong=overlong, seed=42, holdout=0), "chitchat")
     st = rows.stats()
     return {"rows": st["rows"], "pad": st["pad_fraction"], "trained_per_row": st["trained_targets"] / st["rows"],
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-steps", type=int, default=3, help="timed steps of each attention (0: skip)")
     args = ap.parse_args(argv)
 
-    p = Prepared(resolve("chitchat", progress=False))
+    p = PreparedDataset(resolve("chitchat", progress=False))
     lut = chat.trained_lut()
     lengths = p.lengths.astype(np.int64)
     trained = np.asarray([int(lut[p.owners(i)][1:].sum()) for i in range(len(p))])
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def attention_table(p: Prepared, seq_lens: list[int], steps: int) -> None:
+def attention_table(p: PreparedDataset, seq_lens: list[int], steps: int) -> None:
     """Median step time of the tiny flavor on the first packed row of each seq_len, block-causal vs plain causal."""
     import torch
 

@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; a module's layer:
     ("data", ("workbench.data",)),  # tokenizer, corpus, token shards, loader
     ("emulator", ("workbench.kernels.nki_emulator",)),  # the CPU NKI emulator
     ("kernels", ("workbench.kernels",)),  # NKI kernels, torch reference, autograd glue
-    ("backends", ("workbench.backends",)),  # one module per training path, HF weights, MoE experts
+    ("backends", ("workbench.backends",)),  # one module per training path, MoE experts, attention masks
+    ("hf_weights", ("workbench.hf_weights",)),  # Hugging Face safetensors in and out
     ("run", ("workbench.run",)),  # trainer, checkpoint, run folder, profiling
     ("model", ("workbench.model",)),  # the Python API's model half: build_model, load_model, export_hf
     ("memory", ("workbench.memory",)),  # the memory plan: tracer, report, gate, in-run measurement

@@ -21,7 +21,7 @@ import torch
 from workbench.core import flavors
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 TORCHTITAN_VERSION = "0.3.0"
 TORCH_VERSION = "2.14.0"

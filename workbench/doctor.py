@@ -205,7 +205,7 @@ def disk_check(job) -> Check:
     from workbench.core import flavors
     from workbench.run.run_folder import CHECKPOINT_BYTES_PER_PARAM, checkpoint_space
 
-    one = flavors.count_params(job.shape)["total"] * CHECKPOINT_BYTES_PER_PARAM
+    one = flavors.param_counts(job.shape)["total"] * CHECKPOINT_BYTES_PER_PARAM
     c = job.checkpoint
     space = checkpoint_space(job.run_dir / c.folder, one, c.keep_latest_k, job.training.steps, c.interval)
     free = space.free_bytes

@@ -36,11 +36,11 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         dtype: stored dtype; None = the run's checkpoint.export_dtype.
         overwrite: replace an existing `out` (an earlier export only).
     """
-    from workbench.backends import hf
+    from workbench import hf_weights
     from workbench.model import build_model
 
     run = Path(run)
-    problem = source_problem(run, Path(out)) or hf.target_problem(out, overwrite)
+    problem = source_problem(run, Path(out)) or hf_weights.target_problem(out, overwrite)
     if problem:  # before the (possibly long) model build and checkpoint read
         raise HFExportError(problem)
     job = read_config(run)
@@ -57,7 +57,7 @@ def export_run(run: str | os.PathLike, out: str | os.PathLike, *, step: int | No
                 raise  # damage, not a purge
             print(f"workbench: {ckpt_dir} was purged by the running training while it was read; taking the newest "
                   "checkpoint again.", file=sys.stderr, flush=True)
-    return hf.export_model(model, out, dtype=dtype or job.checkpoint.export_dtype, overwrite=overwrite)
+    return hf_weights.export_model(model, out, dtype=dtype or job.checkpoint.export_dtype, overwrite=overwrite)
 
 
 def source_problem(run: Path, out: Path) -> str | None:

@@ -41,11 +41,11 @@ def _job(config: JobConfig | str | os.PathLike | None, backend: str, hf_checkpoi
     return job
 
 
-def _prepare_device(job: JobConfig) -> None:
+def _pin_device(job: JobConfig) -> None:
     """torchtitan must be pinned to a device before it is imported (on CPU: the CPU adjustments)."""
     from workbench.platform import device, titan_device
 
-    titan_device.prepare(titan_device.prepared_kind() or device.detect(job.job.device).kind)
+    titan_device.pin(titan_device.pinned_kind() or device.detect(job.job.device).kind)
 
 
 def materialize(model_config, seed: int | None, parallelize: Callable | None = None) -> torch.nn.Module:
@@ -79,13 +79,12 @@ def build_model(job: JobConfig) -> torch.nn.Module:
     model in one), so one builder serves all three. The model carries `workbench_info` (backend, shape, config,
     tokenizer) for HF load and export.
     """
-    from workbench import backends
-    from workbench.backends import hf
+    from workbench import backends, hf_weights
 
-    _prepare_device(job)
+    _pin_device(job)
     spec = backends.model_spec(job)
     model = materialize(spec.model, job.job.seed).float().eval()
-    model.workbench_info = hf.ModelInfo(job.model.backend, job.shape, spec.model, job.model.tokenizer_path)
+    model.workbench_info = hf_weights.ModelInfo(job.model.backend, job.shape, spec.model, job.model.tokenizer_path)
     return model
 
 
@@ -108,14 +107,14 @@ def load_model(config: JobConfig | str | os.PathLike | None = None, backend: str
         workbench.core.errors.CheckpointError: a run folder's checkpoint is damaged, or asks to run code
             (`UnsafeCheckpointError`: refused unrun).
     """
-    from workbench.backends import hf
+    from workbench import hf_weights
 
     if isinstance(config, (str, os.PathLike)) and Path(config).is_dir():
         return load_run(Path(config), backend, step)[0]
     job = _job(config, backend or DEFAULT_BACKEND, hf_checkpoint)
     model = build_model(job)
     if job.model.hf_checkpoint:
-        hf.load_into_model(model, job.model.hf_checkpoint)
+        hf_weights.load_into_model(model, job.model.hf_checkpoint)
     return model
 
 
@@ -164,9 +163,9 @@ def export_hf(model: torch.nn.Module, out_dir: str | os.PathLike, *, dtype: str 
         overwrite: replace an existing directory (atomically).
         tokenizer_path: tokenizer directory to copy; None = the model's `model.tokenizer_path`.
     """
-    from workbench.backends import hf
+    from workbench import hf_weights
 
-    return hf.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
+    return hf_weights.export_model(model, out_dir, dtype=dtype, overwrite=overwrite, tokenizer_path=tokenizer_path)
 
 
 __all__ = ["load_model", "load_run", "build_model", "materialize", "export_hf"]

@@ -79,7 +79,7 @@ def load_hf_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     by Hugging Face key."""
     from safetensors.torch import load_file
 
-    from workbench.backends.hf import weight_files
+    from workbench.hf_weights import weight_files
 
     files = weight_files(checkpoint_dir)
     state: dict[str, torch.Tensor] = {}
@@ -224,10 +224,10 @@ def run_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = BACKENDS
 
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
+    titan_device.pin("cpu")  # parity is an fp32 CPU measurement; also applies the CPU adjustments torchtitan needs
     settings = settings or Settings()
     # Before transformers reads anything: its from_pretrained would torch.load a pickle-only folder.
-    from workbench.backends.hf import weight_files
+    from workbench.hf_weights import weight_files
 
     weight_files(checkpoint_dir)
     ref, ref_forward = reference_model(checkpoint_dir)
@@ -285,7 +285,7 @@ def run_packed_parity(checkpoint_dir: str | Path, *, backends: Iterable[str] = B
 
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     settings = settings or Settings()
     if len(settings.doc_lengths) < 3 or sum(settings.doc_lengths) > settings.seq_len:
         raise ConfigError(f"--packed needs at least 3 documents within seq_len {settings.seq_len}; got lengths "

@@ -5,9 +5,9 @@
 
 What is traced is what `train.py` builds: the backend's real model (its torchtitan `ModelSpec`, built on the meta
 device), wrapped by the backend's real `parallelize_fn` (FSDP2 / activation checkpointing / TP as configured), the
-real loss (`training.loss_chunks` included) and the real optimizer, all from `trainer.build_titan_config`. The step
-runs under `FakeTensorMode` (shapes and dtypes, no data) over torch's fake process group of the full world size,
-inside PyTorch's `FSDPMemTracker`, which records every storage alive at each op and keeps the per-category
+real loss (`training.loss_chunks` included) and the real optimizer, all from `titan_config.build_titan_config`.
+The step runs under `FakeTensorMode` (shapes and dtypes, no data) over torch's fake process group of the full world
+size, inside PyTorch's `FSDPMemTracker`, which records every storage alive at each op and keeps the per-category
 breakdown at the peak. One rank is traced: FSDP/TP ranks are symmetric.
 
 Why the numbers can be trusted: the optimizer state is created by a warm-up step *before* tracking (AdamW creates
@@ -41,10 +41,11 @@ CPU) and the capacity; the trace itself runs on this host's CPU, so what would r
   its math path, whose S x S scores then show in "attention scores". The plan records the SDPA kernel it traced.
 * the device runtime's reserve (`Device.runtime`, each figure with its source; `--reserve-gib` overrides).
 
-This module is the command; the plan itself is `workbench.memory`, in four parts with one public entry each: the
-tracer (`memory.tracer.trace`), the report (`memory.report.plan`, `render`), the launch gate
-(`memory.gate.check_fits`) and the in-run measurement (`memory.measure.check_on_launch`), over the device and
-category tables (`memory.tables`).
+This module is the command; the plan itself is `workbench.memory`, in three parts with one public entry each: the
+tracer (`memory.tracer.trace`), the report (`memory.report.plan`, `render`) and a launch's preflight
+(`memory.preflight.plan_for_run`: refuses a plan that does not fit, hands the run its plan), over the device and
+category tables (`memory.tables`). The in-run measurement that compares a launch's peaks with the plan is
+`workbench.run.peak_memory`.
 """
 
 from __future__ import annotations

@@ -2,17 +2,19 @@
 
     torchrun --nproc_per_node=N train.py --job.config_file configs/X.toml --model.backend B [--section.key v ...]
 
-Order matters and is deliberate: parse and validate the whole config (a bad key, flavor or backend fails here,
-with exit code 2, before any process group or model exists) -> pick and pin the device -> write the resolved
-config into the run folder -> build torchtitan's Trainer -> train (resuming from the newest DCP checkpoint in
-the run folder if there is one) -> summary.
+Order matters and is deliberate, each step done once: read the config -> detect the device it asks for ->
+validate the whole config, the device's rules included -> check its input files -> (rank 0) the memory preflight
+(`preflight`; a bad key, value, flavor, backend or file fails here with exit code 2, before any process group or
+model exists) -> pin the device -> translate into torchtitan's config plus the run's record -> build the trainer
+-> train (resuming from the newest DCP checkpoint in the run folder if there is one) -> summary
+(`train_in_this_process`).
 
 Every failure the workbench raises or recognises ends the launch with one line and its exit code
 (`workbench.core.errors`: 2 config or locked run folder, 3 non-finite loss, 4 checkpoint/disk, 5 stopped by
 SIGTERM/SIGINT after saving).
 
-`workbench.train.train(job, nproc=...)` is the same thing from Python (notebooks): it launches torchrun in a
-subprocess, streams its output, and returns the run folder. One spelling on purpose: `workbench.train` is this
+`workbench.train.train(job, nproc=...)` launches the same thing from Python (notebooks): torchrun in a
+subprocess, its output streamed, the run folder returned. One spelling on purpose: `workbench.train` is this
 module (so `python -m workbench.train` works), and the function in it is `train`.
 """
 
@@ -25,25 +27,27 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from workbench.core.config import JobConfig, check_device, help_text, load_config
-from workbench.core.errors import ConfigError, DatasetError, StoppedError, WorkbenchError, announce, recognised
+from workbench.core.config import JobConfig, help_text, load_config, read_config, validate
+from workbench.core.errors import ConfigError, StoppedError, WorkbenchError, announce, recognised
 from workbench.core.files import write_atomic
 from workbench.platform.dist_utils import StopRequest, rank, say
 
+if TYPE_CHECKING:
+    from workbench.data.loader import OpenedMembers
+    from workbench.platform.device import DeviceInfo
 
-def run(job: JobConfig, info=None) -> Path:
-    """Trains in this process (one rank of a torchrun job, or a lone process = world size 1).
 
-    Args:
-        job: the validated config.
-        info: the device found by `device.detect` (detected here when None).
-    """
-    from workbench.platform import device, titan_device
+def train_in_this_process(checked: Preflight) -> Path:
+    """Trains in this process (one rank of a torchrun job, or a lone process = world size 1) what `preflight`
+    checked, and returns the run folder."""
+    from workbench.platform import titan_device
 
-    info = info or device.detect(job.job.device)
-    adjusted = titan_device.prepare(info.kind, job.neuron)
+    job, info = checked.job, checked.device
+    adjusted = titan_device.pin(info.kind, job.neuron)
     # Single process without torchrun: become a world of one so FSDP/DCP code paths are the same.
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -52,34 +56,30 @@ def run(job: JobConfig, info=None) -> Path:
 
     import torch
 
-    from workbench.memory import measure
-    from workbench.platform.dist_utils import say
-    from workbench.run.trainer import WorkbenchTrainer, build_titan_config, quiet_titan_logs
+    from workbench.run.trainer import WorkbenchTrainer, quiet_titan_logs
 
-    run_dir = job.run_dir
     stop = StopRequest()  # from here on SIGTERM/SIGINT finish the step and save (the trainer checks it)
     quiet_titan_logs(job.job.verbose)
     say(f"workbench: backend {job.model.backend}, flavor {job.model.flavor}, dataset {job.training.dataset}, device "
-        f"{info.kind} x {world_size} rank(s), run folder {run_dir}")
+        f"{info.kind} x {world_size} rank(s), run folder {job.run_dir}")
     if adjusted:
         say(f"workbench: neuron adjustments: {', '.join(adjusted)}")
-    cfg = build_titan_config(job, info.kind, world_size)
-    if info.kind == "cpu":
-        cfg.comm.trace_buf_size = 0  # NCCL flight recorder: nothing to record on gloo
+    cfg = checked.titan_config(world_size)
     gc.freeze()  # the collector is off (main); what the imports made lives as long as the process: out of its passes
-    trainer = WorkbenchTrainer(cfg, stop, launch_check=measure.check_on_launch)
+    trainer = WorkbenchTrainer(cfg, stop)
     try:
         trainer.train()
     finally:
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return run_dir
+    return job.run_dir
 
 
-def check_inputs(job: JobConfig, world_size: int = 1) -> None:
-    """Checks the files the run needs (tokenizer, dataset) before any process group starts, and says what a mixture
-    of datasets will give (`workbench.data.loader.mixture_report`).
+def check_inputs(job: JobConfig, world_size: int = 1) -> OpenedMembers:
+    """Checks the files the run needs (tokenizer, dataset) before any process group starts, says what a mixture
+    of datasets will give (`workbench.data.loader.mixture_report`), and returns the members it opened
+    (`OpenedMembers`: the run's loader reads them, nothing is opened twice).
 
     A raw dataset is prepared here on first use (`workbench.data.loader.resolve`: one rank prepares into the cache
     under a lock, the others wait), so an empty or all-bad dataset is refused before any rank trains. Conversations
@@ -90,7 +90,7 @@ def check_inputs(job: JobConfig, world_size: int = 1) -> None:
         ConfigError: naming the bad path or setting (a DatasetError for a dataset the workbench cannot train on).
     """
     from workbench import data
-    from workbench.data.loader import member_rows, mixture_report, open_dataset
+    from workbench.data.loader import mixture_report, open_members
     from workbench.data.packing import ChatRows
 
     t = job.training
@@ -98,26 +98,21 @@ def check_inputs(job: JobConfig, world_size: int = 1) -> None:
         data.tokenizer_dir(job.model.tokenizer_path)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
-    members = []
-    for name, prepared, _ in open_dataset(t.dataset, job.model.tokenizer_path, t.dataset_text_field):
-        if prepared.manifest["vocab_size"] > job.shape.vocab_size:  # ids past the embedding table would crash a step
-            raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
-                               f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
-                               f"{job.shape.vocab_size:,}.", "prepare the data with the model's tokenizer "
-                               "(--tokenizer), or train a model whose vocabulary holds the tokenizer's.")
-        m = member_rows(name, prepared, t.seq_len, job.job.seed, t.holdout_docs, job.model.tokenizer_path,
-                        t.chat_options())  # refuses a holdout that leaves nothing
-        members.append(m)
-        if isinstance(m, ChatRows):
-            say(f"workbench: {m.describe()}")
-            m.check_dropped(t.max_dropped)
+    opened = open_members(t.dataset, job.model.tokenizer_path, t.seq_len, job.job.seed, t.dataset_text_field,
+                          t.holdout_docs, t.chat_options(), vocab_size=job.shape.vocab_size)
+    for name, rows, _ in opened.members:
+        if isinstance(rows, ChatRows):
+            say(f"workbench: {rows.describe()}")
+            rows.check_dropped(t.max_dropped)
             if not t.document_mask:
                 t.document_mask = True
                 say(f"workbench: training.document_mask on: {name} holds conversations, packed apart.")
-    rows = t.global_rows(world_size // job.parallelism.tp) * t.steps
-    lines, warnings = mixture_report(t.dataset, [m.total for m in members], rows, t.seq_len + 1)
+    rows_per_run = t.global_rows(world_size // job.parallelism.tp) * t.steps
+    lines, warnings = mixture_report(t.dataset, [rows.total for _, rows, _ in opened.members], rows_per_run,
+                                     t.seq_len + 1)
     for line in lines + warnings:
         say(line)
+    return opened
 
 
 def _exit(e: WorkbenchError) -> None:
@@ -132,24 +127,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def preflight(argv: list[str], world_size: int):
-    """Everything checked before any process group starts: the config's values, its input files, the device and
-    what it can run, and (rank 0) the memory plan. Returns (job, device info).
+@dataclass
+class Preflight:
+    """What `preflight` worked out, carried into the run (`train_in_this_process`) so nothing is done twice."""
+
+    job: JobConfig
+    """The validated config."""
+    device: DeviceInfo
+    """The device detected for `job.device`."""
+    opened: OpenedMembers
+    """The dataset's members, opened and checked (`check_inputs`); the loader reads them."""
+    memory_plan: dict | None = None
+    """Rank 0: the memory plan the run's measurement compares with (`memory.preflight.plan_for_run`)."""
+
+    def titan_config(self, world_size: int):
+        """torchtitan's config plus the run's record (`build_titan_config`), with what was worked out here: the
+        memory plan, the opened dataset (torchtitan pinned to the device first: `titan_device.pin`)."""
+        from workbench.run.titan_config import build_titan_config
+
+        return build_titan_config(self.job, self.device.kind, world_size, memory_plan=self.memory_plan,
+                                  opened=self.opened)
+
+
+def preflight(argv: list[str], world_size: int) -> Preflight:
+    """Everything checked before any process group starts, each once: the config as written, the device it asks
+    for, every rule of the config (the device's included), its input files, and (rank 0) the memory plan.
 
     Raises:
         ConfigError, FileNotFoundError: the one-line refusals (exit code 2).
     """
     from workbench.platform import device
 
-    job = load_config(argv=argv, world_size=world_size)
-    check_inputs(job, world_size)
+    job = read_config(argv=argv)  # an unknown key or a value of the wrong type fails here, before torch is imported
     info = device.detect(job.job.device)  # before any process group: a missing device is a DeviceError line
-    check_device(job, info.kind)
+    validate(job, world_size, info.kind)
+    checked = Preflight(job, info, check_inputs(job, world_size))
     if rank() == 0:  # the memory plan (on CPU only when a cheap lower bound comes near the RAM)
-        from workbench.memory import gate
+        from workbench.memory import preflight as memory_preflight
 
-        gate.check_fits(job, world_size, info.kind)
-    return job, info
+        checked.memory_plan = memory_preflight.plan_for_run(job, world_size, info.kind)
+    return checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,15 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; 1 for a lone process
     # No cyclic garbage collection in a training process: torchtitan's Trainer switches it off when it starts
     # (GarbageCollection: a collection every `training.gc_freq` steps instead); off from here, the imports and the
-    # preflight before it (~1,200 collections while torch, torchtitan and datasets load: ~1 of a rank's 13 CPU-s in
-    # a 12-step 2-rank cpu_dense launch, measured with gc.callbacks) skip it too.
+    # preflight skip its passes too (torch, torchtitan and datasets allocate many objects while they load).
     gc.disable()
     try:
-        job, info = preflight(argv, world_size)
+        checked = preflight(argv, world_size)
     except (ConfigError, FileNotFoundError) as e:
         return announce(recognised(e), rank())
     try:
-        run(job, info)
+        train_in_this_process(checked)
     except BaseException as e:  # noqa: BLE001 - a known failure is one line; anything else keeps its traceback
         known = recognised(e)
         if known is None:
@@ -185,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(job: JobConfig | str | os.PathLike, nproc: int = 1, extra_args: list[str] | None = None,
           stream=None, timeout_s: float | None = None) -> Path:
-    """Python API: trains `job` with `nproc` ranks (torchrun in a subprocess) and returns the run folder.
+    """Python API: launches training of `job` on `nproc` ranks (torchrun in a subprocess, `main` in each rank)
+    and returns the run folder.
 
     Args:
         job: a JobConfig (from `workbench.load_config`) or the path of a TOML file.

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 from workbench.backends import attention  # noqa: E402
 

@@ -21,12 +21,12 @@ import torch
 
 import workbench
 from tests.run_helpers import PicklePayload, hf_logits, hf_model, max_diff, unblocking
-from workbench.backends import hf
+from workbench import hf_weights as hf
 from workbench.core import errors, flavors
 from workbench.core.config import load_config
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.pin("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import export_hf, load_model  # noqa: E402  (after the device is pinned)
 
@@ -242,7 +242,7 @@ def test_failed_export_leaves_nothing(saved, tmp_path, monkeypatch):
     def disk_full(*_a, **_k):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(hf, "_copy_tokenizer", disk_full)
+    monkeypatch.setattr(hf.export, "_copy_tokenizer", disk_full)
     with pytest.raises(errors.HFExportError, match="No space left on device.*nothing was written"):
         export_hf(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
@@ -272,10 +272,10 @@ def units_of(shape: flavors.Qwen3Shape, **model_options):
 
     adapter = backends.get("native").hf_adapter(shape)
     sd = hf.meta_state_dict(flavors.titan_model_config(shape, **model_options))
-    return sd, hf.plan_units(sd, adapter)
+    return sd, hf.group_units(sd, adapter)
 
 
-def test_plan_units_groups_in_model_order_and_names_the_dropped_keys():
+def test_group_units_groups_in_model_order_and_names_the_dropped_keys():
     sd, units = units_of(MOE, moe_load_balance_coeff=1e-3)  # with torchtitan's expert bias
     assert [u.name for u in units] == ["tok_embeddings", "layers.0", "layers.1", "norm", "lm_head"]
     assert [k for u in units for k in u.model] == list(sd)  # every key once, in state-dict order
@@ -291,7 +291,7 @@ def test_plan_units_groups_in_model_order_and_names_the_dropped_keys():
     assert [u.dropped for u in units] == [[], ["layers.0.moe.expert_bias_E"], ["layers.1.moe.expert_bias_E"], [], []]
 
 
-def test_plan_units_tied_output_has_no_hf_key():
+def test_group_units_tied_output_has_no_hf_key():
     _, units = units_of(DENSE)
     head = units[-1]
     assert (head.name, list(head.model), head.hf) == ("lm_head", ["lm_head.weight"], {})
@@ -312,7 +312,7 @@ def test_plan_units_tied_output_has_no_hf_key():
 def test_ignorable_keys(key, tied, ignorable):
     shape = DENSE if tied else MOE
     assert shape.tied is tied
-    assert hf._ignorable(key, shape) is ignorable
+    assert hf.units._ignorable(key, shape) is ignorable
 
 
 class _Stored:
@@ -421,13 +421,13 @@ def test_two_exports_into_one_folder_exactly_one_wins(saved, tmp_path, monkeypat
 
     model = load_model(None, hf_checkpoint=saved["dense"][0])
     both_written = threading.Barrier(2, timeout=60)
-    write_config = hf._write_config
+    write_config = hf.export._write_config
 
     def write_config_then_wait(*args, **kwargs):  # the real writer; then wait for the other export
         write_config(*args, **kwargs)
         both_written.wait()
 
-    monkeypatch.setattr(hf, "_write_config", write_config_then_wait)
+    monkeypatch.setattr(hf.export, "_write_config", write_config_then_wait)
     outcomes: list = [None, None]
 
     def export(i: int) -> None:
@@ -465,7 +465,7 @@ def test_an_export_onto_a_full_disk_exits_4(saved, tmp_path):
 
 
 def test_a_fifo_named_safetensors_is_refused_not_read(tmp_path):
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -514,12 +514,12 @@ def test_cast_weights_are_reported_and_non_finite_ones_refused(saved, tmp_path):
 
 
 def test_an_index_naming_a_file_outside_is_refused_before_it_is_opened(saved, tmp_path):
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
 
     d = Path(shutil.copytree(saved["dense"][0], tmp_path / "ckpt"))
     outside = tmp_path / "outside.safetensors"
     shutil.move(d / "model.safetensors", outside)
-    keys = hf._file_keys(outside)
+    keys = hf.folder._file_keys(outside)
     (d / hf.INDEX_FILE).write_text(json.dumps({"weight_map": {k: "../outside.safetensors" for k in keys}}))
     with pytest.raises(errors.HFCheckpointError, match=r"weight_map\['model.embed_tokens.weight'\] is "
                                                        r"'../outside.safetensors' \(a string\); expected a"):

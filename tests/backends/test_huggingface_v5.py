@@ -14,7 +14,7 @@ import torch
 
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 from workbench.backends import huggingface_v5 as hfv5  # noqa: E402
 from workbench.core import flavors  # noqa: E402  (after the device is pinned)

@@ -11,7 +11,7 @@ import shutil
 from tests.run_helpers import PicklePayload
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")
+titan_device.pin("cpu")
 
 from workbench import parity  # noqa: E402
 from workbench.core import errors  # noqa: E402

@@ -7,7 +7,8 @@ Each mutation carries its own verdict, written down here by kind (a value out of
 device that cannot run it, a file that is no UTF-8 TOML), not asked of the validator: a mutation marked bad that
 passes is a bad value accepted. Two real `python -m workbench.train` launches show the command line's side (one
 line on stderr, exit code 2, no traceback). The inputs (`check_inputs`): the tokenizer and the dataset, prepared
-on first use, refused when nothing can be trained on."""
+on first use, refused when nothing can be trained on. Each thing the preflight works out is carried into the run,
+not worked out again."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ import pytest
 
 from tests.data.helpers import corpus
 from tests.run_helpers import ROOT
-from workbench import train
-from workbench.core import errors
-from workbench.core.errors import DatasetError
-from workbench.data import prepare as prep
-from workbench.data.loader import Stream
+from workbench.platform import titan_device
+
+titan_device.pin("cpu")  # before torchtitan is imported (the run's config imports it)
+
+from workbench import train  # noqa: E402
+from workbench.core import errors, flavors  # noqa: E402
+from workbench.core.errors import DatasetError  # noqa: E402
+from workbench.data import loader  # noqa: E402
+from workbench.data import prepare as prep  # noqa: E402
+from workbench.data.loader import Stream  # noqa: E402
 
 DENSE = ROOT / "configs/cpu_dense.toml"
 SEED = 33
@@ -209,7 +215,7 @@ def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     group); `prepare --strict` refuses them in one line (tests/data/test_prepare.py)."""
     from workbench.core.config import load_config
     from workbench.data.loader import resolve
-    from workbench.data.prepared import Prepared
+    from workbench.data.prepared import PreparedDataset
     from workbench.train import check_inputs
 
     monkeypatch.setenv("WORKBENCH_DATA_CACHE", str(tmp_path / "cache"))
@@ -218,7 +224,7 @@ def test_undecodable_file_is_a_located_bad_row(tmp_path, monkeypatch):
     (data / "a.txt").write_text("To be, or not to be.")
     (data / "b.txt").write_bytes(b"plain start " + bytes(range(128, 256)) * 40)
     check_inputs(load_config(DENSE, ["--training.dataset", str(data), "--training.holdout_docs", "0"]))
-    m = Prepared(resolve(str(data))).manifest
+    m = PreparedDataset(resolve(str(data))).manifest
     assert (m["documents"], m["bad_rows"], m["bad_examples"]) == (1, 1, [f"{data / 'b.txt'}:1 (not UTF-8 (byte 12))"])
 
 
@@ -256,5 +262,33 @@ def test_check_inputs_refuses_before_training(tmp_path, monkeypatch):
     with pytest.raises(DatasetError, match="holdout_docs=3 leaves no training documents"):
         check_inputs(workbench.load_config(DENSE,
                                            training={"dataset": str(src), "holdout_docs": 3}))
-    assert Stream(prep.Prepared(next(cache.iterdir())), 0, 0, "x").total == prep.Prepared(next(cache.iterdir())
-                                                                                          ).manifest["tokens"]
+    folder = next(cache.iterdir())
+    assert Stream(prep.PreparedDataset(folder), 0, 0, "x").total == prep.PreparedDataset(folder).manifest["tokens"]
+
+
+def test_the_run_reads_what_the_preflight_opened_and_no_model_is_built_before_the_run(tmp_path, monkeypatch):
+    """The dataset is opened once (by the input check) and the run's loader reads those very members; the CPU
+    memory floor counts the parameters by formula, so the preflight builds no model; the run's record writes the
+    resolved config as it was checked."""
+    opens = []
+    real_open = loader.open_dataset
+
+    def counted_open(*args, **kwargs):
+        opens.append(args[0])
+        return real_open(*args, **kwargs)
+
+    def no_model(shape):
+        raise AssertionError("the preflight built a model to count its parameters")
+
+    monkeypatch.setattr(loader, "open_dataset", counted_open)
+    monkeypatch.setattr(flavors, "count_params", no_model)
+    checked = train.preflight(["--job.config_file", str(DENSE), "--job.dump_folder",
+                               str(tmp_path)], 1)
+    cfg = checked.titan_config(1)
+    packed = cfg.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=cfg.training.seq_len,
+                                  local_batch_size=cfg.training.local_batch_size).packed
+    assert opens == ["shakespeare"]
+    assert len(packed.streams) == 1 and packed.streams[0] is checked.opened.members[0][1]
+    assert cfg.run.config_toml() == checked.job.to_toml()
+    assert cfg.run.memory_plan is checked.memory_plan is None  # a tiny CPU launch is not planned, nor measured
+    assert not cfg.run.measure_memory

@@ -59,7 +59,7 @@ def test_each_backend_checks_its_own_rules(backend, argv, message):
 
     job = load_config(None, model={"flavor": "tiny-moe", "backend": "native"}, world_size=2)
     for i in range(0, len(argv), 2):
-        from workbench.core.config import _set
+        from workbench.core.config.load import _set
 
         _set(job, argv[i][2:], argv[i + 1])
     job.model.backend = backend

@@ -174,9 +174,9 @@ def mutations(originals: dict[str, Path]) -> list[Mutation]:
 
 def read(kind: str, folder: Path):
     """Reads the folder the way the workbench does; returns a one-line refusal, or None if it was accepted."""
-    from workbench.backends import hf
+    from workbench import hf_weights as hf
     from workbench.core.config import load_config
-    from workbench.data.prepared import Prepared
+    from workbench.data.prepared import PreparedDataset
     from workbench.run.checkpoint import verify_checkpoint
 
     if kind == "config":
@@ -186,8 +186,8 @@ def read(kind: str, folder: Path):
     elif kind == "checksums":
         return verify_checkpoint(folder)  # what resume, hf_export, compare and load_model ask first
     else:
-        Prepared(folder)  # training's open (with the manifest's tokenizer and source checks)
-        Prepared(folder, tokenizer_path=None, check_source=False).verify()
+        PreparedDataset(folder)  # training's open (with the manifest's tokenizer and source checks)
+        PreparedDataset(folder, tokenizer_path=None, check_source=False).verify()
     return None
 
 

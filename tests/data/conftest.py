@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.data.loader import resolve
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 
 
 @pytest.fixture
@@ -18,4 +18,4 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def bundled():
     """The bundled chat set, prepared once into the shared data cache (as training.dataset = "chitchat" does)."""
-    return Prepared(resolve("chitchat", progress=False))
+    return PreparedDataset(resolve("chitchat", progress=False))

@@ -16,7 +16,7 @@ from workbench import data
 from workbench.core.errors import DatasetError
 from workbench.data import chat
 from workbench.data.prepare import prepare
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather",
                                              "parameters": {"type": "object",
@@ -172,7 +172,7 @@ def test_chat_is_detected_from_the_first_row_and_prompt_completion_rows_work(tmp
                                               "completion": [{"role": "assistant", "content": "Hello"}]}])
     m = prepare(str(src), tmp_path / "out", workers=1, progress=False, say=lambda _: None)
     assert m["mode"] == "chat" and m["documents"] == 2 and m["assistant_turns"] == 2
-    p = Prepared(tmp_path / "out")
+    p = PreparedDataset(tmp_path / "out")
     assert trained_spans(tok, p.document(0), p.owners(0), chat.trained_lut()) == \
         ["<think>\n\n</think>\n\n4" + chat.IM_END]
     assert prepare(str(write_jsonl(tmp_path / "t.jsonl", [{"text": "plain"}])), tmp_path / "t",
@@ -187,7 +187,7 @@ def test_a_flipped_mask_byte_is_caught(tmp_path, cache):
     b[5] ^= 1
     mask.write_bytes(bytes(b))
     with pytest.raises(DatasetError, match=r"00000\.mask is corrupt"):
-        Prepared(tmp_path / "out").owners(1)
+        PreparedDataset(tmp_path / "out").owners(1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_conversations_from_jsonl_parquet_and_a_datasets_folder_prepare_the_same
     for src in ("c.jsonl", "c.parquet", "c_ds"):
         m = prepare(str(tmp_path / src), tmp_path / f"{src}.out", workers=1, progress=False, say=lambda _: None)
         assert m["mode"] == "chat" and m["documents"] == 31 and m["bad_rows"] == 0
-        p = Prepared(tmp_path / f"{src}.out")
+        p = PreparedDataset(tmp_path / f"{src}.out")
         got[src] = [(p.document(i).tolist(), p.owners(i).tolist()) for i in range(len(p))]
     assert got["c.jsonl"] == got["c.parquet"] == got["c_ds"]
     assert chat.THINK | chat.LAST_TURN in got["c.jsonl"][-1][1]  # the final turn's reasoning is kept and owned

@@ -35,7 +35,7 @@ def test_prepared_stream_is_the_packing_of_whole_documents():
     got = labels(PackedDataset("shakespeare", "", 1024, seed=5, holdout_docs=1), rows)
     assert rows > 40
     assert all(torch.equal(got[r], torch.tensor(ref[r * 1025 + 1:(r + 1) * 1025])) for r in range(rows))
-    prepared = data.loader.Prepared(data.loader.resolve("shakespeare"))
+    prepared = data.loader.PreparedDataset(data.loader.resolve("shakespeare"))
     assert (prepared.manifest["documents"], prepared.manifest["tokens"]) == (38, 1479492)
     assert prepared.tokens[0].dtype == np.uint32
 

@@ -49,7 +49,7 @@ def test_kill_9_during_prepare_then_resume(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
     assert not (out / "manifest.json").exists()
     with pytest.raises(DatasetError, match="was never finished"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     notes = []
     resumed = prep.prepare(str(src), out, workers=1, progress=False, shard_bytes=int(0.01 * 2**20),
                            say=notes.append)
@@ -81,7 +81,7 @@ def test_source_changed_since_prepare_is_named(tmp_path):
     before = prep.prepare(str(src), out, workers=1, progress=False)["fingerprint"]
     os.utime(src, ns=(1, 1))
     with pytest.raises(DatasetError, match=f"changed since it was prepared .*fingerprint {before[:16]} then"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     with pytest.raises(DatasetError, match="another source fingerprint .* the source changed since prepare"):
         prep.prepare(str(src), out, workers=1, progress=False)
 
@@ -93,7 +93,7 @@ def test_long_document_is_tokenized_in_pieces(tmp_path, monkeypatch):
     tok = data.load_tokenizer()
     whole = tok.encode(text, add_special_tokens=False).ids + [151643]
     assert m["tokens"] == len(whole)
-    assert prep.Prepared(tmp_path / "p").document(0).tolist() == whole  # cut at spaces: the same tokens
+    assert prep.PreparedDataset(tmp_path / "p").document(0).tolist() == whole  # cut at spaces: the same tokens
     monkeypatch.setattr(prep, "MAX_DOCUMENT_BYTES", 10_000)
     with pytest.raises(DatasetError, match=r"long.jsonl:1: a document of 2.,... characters is over the limit"):
         prep.prepare(str(tmp_path / "long.jsonl"), tmp_path / "p2", workers=1, progress=False)

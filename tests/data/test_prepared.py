@@ -120,18 +120,18 @@ def test_corrupt_truncated_shard_and_tokenizer_mismatch(cache, tmp_path):
     raw = bytearray(tokens.read_bytes())
     raw[100] ^= 0xFF
     tokens.write_bytes(raw)
-    p = prep.Prepared(out)
+    p = prep.PreparedDataset(out)
     with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is corrupt: checksum mismatch"):
         take(PackedDataset(str(out), "", 16), 1)
     with pytest.raises(DatasetError, match=r"00000\.tokens is corrupt: its sha256"):
         p.verify()
     tokens.write_bytes(raw[:-8])
     with pytest.raises(DatasetError, match=r"shard .*00000\.tokens is truncated"):
-        prep.Prepared(out)
+        prep.PreparedDataset(out)
     other = tmp_path / "tok"
     other.mkdir()
     (other / "tokenizer.json").write_text(json.dumps(json.loads((data.tokenizer_dir() / "tokenizer.json")
                                                                 .read_text()), indent=1))
     with pytest.raises(DatasetError) as e:
-        prep.Prepared(out, tokenizer_path=str(other))
+        prep.PreparedDataset(out, tokenizer_path=str(other))
     assert data.tokenizer_hash()[:16] in str(e.value) and data.tokenizer_hash(str(other))[:16] in str(e.value)

@@ -200,5 +200,5 @@ def test_a_one_row_group_parquet_is_cut_into_shards_by_rows(tmp_path):
     whole = prep.prepare(str(write_texts(tmp_path / "one.jsonl", rows)), tmp_path / "j",
                          workers=1, progress=False)
     assert len(cut["shards"]) == 3 and (cut["documents"], cut["tokens"]) == (600, whole["tokens"])
-    a, b = prep.Prepared(tmp_path / "p"), prep.Prepared(tmp_path / "j")
+    a, b = prep.PreparedDataset(tmp_path / "p"), prep.PreparedDataset(tmp_path / "j")
     assert all(np.array_equal(a.document(i), b.document(i)) for i in range(600))  # the same documents, in order

@@ -120,7 +120,7 @@ def test_a_gpu_launch_can_be_planned_on_a_host_without_one():
     import torch
 
     from workbench.core.config import load_config
-    from workbench.run.trainer import build_titan_config
+    from workbench.run.titan_config import build_titan_config
 
     assert not torch.cuda.is_available()
     job = load_config(ROOT / "configs/cpu_dense.toml", argv=["--job.dump_folder", "/nonexistent-never-written"])

@@ -19,7 +19,7 @@ from tests.run_helpers import randomize_norms_and_biases
 from workbench.core import flavors
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.pin("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 DENSE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, ffn_dim=48, vocab_size=512, max_seq_len=256)
 MOE = flavors.Qwen3Shape(32, 2, 4, 2, head_dim=8, vocab_size=512, max_seq_len=256, num_experts=4, top_k=2,

@@ -15,7 +15,7 @@ from tests.run_helpers import losses_by_step, run_train
 from workbench.core.config import load_config
 from workbench.platform import titan_device
 
-titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.pin("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import export_hf, load_model, load_run  # noqa: E402  (after the device is pinned)
 
@@ -74,11 +74,11 @@ def test_the_loss_is_the_mean_over_the_global_batch_of_trained_targets(sft_runs)
     from workbench.backends import attention
     from workbench.data.loader import resolve
     from workbench.data.packing import ChatRows, PackSpec
-    from workbench.data.prepared import Prepared
+    from workbench.data.prepared import PreparedDataset
 
     runs, _, _ = sft_runs
     model = load_run(runs["2x1"], step=2)[0]
-    rows = ChatRows(Prepared(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ, seed=SEED, holdout=1),
+    rows = ChatRows(PreparedDataset(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ, seed=SEED, holdout=1),
                     "chitchat")
     ids, labels, pos = (torch.from_numpy(np.stack(a)) for a in zip(*(rows.row(g) for g in (4, 5)), strict=True))
     with torch.no_grad():
@@ -130,11 +130,11 @@ def test_compare_measures_held_out_conversations_on_their_trained_tokens(sft_run
     from workbench import compare
     from workbench.data.loader import resolve
     from workbench.data.packing import PackSpec, heldout_rows
-    from workbench.data.prepared import Prepared
+    from workbench.data.prepared import PreparedDataset
 
     runs, _, init = sft_runs
     cmp = compare.compare(runs["2x1"], init, seq_len=SEQ, max_new_tokens=2)
-    _, labels = heldout_rows(Prepared(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ), 1)
+    _, labels = heldout_rows(PreparedDataset(resolve("chitchat", progress=False)), PackSpec(seq_len=SEQ), 1)
     assert cmp.settings["dataset"] == "chitchat" and cmp.settings["rows"] == 1
     assert cmp.heldout["tokens"] == int((labels != -100).sum()) == 18  # trained targets only, of 128 positions
     assert cmp.heldout["ppl_a"] < cmp.heldout["ppl_b"]

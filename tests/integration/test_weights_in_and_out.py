@@ -19,7 +19,7 @@ from workbench.hf_export import export_run
 from workbench.platform import titan_device
 from workbench.run.run_folder import step_dirs
 
-titan_device.prepare("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
+titan_device.pin("cpu")  # the fp32 reference numerics (also on machines with an accelerator)
 
 from workbench.model import build_model, load_model  # noqa: E402  (after the device is pinned)
 

@@ -11,7 +11,7 @@ from workbench.core import errors
 
 def test_the_cpu_memory_gate_refuses_with_the_numbers_and_the_fix():
     from workbench.core.config import check_device, load_config
-    from workbench.memory import gate
+    from workbench.memory import preflight as gate
 
     job = load_config(ROOT / "configs/cpu_dense.toml", training__local_batch_size=4096)
     floor = 4096 * 128 * 151936 * 4  # the fp32 logits alone (the tiny model's weights come on top)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workbench.core.config import load_config
-from workbench.memory import measure
+from workbench.run import peak_memory as measure
 
 pytestmark = pytest.mark.machine_cpu_path  # quoted plans are fake-tensor traces: no CPU kernel runs (run_helpers.py)
 
@@ -39,8 +39,11 @@ def test_first_launch_check_skips_a_device_without_allocator_statistics(capsys):
     rather than failing the launch."""
     from types import SimpleNamespace
 
+    from workbench.run.record import RunRecord
+
     model = torch.nn.Linear(2, 2)
-    trainer = SimpleNamespace(job=load_config(argv=[*TINY, "--job.memory_measure", "always"]), model_parts=[model],
+    run = RunRecord.of(load_config(argv=[*TINY, "--job.memory_measure", "always"]), "neuron")
+    trainer = SimpleNamespace(run=run, model_parts=[model],
                               device=SimpleNamespace(type="neuron"), optimizers=torch.optim.SGD(model.parameters()))
     measure.check_on_launch(trainer)
     assert "memory check: skipped, torch.neuron lacks one of synchronize" in capsys.readouterr().out

@@ -9,7 +9,8 @@ import torch
 
 from tests.run_helpers import ROOT, assert_plan_close
 from workbench.core.config import load_config
-from workbench.memory import measure, tables, tracer
+from workbench.memory import tables, tracer
+from workbench.run import peak_memory as measure
 
 pytestmark = pytest.mark.machine_cpu_path  # quoted plans are fake-tensor traces: no CPU kernel runs (run_helpers.py)
 

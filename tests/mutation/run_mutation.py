@@ -61,8 +61,8 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
              ["tests/memory/test_tracer.py"], PLAN_TESTS),
     "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
                      ["tests/memory/test_tracer.py"], PLAN_TESTS),
-    "hf": (["workbench/backends/hf.py"], _names("workbench.backends.hf",
-                                                     ("unit_of", "plan_units", "_ignorable", "check_against")),
+    "hf": (["workbench/hf_weights/units.py"], _names("workbench.hf_weights.units",
+                                                      ("unit_of", "group_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
            ["tests/backends/test_hf.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),

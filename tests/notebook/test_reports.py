@@ -9,7 +9,7 @@ from tests.run_helpers import ROOT
 def test_param_counts_formula_matches_flavors():
     """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
     from workbench.core import flavors
-    from workbench.notebook.reports import param_counts
+    from workbench.core.flavors import param_counts
 
     for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
         assert param_counts(flavors.get_shape(name)) == flavors.count_params(flavors.get_shape(name)), name
@@ -20,7 +20,7 @@ def test_bench_table_is_readable():
     index (bench.csv keeps full precision)."""
     import pandas as pd
 
-    from workbench.notebook.reports import bench_table
+    from workbench.notebook.comparisons import bench_table
 
     df = pd.DataFrame({"backend": ["native", "nki_moe"], "status": ["ok", "failed"], "tokens_per_s": [401.98765, None],
                        "step_time_median_s": [0.3188812, None], "mfu": [0.0623456, None], "error": ["", "boom"]})
@@ -34,7 +34,7 @@ def test_bench_table_is_readable():
 
 def test_measured_on_h200_is_labelled_or_says_not_measured(tmp_path):
     """06 shows docs/measured_on_h200.md labelled as measured on one H200, or one line when it does not exist."""
-    from workbench.notebook.reports import measured_on_h200
+    from workbench.notebook.comparisons import measured_on_h200
 
     absent = measured_on_h200(ROOT / "docs" / "no_such_file.md").data
     assert absent.startswith("**Measured on one NVIDIA H200:** not measured yet") and "\n" not in absent

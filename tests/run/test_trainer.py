@@ -20,7 +20,7 @@ from workbench.memory import tracer
 def one_rank():
     from workbench.platform import titan_device
 
-    titan_device.prepare("cpu")
+    titan_device.pin("cpu")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

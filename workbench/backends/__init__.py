@@ -33,7 +33,7 @@ class BackendModule(Protocol):
 
     def hf_adapter(self, shape: Qwen3Shape) -> Any:
         """The state-dict key mapping: `to_hf(state_dict)` and `from_hf(hf_state_dict)` (used by
-        `workbench.backends.hf`)."""
+        `workbench.hf_weights`)."""
 
 
 def get(name: str) -> BackendModule:

@@ -304,7 +304,7 @@ class HFv5StateDictAdapter(StateDictAdapter):
     `to_hf` writes what `save_pretrained` writes: no `lm_head.weight` when tied, experts per expert.
     `from_hf` accepts per-expert (published) or fused (`save_original_format=False`) expert keys, and never
     adds a tied `lm_head.weight`: the tied lm_head *is* the embedding parameter, filled through it.
-    Both directions work on any subset of keys that holds all of one layer's experts (`workbench.backends.hf` converts
+    Both directions work on any subset of keys that holds all of one layer's experts (`workbench.hf_weights` converts
     one module at a time). Expert tensors must be full tensors (gather FSDP shards first); every other entry
     is only renamed, DTensors included.
     """
@@ -384,7 +384,7 @@ def _merge_experts(prefix: str, projections: dict[str, dict[int, torch.Tensor]],
 
 
 def hf_adapter(shape: flavors.Qwen3Shape) -> HFv5StateDictAdapter:
-    """The HF <-> huggingface_v5 key mapping for a shape (used by `workbench.backends.hf` for load/export)."""
+    """The HF <-> huggingface_v5 key mapping for a shape (used by `workbench.hf_weights` for load/export)."""
     return HFv5StateDictAdapter(HFQwen3.Config(shape=shape))
 
 

@@ -71,5 +71,5 @@ class HFAdapter:
 
 
 def hf_adapter(shape: flavors.Qwen3Shape) -> HFAdapter:
-    """How this backend's state-dict keys map to Hugging Face keys (used by `workbench.backends.hf`)."""
+    """How this backend's state-dict keys map to Hugging Face keys (used by `workbench.hf_weights`)."""
     return HFAdapter(shape)

@@ -45,7 +45,7 @@ class BlockwiseRoutedExperts(RoutedExperts):
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        del num_local_tokens_per_expert_E  # the block plan recounts from the ids
+        del num_local_tokens_per_expert_E  # the blockwise layout recounts from the ids
         B, L, D = x_BLD.shape
         experts = self.inner_experts
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w

@@ -203,6 +203,26 @@ def count_params(shape: Qwen3Shape) -> dict[str, int]:
     return {"total": total, "embedding": shape.vocab_size * shape.dim, "active": active}
 
 
+def param_counts(shape) -> dict[str, int]:
+    """Parameter counts of a Qwen3 shape, by formula (no model is built, torch is not imported).
+
+    Same keys and numbers as `count_params` (which builds the torchtitan model on the meta device; a test checks
+    they agree for every flavor): total, embedding, active (MoE: top_k of the experts).
+    """
+    d, hd = shape.dim, shape.head_dim
+    attn = d * shape.n_heads * hd * 2 + d * shape.n_kv_heads * hd * 2 + 2 * hd  # q, o, k, v + q_norm, k_norm
+    norms = 2 * d  # attention_norm, ffn_norm
+    if shape.is_moe:
+        experts = 3 * shape.num_experts * d * shape.moe_ffn_dim
+        mlp, router = experts, d * shape.num_experts
+    else:
+        experts, mlp, router = 0, 3 * d * shape.ffn_dim, 0
+    embedding = shape.vocab_size * d
+    total = embedding * (1 if shape.tied else 2) + d + shape.n_layers * (attn + norms + mlp + router)
+    per_layer_inactive = experts - (experts * shape.top_k // shape.num_experts if shape.is_moe else 0)
+    return {"total": total, "embedding": embedding, "active": total - shape.n_layers * per_layer_inactive}
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face
 # --------------------------------------------------------------------------------------------

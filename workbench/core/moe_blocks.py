@@ -10,9 +10,10 @@ KERNEL_BLOCKS = (256, 128)
 
 
 def kernel_block_size(block_size: int) -> int:
-    """Slots per full kernel block: the plan's block if <= 128, else the largest of 256/128 dividing it.
+    """Slots per full kernel block: `block_size` (`model.moe_block_size`) if <= 128, else the largest of 256/128
+    dividing it.
 
-    A plan block larger than that is several consecutive kernel blocks with the same expert (one segment, so
+    A block larger than that is several consecutive kernel blocks with the same expert (one segment, so
     the expert's weights are still loaded once). 256 keeps the backward's resident weights plus one block's
     activations inside SBUF at D = 2048 (docs/nki_kernels.md).
 

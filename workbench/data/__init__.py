@@ -11,7 +11,7 @@ The package, torch-free except `loader`:
   `document_sources` (which files a dataset is made of);
 * `sources`: reading the documents of one file, skipping bad rows with their locations;
 * `prepare`: `python -m workbench.data prepare SRC OUT` (uint32 token shards + document index + manifest);
-* `prepared`: `Prepared`, the memory-mapped reader of such a folder (`manifest`: what it declares and the checks);
+* `prepared`: `PreparedDataset`, the memory-mapped reader of such a folder (`manifest`: what it declares, checks);
 * `chat`: conversations rendered by the tokenizer's chat template, each token with its owner (`prepare --chat`);
 * `packing`: conversations packed best-fit-decreasing into rows with per-document positions and masked labels;
 * `loader`: the packed, seeded, elastic training stream (mixtures too), the torchtitan dataloader, held-out tokens.

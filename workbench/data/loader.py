@@ -41,7 +41,7 @@ from workbench.core.errors import DatasetError
 from workbench.data import cache_root, mixture, parse_mixture, source_root, tokenizer_hash
 from workbench.data.packing import ChatRows, PackSpec, heldout_rows
 from workbench.data.prepare import FORMAT, prepare
-from workbench.data.prepared import Prepared, fingerprint, is_prepared
+from workbench.data.prepared import PreparedDataset, fingerprint, is_prepared
 
 
 def resolve(dataset: str, tokenizer_path: str = "", text_field: str = "text", progress: bool = True) -> Path:
@@ -98,9 +98,9 @@ REPEAT_WARNING = 4.0
 
 
 def open_dataset(dataset: str, tokenizer_path: str = "", text_field: str = "text",
-                 progress: bool = True) -> list[tuple[str, Prepared, float]]:
-    """Every member of `training.dataset`, prepared (raw ones into the cache) and opened: [(name, Prepared, w)]."""
-    return [(d, Prepared(resolve(d, tokenizer_path, text_field, progress), tokenizer_path), w)
+                 progress: bool = True) -> list[tuple[str, PreparedDataset, float]]:
+    """Every member of `training.dataset`, prepared (raw ones into the cache) and opened: [(name, dataset, w)]."""
+    return [(d, PreparedDataset(resolve(d, tokenizer_path, text_field, progress), tokenizer_path), w)
             for d, w in mixture(dataset)]
 
 
@@ -114,7 +114,7 @@ class Stream:
         name: the dataset as the user wrote it (for messages).
     """
 
-    def __init__(self, prepared: Prepared, seed: int, holdout_docs: int, name: str):
+    def __init__(self, prepared: PreparedDataset, seed: int, holdout_docs: int, name: str):
         n = len(prepared) - holdout_docs
         if n <= 0:
             raise DatasetError(f"training.holdout_docs={holdout_docs} leaves no training documents ({len(prepared)} "
@@ -155,14 +155,45 @@ class Stream:
         return out
 
 
-def member_rows(name: str, prepared: Prepared, seq_len: int, seed: int, holdout_docs: int, tokenizer_path: str = "",
-                chat: dict | None = None) -> Stream | ChatRows:
+def member_rows(name: str, prepared: PreparedDataset, seq_len: int, seed: int, holdout_docs: int,
+                tokenizer_path: str = "", chat: dict | None = None) -> Stream | ChatRows:
     """One member's rows: a conversation set packed (`ChatRows`, options `chat` = PackSpec fields), or a text
     stream."""
     if prepared.chat:
         spec = PackSpec(seq_len=seq_len, seed=seed, holdout=holdout_docs, **(chat or {}))
         return ChatRows(prepared, spec, name, tokenizer_path)
     return Stream(prepared, seed, holdout_docs, name)
+
+
+@dataclass(frozen=True)
+class OpenedMembers:
+    """The members of `training.dataset`, opened once: [(name, rows: `Stream` | `ChatRows`, weight)]. The launch's
+    input check opens them (`workbench.train.check_inputs`) and the loader reads the same objects."""
+
+    members: list[tuple[str, Stream | ChatRows, float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """What torchtitan's config dump shows of them: the names."""
+        return {"members": [name for name, *_ in self.members]}
+
+
+def open_members(dataset: str, tokenizer_path: str, seq_len: int, seed: int = 0, text_field: str = "text",
+                 holdout_docs: int = 0, chat: dict | None = None, vocab_size: int | None = None) -> OpenedMembers:
+    """Every member of `dataset` opened (`open_dataset`) with its rows (`member_rows`).
+
+    Raises:
+        DatasetError: a member prepared with more token ids than `vocab_size` (the model's vocabulary: ids past its
+            embedding table would crash a step), or a holdout that leaves nothing.
+    """
+    opened = []
+    for name, prepared, weight in open_dataset(dataset, tokenizer_path, text_field):
+        if vocab_size is not None and prepared.manifest["vocab_size"] > vocab_size:
+            raise DatasetError(f"training.dataset={name!r} was prepared with a tokenizer of "
+                               f"{prepared.manifest['vocab_size']:,} ids, more than the model's vocabulary of "
+                               f"{vocab_size:,}.", "prepare the data with the model's tokenizer (--tokenizer), or "
+                               "train a model whose vocabulary holds the tokenizer's.")
+        opened.append((name, member_rows(name, prepared, seq_len, seed, holdout_docs, tokenizer_path, chat), weight))
+    return OpenedMembers(opened)
 
 
 class PackedDataset(IterableDataset, Stateful):
@@ -181,15 +212,16 @@ class PackedDataset(IterableDataset, Stateful):
             position 0 either way), and no target crosses a document end (-100): `document_row`. Conversation
             members always are (their rows come from `ChatRows`).
         chat: conversation members' packing options (`PackSpec` fields: loss_on, overlong, ...).
+        opened: the members opened already with these settings (`open_members`); None: opened here.
     """
 
     def __init__(self, dataset: str, tokenizer_path: str, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1,
                  seed: int = 0, text_field: str = "text", holdout_docs: int = 0, document_mask: bool = False,
-                 chat: dict | None = None):
-        members = open_dataset(dataset, tokenizer_path, text_field)
-        self.names = [m[0] for m in members]
-        self.streams = [member_rows(name, p, seq_len, seed, holdout_docs, tokenizer_path, chat)
-                        for name, p, _ in members]
+                 chat: dict | None = None, opened: OpenedMembers | None = None):
+        members = (opened or open_members(dataset, tokenizer_path, seq_len, seed, text_field, holdout_docs,
+                                          chat)).members
+        self.names = [name for name, *_ in members]
+        self.streams = [rows for _, rows, _ in members]
         self.weights = np.asarray([w for *_, w in members])
         self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
         self.document_mask = document_mask
@@ -288,13 +320,15 @@ class PackedTextDataLoader(ParallelAwareDataloader):
         document_mask: bool = False
         chat: dict = field(default_factory=dict)
         """Conversation members' packing options (`workbench.data.packing.PackSpec` fields)."""
+        opened: OpenedMembers | None = None
+        """The members the launch's input check opened with these settings (None: opened by the loader)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
                  local_batch_size: int, snapshot_every_n_steps: int | None = 1, **kwargs):
         del tokenizer  # the prepared folders hold token ids already
         self.packed = PackedDataset(config.dataset, config.tokenizer_path, seq_len, dp_rank, dp_world_size,
                                     config.seed, config.text_field, config.holdout_docs, config.document_mask,
-                                    config.chat)
+                                    config.chat, config.opened)
         super().__init__(self.packed, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size,
                          num_workers=0, snapshot_every_n_steps=snapshot_every_n_steps)
 

@@ -33,7 +33,7 @@ from workbench.core.config import MIN_PACK_WINDOW
 from workbench.core.errors import DatasetError
 from workbench.data import DOC_SEPARATOR, cache_root, tokenizer_dir
 from workbench.data.chat import IM_START, LOSS_ON, trained_lut
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 
 OVERLONG = ("truncate", "split", "drop")
 IGNORE = -100  # the label of a position that is not trained (torchtitan's IGNORE_INDEX)
@@ -92,7 +92,7 @@ def cut(ids: np.ndarray, trained: np.ndarray, seq_len: int, start_id: int) -> li
     return out + [(a, n)]
 
 
-def pieces(p: Prepared, spec: PackSpec, start_id: int) -> tuple[np.ndarray, dict]:
+def pieces(p: PreparedDataset, spec: PackSpec, start_id: int) -> tuple[np.ndarray, dict]:
     """Every training conversation's pieces as rows (conversation, start, stop, trained targets), and the counts
     (conversations; overlong: longer than a row, each truncated or split; dropped and their tokens; cut_tokens:
     tokens of kept conversations left out) with the first dropped ones named. A piece of n tokens fills n - 1
@@ -205,7 +205,7 @@ class ChatRows:
         tokenizer_path: the tokenizer directory (for the turn-start and padding ids).
     """
 
-    def __init__(self, prepared: Prepared, spec: PackSpec, name: str, tokenizer_path: str = ""):
+    def __init__(self, prepared: PreparedDataset, spec: PackSpec, name: str, tokenizer_path: str = ""):
         check_spec(spec)
         self.p, self.spec, self.name = prepared, spec, name
         self.n = len(prepared) - spec.holdout
@@ -307,7 +307,7 @@ class ChatRows:
                 "--training.max_dropped.")
 
 
-def fill_row(p: Prepared, row_pieces: list, seq_len: int, lut: np.ndarray, pad_id: int
+def fill_row(p: PreparedDataset, row_pieces: list, seq_len: int, lut: np.ndarray, pad_id: int
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One row of [conversation, start, stop] pieces: (input ids, labels, positions), int64 [seq_len] each."""
     ids = np.full(seq_len, pad_id, dtype=np.int64)
@@ -326,7 +326,7 @@ def fill_row(p: Prepared, row_pieces: list, seq_len: int, lut: np.ndarray, pad_i
     return ids, labels, positions
 
 
-def heldout_rows(p: Prepared, spec: PackSpec, num_docs: int, tokenizer_path: str = ""
+def heldout_rows(p: PreparedDataset, spec: PackSpec, num_docs: int, tokenizer_path: str = ""
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The last `num_docs` conversations (those `training.holdout_docs` keeps out), one per row: (input ids,
     labels) int64 [N, seq_len], the first piece of one longer than a row. Causal attention over such a row is the

@@ -1,10 +1,10 @@
-"""Tokenize a dataset once into memory-mapped shards; read it back with `workbench.data.prepared.Prepared`.
+"""Tokenize a dataset once into memory-mapped shards; read it back with `workbench.data.prepared.PreparedDataset`.
 
     python -m workbench.data prepare SRC OUT [--workers N] [--strict] [--text-field text] [--tokenizer DIR] [--chat]
 
 A prepared folder::
 
-    OUT/plan.json                 what is being prepared (source fingerprint, tokenizer hash, text field, shards)
+    OUT/recipe.json               what is being prepared (source fingerprint, tokenizer hash, text field, shards)
     OUT/shards/00000.tokens       uint32 token ids: every document's tokens followed by <|endoftext|>
     OUT/shards/00000.docs         int64 end offset of each document in the shard's tokens
     OUT/shards/00000.tokens.crc   uint32 crc32 of each 64 KiB block of .tokens (checked on first read), and the
@@ -64,8 +64,8 @@ from workbench.data import (
     tokenizer_hash,
 )
 from workbench.data.manifest import FORMAT, RECORD, SHARD_FILES, digest, read_manifest
-from workbench.data.prepared import Prepared, fingerprint
-from workbench.data.sources import plan_units, read_unit
+from workbench.data.prepared import PreparedDataset, fingerprint
+from workbench.data.sources import read_unit, split_units
 
 SHARD_BYTES = 16 << 20  # source bytes per shard: small enough to spread over workers, large enough to be cheap
 CHUNK_CHARS = 1_000_000  # longer documents are tokenized in pieces of about this many characters
@@ -193,7 +193,7 @@ def _complete(out: Path, identity: dict, strict: bool = False) -> dict | None:
 def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_path, shard_bytes, progress, say,
                     args):
     chat = identity["mode"] == "chat"
-    units = plan_units(src, None if chat else text_field, shard_bytes, args)
+    units = split_units(src, None if chat else text_field, shard_bytes, args)
     shards, acc = [], []
     for u in units:  # consecutive units up to shard_bytes: a shard is a run of documents in the fixed order
         acc.append(u)
@@ -202,13 +202,13 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
             acc = []
     if acc:
         shards.append(acc)
-    plan = {**identity, "strict": strict, "shard_bytes": shard_bytes, "shards": shards}
+    recipe = {**identity, "strict": strict, "shard_bytes": shard_bytes, "shards": shards}
     sdir = out / "shards"
-    plan_file = out / "plan.json"
-    if plan_file.is_file() and _json_or_none(plan_file) != plan:
+    recipe_file = out / "recipe.json"
+    if recipe_file.is_file() and _json_or_none(recipe_file) != recipe:
         shutil.rmtree(sdir, ignore_errors=True)  # an unfinished preparation of another input (or --strict): over
     sdir.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan_file, json.dumps(plan, indent=1))
+    write_atomic(recipe_file, json.dumps(recipe, indent=1))
 
     records: dict[int, dict] = {}
     for i in range(len(shards)):
@@ -242,7 +242,7 @@ def _prepare_locked(src, out, identity, workers, strict, text_field, tokenizer_p
                         pass
     finally:
         bar.close()
-    return _commit(out, plan, [records[i] for i in range(len(shards))], say, args)
+    return _commit(out, recipe, [records[i] for i in range(len(shards))], say, args)
 
 
 def _check(record: dict) -> dict:
@@ -261,19 +261,19 @@ def _json_or_none(path: Path):
         return None
 
 
-def _commit(out: Path, plan: dict, records: list[dict], say, args: tuple[str, str]) -> dict:
+def _commit(out: Path, recipe: dict, records: list[dict], say, args: tuple[str, str]) -> dict:
     counts = {k: sum(r[k] for r in records) for k in ("documents", "tokens", "text_documents", "bad_rows")}
-    chat = plan["mode"] == "chat"
+    chat = recipe["mode"] == "chat"
     if chat:
         from workbench.data.chat import audit
 
-        counts |= audit(records, plan["source"])
+        counts |= audit(records, recipe["source"])
     bad = [b for r in records for b in r["bad_examples"]][:BAD_EXAMPLES]
     if counts["documents"] == 0:
         where = f" (first: {'; '.join(bad)})" if bad else ""
-        conversations = any(f"{plan['text_field']!r} is a list, not a string" in b for b in bad)
-        raise DatasetError(f"{plan['source']}: no documents: {counts['bad_rows']} bad row(s){where}.",
-                           f"{plan['text_field']!r} holds lists: conversations are prepared with --chat (python -m "
+        conversations = any(f"{recipe['text_field']!r} is a list, not a string" in b for b in bad)
+        raise DatasetError(f"{recipe['source']}: no documents: {counts['bad_rows']} bad row(s){where}.",
+                           f"{recipe['text_field']!r} holds lists: conversations are prepared with --chat (python -m "
                            "workbench.data prepare SRC OUT --chat), or pick a text field with "
                            f"{flag(args[1])}." if conversations else f"point {flag(args[0])} at documents with text.")
     first_text, before = -1, 0  # global index of the first document with text (-1: none)
@@ -282,7 +282,7 @@ def _commit(out: Path, plan: dict, records: list[dict], say, args: tuple[str, st
             first_text = before + r["first_text"]
         before += r["documents"]
     counts["first_text_document"] = first_text
-    manifest = {k: plan[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field", "mode")}
+    manifest = {k: recipe[k] for k in ("format", "source", "fingerprint", "tokenizer_sha256", "text_field", "mode")}
     manifest |= {**counts, "vocab_size": max(r["vocab_size"] for r in records), "bad_examples": bad,
                  "separator": None if chat else DOC_SEPARATOR, "dtype": "uint32",
                  "shards": [{k: r[k] for k in ("name", "documents", "tokens", "files")} for r in records]}
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                     tokenizer_path=args.tokenizer, shard_bytes=max(int(args.shard_mb * 2**20), 1),
                     args=("SRC", "--text-field"), chat=args.chat)
         else:
-            Prepared(args.out, tokenizer_path=None, check_source=False).verify()
+            PreparedDataset(args.out, tokenizer_path=None, check_source=False).verify()
             print(f"workbench data: {args.out}: every shard matches its sha256")
     except (WorkbenchError, OSError) as e:  # OSError: a file that is no regular one, or unreadable
         print(e.one_line() if isinstance(e, WorkbenchError) else f"workbench: data error: {e}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""A prepared folder read back: `Prepared` (memory-mapped shards, every block checked as it is first read) and the
-identity of a preparation (`fingerprint`, `is_prepared`). `workbench.data.prepare` writes such folders; its module
+"""A prepared folder read back: `PreparedDataset` (memory-mapped shards, every block checked as it is first read) and
+the identity of a preparation (`fingerprint`, `is_prepared`). `workbench.data.prepare` writes such folders; its module
 docstring has the layout."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def fingerprint(dataset: str, arg: str = TRAINING_ARGS[0]) -> str:
 
 
 def is_prepared(path: str | Path) -> bool:
-    """A folder made by `prepare` (complete or not): it has a plan or a manifest."""
+    """A folder made by `prepare` (complete or not): it has a recipe or a manifest."""
     p = Path(path)
-    return p.is_dir() and ((p / "manifest.json").is_file() or (p / "plan.json").is_file())
+    return p.is_dir() and ((p / "manifest.json").is_file() or (p / "recipe.json").is_file())
 
 
 def _map_tokens(path: Path) -> mmap.mmap:
@@ -46,7 +46,7 @@ def _map_tokens(path: Path) -> mmap.mmap:
     return mm
 
 
-class Prepared:
+class PreparedDataset:
     """A complete prepared folder, memory-mapped: documents by global index, in the source's fixed order.
 
     Opening reads the manifest (checked against `MANIFEST`) and the document index (8 bytes per document, its crc
@@ -63,7 +63,7 @@ class Prepared:
         self.folder = Path(folder)
         m = self.folder / "manifest.json"
         if not m.is_file():
-            state = "was never finished (the prepare was interrupted)" if (self.folder / "plan.json").is_file() \
+            state = "was never finished (the prepare was interrupted)" if (self.folder / "recipe.json").is_file() \
                 else "is not a prepared dataset"
             raise DatasetError(f"{self.folder} {state}.", "run python -m workbench.data prepare SRC "
                                f"{self.folder} (it resumes where it stopped).")
@@ -209,4 +209,4 @@ class Prepared:
                 self.check_blocks(i, kind, 0, meta["bytes"])
 
 
-__all__ = ["Prepared", "fingerprint", "is_prepared"]
+__all__ = ["PreparedDataset", "fingerprint", "is_prepared"]

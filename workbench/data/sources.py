@@ -2,8 +2,8 @@
 
 A unit is a part of one file that a prepare worker reads alone: a whole .txt/.md file (one document), a byte
 range of a .jsonl file cut at line ends, a range of rows of a .parquet file (whole row groups, or a part of one
-larger than a unit), a whole .json file (an array or object of records) or a whole .arrow file. Units are planned
-from file sizes and parquet metadata only, so planning never reads the text.
+larger than a unit), a whole .json file (an array or object of records) or a whole .arrow file. Units are cut
+from file sizes and parquet metadata only, so cutting never reads the text.
 
 A bad row is a null, a value that is not a string, a line that is not JSON (or not an object, or without the text
 field, nested too deeply, an integer of too many digits), bytes that are not UTF-8, a lone surrogate, or a part of a
@@ -22,11 +22,11 @@ from pathlib import Path
 from workbench.core.errors import DatasetError
 from workbench.data import TRAINING_ARGS, document_sources, flag
 
-Unit = dict  # {"kind", "path", "start", "stop", "first", "bytes"}: see `plan_units`
+Unit = dict  # {"kind", "path", "start", "stop", "first", "bytes"}: see `split_units`
 BATCH_ROWS = 8192  # rows decoded at a time from a row group read in part
 
 
-def plan_units(dataset: str, text_field: str | None, unit_bytes: int, args: tuple[str, str] = TRAINING_ARGS
+def split_units(dataset: str, text_field: str | None, unit_bytes: int, args: tuple[str, str] = TRAINING_ARGS
                ) -> list[Unit]:
     """Cuts a raw dataset into units of about `unit_bytes` of source each, in the dataset's fixed order.
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from workbench.data import DOC_SEPARATOR
 from workbench.data.packing import IGNORE, ChatRows, PackSpec
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 
 MARK = {True: ("\x1b[1;32m", "\x1b[0m"), False: ("⟦", "⟧")}  # trained targets: colour on a terminal, brackets else
 
@@ -25,7 +25,7 @@ def rows(folder: str, seq_len: int, first: int, stop: int, *, seed: int = 42, ho
          tokenizer_path: str = "", chat: dict | None = None, document_mask: bool = False) -> list[dict]:
     """Global rows [first, stop) of a prepared folder as training sees them (defaults: a launch's defaults;
     `document_mask`: text rows as `training.document_mask` makes them, conversations always)."""
-    p = Prepared(folder, tokenizer_path)
+    p = PreparedDataset(folder, tokenizer_path)
     if p.chat:
         src = ChatRows(p, PackSpec(seq_len=seq_len, seed=seed, holdout=holdout_docs, **(chat or {})), folder,
                        tokenizer_path)

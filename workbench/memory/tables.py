@@ -11,9 +11,8 @@ import dataclasses
 import os
 
 from workbench.core.errors import ConfigError
+from workbench.core.units import GiB, MiB
 
-GiB = 1024**3
-MiB = 1024**2
 DEVICE_MEMORY_DOC = ("https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/neuron-runtime/explore/"
                      "device-memory.html")
 NO_DOCUMENTED_SIZE = "no size on the page (Neuron device memory deep dive, v2.33.0)"

@@ -172,7 +172,7 @@ def build(job: JobConfig, device_kind: str, world_size: int, parallel_dims) -> B
     from torchtitan.components.loss import ChunkedLossWrapper
 
     from workbench.model import materialize
-    from workbench.run.trainer import build_titan_config
+    from workbench.run.titan_config import build_titan_config
 
     cfg = build_titan_config(job, device_kind, world_size)
     cfg.compile.enable = False  # eager memory (what compile can save is not promised by the plan)
@@ -219,7 +219,7 @@ def step_positions(b: Built, batch: int, seq_len: int):
 
     from workbench.backends import attention
 
-    if b.cfg.job.training.document_mask:
+    if b.cfg.dataloader.document_mask:
         half = seq_len // 2
         return torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch, seq_len)
     if attention.mask_kind(b.cfg.model_spec.model):
@@ -245,7 +245,7 @@ def parallel_dims_for(job: JobConfig, device_kind: str, world_size: int):
     """torchtitan's ParallelDims for the job, mesh built (needs an initialised process group)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    from workbench.run.trainer import build_titan_config
+    from workbench.run.titan_config import build_titan_config
 
     pd = ParallelDims.from_config(build_titan_config(job, device_kind, world_size).parallelism, world_size)
     pd.build_mesh()
@@ -429,7 +429,7 @@ def trace(job: JobConfig, device: str, world_size: int, progress=to_stderr) -> d
     from workbench.run.trainer import quiet_titan_logs
 
     device_kind = tables.DEVICES[device].kind
-    titan_device.prepare("cpu")  # the trace runs on this host's CPU whatever the target
+    titan_device.pin("cpu")  # the trace runs on this host's CPU whatever the target
     quiet_titan_logs(job.job.verbose)  # the warnings training hides (initial_load_model_only, DTensor RNG) too
     t0 = time.perf_counter()
     if dist.is_initialized():

@@ -23,13 +23,17 @@ _EXPORTS = {
     "environment_report": "reports", "asset_facts": "reports", "config_table": "reports",
     "flavor_table": "reports", "metrics_frame": "reports", "read_metrics": "reports", "read_summary": "reports",
     "summary_table": "reports", "run_folder_table": "reports", "plot_metrics": "reports",
-    "param_counts": "reports", "profile_report": "reports", "performance_table": "reports",
-    "plot_breakdown": "reports", "comparison_summary": "reports", "largest_differences": "reports",
-    "parity_facts": "reports", "bench_table": "reports", "trn2_model_table": "reports",
-    "metrics_table": "reports", "training_checks": "reports", "run_summary": "reports", "token_agreement": "reports",
-    "plot_bench": "reports", "loss_agreement": "reports", "shared_init": "reports", "measured_on_h200": "reports",
-    "plan_with_status": "dashboard", "plan_table": "reports", "plan_advice": "reports", "trn2_plans": "reports",
-    "trn2_plans_table": "reports", "plan_chart": "reports", "compare_with_status": "dashboard",
+    "profile_report": "reports", "performance_table": "reports", "plot_breakdown": "reports",
+    "metrics_table": "reports", "training_checks": "reports", "run_summary": "reports",
+    # comparisons (05) and the benchmark matrix (06)
+    "comparison_summary": "comparisons", "largest_differences": "comparisons", "parity_facts": "comparisons",
+    "token_agreement": "comparisons", "bench_table": "comparisons", "trn2_model_table": "comparisons",
+    "plot_bench": "comparisons", "loss_agreement": "comparisons", "shared_init": "comparisons",
+    "measured_on_h200": "comparisons",
+    # memory plans (07)
+    "plan_table": "memory_plans", "plan_advice": "memory_plans", "trn2_plans": "memory_plans",
+    "trn2_plans_table": "memory_plans", "plan_chart": "memory_plans",
+    "plan_with_status": "dashboard", "compare_with_status": "dashboard",
     # display
     "Table": "display", "checks": "display", "key_values": "display", "plot_title": "display",
     # dashboard

@@ -9,7 +9,7 @@ from pathlib import Path
 from workbench.core.config import JobConfig, validate
 from workbench.data import chat
 from workbench.data.packing import ChatRows, PackSpec
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 from workbench.notebook.display import Table, number, percent
 
 # what each owner is drawn as: trained kinds in colour, the rest grey (legend order)
@@ -19,11 +19,11 @@ STYLE = {chat.CONTENT: ("assistant reply", "#1a7f37"), chat.END: ("end of turn <
          chat.TEMPLATE: ("template", "#8c959f")}
 
 
-def chat_data(job: JobConfig) -> Prepared:
+def chat_data(job: JobConfig) -> PreparedDataset:
     """The prepared conversations `training.dataset` names (prepared into the data cache on first use)."""
     from workbench.data.loader import resolve
 
-    p = Prepared(resolve(job.training.dataset, job.model.tokenizer_path), job.model.tokenizer_path)
+    p = PreparedDataset(resolve(job.training.dataset, job.model.tokenizer_path), job.model.tokenizer_path)
     if not p.chat:
         from workbench.core.errors import DatasetError
 
@@ -35,7 +35,7 @@ def chat_data(job: JobConfig) -> Prepared:
 class Conversation:
     """One prepared conversation drawn token by token: trained targets in colour (bold), the rest grey."""
 
-    def __init__(self, p: Prepared, index: int, job: JobConfig):
+    def __init__(self, p: PreparedDataset, index: int, job: JobConfig):
         from workbench.data import load_tokenizer
 
         tok = load_tokenizer(job.model.tokenizer_path)
@@ -65,7 +65,7 @@ class Conversation:
                 f"training.loss_on = {self.loss_on})\n{body}")
 
 
-def packing_table(p: Prepared, job: JobConfig, seq_lens: tuple[int, ...] = ()) -> Table:
+def packing_table(p: PreparedDataset, job: JobConfig, seq_lens: tuple[int, ...] = ()) -> Table:
     """Rows, pad fraction, trained tokens per row, conversations longer than a row and dropped, per seq_len."""
     t = job.training
     rows = []

@@ -7,13 +7,13 @@ import numpy as np
 
 from workbench.core.config import JobConfig
 from workbench.data import load_tokenizer
-from workbench.data.prepared import Prepared
+from workbench.data.prepared import PreparedDataset
 from workbench.notebook.display import Table, key_values
 
 SHOWN_TOKENS = 64  # tokens of each document shown
 
 
-def summary(p: Prepared, name: str = "") -> Table:
+def summary(p: PreparedDataset, name: str = "") -> Table:
     """Documents, tokens, shards, bad rows and document lengths of a prepared folder."""
     m, lengths = p.manifest, p.lengths
     return key_values([
@@ -24,7 +24,7 @@ def summary(p: Prepared, name: str = "") -> Table:
         ("document length, max (tokens)", int(lengths.max()))], title=name and f"dataset: {name}")
 
 
-def documents(p: Prepared, n: int = 3) -> Table:
+def documents(p: PreparedDataset, n: int = 3) -> Table:
     """The first `n` documents in the fixed order: length and their first `SHOWN_TOKENS` tokens, decoded."""
     tok = load_tokenizer()
     rows = [(i, int(p.lengths[i]), tok.decode(p.document(i, 0, min(SHOWN_TOKENS, int(p.lengths[i]))).tolist()))
@@ -32,7 +32,7 @@ def documents(p: Prepared, n: int = 3) -> Table:
     return Table.of(rows, ["document", "tokens", f"text (its first {SHOWN_TOKENS} tokens)"])
 
 
-def per_rank(p: Prepared, job: JobConfig, nproc: int) -> Table:
+def per_rank(p: PreparedDataset, job: JobConfig, nproc: int) -> Table:
     """One epoch of the training stream at the config's batch: tokens and rows per data-parallel rank, steps."""
     t = job.training
     dp = nproc // job.parallelism.tp
@@ -52,7 +52,7 @@ def per_rank(p: Prepared, job: JobConfig, nproc: int) -> Table:
                    f"row(s) and the next epoch's first {per_step - rows % per_step}." if rows % per_step else ""])
 
 
-def length_histogram(p: Prepared, name: str = "", bins: int = 30):
+def length_histogram(p: PreparedDataset, name: str = "", bins: int = 30):
     """A histogram of document lengths (tokens), log-spaced, titled with the dataset."""
     import matplotlib.pyplot as plt
 
@@ -67,7 +67,7 @@ def length_histogram(p: Prepared, name: str = "", bins: int = 30):
     return fig
 
 
-def prepared(dataset: str, out: str = "", workers: int = 0, tokenizer_path: str = "") -> Prepared:
+def prepared(dataset: str, out: str = "", workers: int = 0, tokenizer_path: str = "") -> PreparedDataset:
     """Prepares `dataset` (with the progress bar; nothing to do if already complete) and opens it.
 
     Args:
@@ -81,6 +81,6 @@ def prepared(dataset: str, out: str = "", workers: int = 0, tokenizer_path: str 
     from workbench.data.prepare import prepare
 
     if not out:
-        return Prepared(resolve(dataset, tokenizer_path), tokenizer_path)
+        return PreparedDataset(resolve(dataset, tokenizer_path), tokenizer_path)
     prepare(dataset, out, workers=workers, tokenizer_path=tokenizer_path)
-    return Prepared(out, tokenizer_path)
+    return PreparedDataset(out, tokenizer_path)

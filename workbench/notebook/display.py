@@ -17,8 +17,8 @@ from typing import Any
 
 import pandas as pd
 
-GiB = 1024**3
-MiB = 1024**2
+from workbench.core.units import GiB, MiB
+
 MISSING = "—"
 _NUMBER_TEXT = re.compile(r"^(|—|[<>]?\s?-?[\d,]*\.?\d+(e[+-]\d+)?\s?(%|×)?)$")
 """Cells that read as a number (right-aligned): "1,234", "0.25", "< 0.01", "26 %", "—", ""."""
@@ -133,7 +133,7 @@ def plot_title(job, steps: int | None = None, device: str | None = None, what: s
     from workbench.platform import titan_device
 
     config = job.job.config_file.rsplit("/", 1)[-1] if job.job.config_file else "defaults"
-    kind = device or titan_device.prepared_kind() or job.job.device  # "auto" until a run reports its device
+    kind = device or titan_device.pinned_kind() or job.job.device  # "auto" until a run reports its device
     steps = job.training.steps if steps is None else steps
     head = f"{what} · " if what else ""
     return (f"{head}{config} · {job.model.backend} · {job.model.flavor or 'from checkpoint'} · "

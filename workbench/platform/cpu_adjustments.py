@@ -1,6 +1,6 @@
 """Every adjustment torchtitan needs to train on CPU, in one place, applied only when the device is CPU.
 
-`workbench.platform.titan_device.prepare("cpu")` calls `apply()`; nothing else in the workbench patches a dependency.
+`workbench.platform.titan_device.pin("cpu")` calls `apply()`; nothing else in the workbench patches a dependency.
 Each adjustment is small, idempotent and says which behaviour of torchtitan 0.3.0 it works around:
 
 1. Device selection. `torchtitan.tools.utils` decides `device_type` at import and falls back to "cuda"

@@ -1,6 +1,6 @@
 """Every adjustment torchtitan 0.3.0 needs on the TorchNeuron `neuron` device, in one place, each one switchable.
 
-The counterpart of `workbench/platform/cpu_adjustments.py`. `workbench.platform.titan_device.prepare` applies it when
+The counterpart of `workbench/platform/cpu_adjustments.py`. `workbench.platform.titan_device.pin` applies it when
 `[neuron] apply` says so: `auto` (default) on the neuron device only; `always` also on cpu/cuda, which is how the
 test suite runs this exact code path offline (a 2-rank gloo job whose process group is registered under the name the
 config asks for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each item says what it rests on.

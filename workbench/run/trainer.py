@@ -1,7 +1,8 @@
 """torchtitan's Trainer, extended through its seams for the workbench's run folder and progress output.
 
-`build_titan_config(job, device)` translates our `JobConfig` into torchtitan's `Trainer.Config` (with the
-backend's `ModelSpec`); `WorkbenchTrainer` adds, without touching torchtitan's loop:
+`WorkbenchTrainer` reads torchtitan's `Trainer.Config` plus the run's record (`config.run`: `RunRecord`, what the
+workbench needs beyond torchtitan's config; both made by `workbench.run.titan_config.build_titan_config`), and
+adds, without touching torchtitan's loop:
   * the run folder contract: one launch at a time (`run_folder.RunLock`, taken right after the process group
     starts), `config.toml` (resolved config), `metrics.jsonl` (one object per logged step, never a step twice),
     `checkpoint/` (DCP, torchtitan's checkpointer), `hf/` (export at the end when asked);
@@ -10,7 +11,9 @@ backend's `ModelSpec`); `WorkbenchTrainer` adds, without touching torchtitan's l
   * a readable progress line per logged step on rank 0 and a summary at the end; other ranks stay quiet;
   * an MFU against a peak that means something on the device (`workbench.run.profiling.peak_flops`) and model FLOPs
     from the shape (`workbench.run.profiling.flops_per_token`), the same for every backend;
-  * torch.profiler traces of the `[profiling]` steps with phase labels (`workbench.run.profiling.StepProfiler`).
+  * torch.profiler traces of the `[profiling]` steps with phase labels (`workbench.run.profiling.StepProfiler`);
+  * the first launch's memory check: each rank's peak after steps 1 and 2 against the memory plan
+    (`workbench.run.peak_memory`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,62 +28,20 @@ from typing import Any
 import spmd_types as spmd
 import torch
 from torch.profiler import record_function
-from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
-from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
-from torchtitan.config import TORCH_DTYPE_MAP, CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger as titan_logger
-from torchtitan.tools.profiler import Profiler
 from torchtitan.trainer import Trainer
 
-from workbench import data
-from workbench.core.config import JobConfig, resolved_dtype
 from workbench.core.errors import ConfigError, NonFiniteError, RunError, RunFolderError, StoppedError, WorkbenchError
 from workbench.core.files import write_atomic
-from workbench.data.loader import PackedTextDataLoader
-from workbench.platform import neuron_adjustments
 from workbench.platform.dist_utils import StopRequest, broadcast, say
 from workbench.platform.dist_utils import rank as _rank
-from workbench.run import profiling
-from workbench.run.checkpoint import WorkbenchCheckpointManager, newest_complete, read_train_state
-from workbench.run.metrics import MemberTally, NonFiniteGradNorm, WorkbenchMetrics, trim_metrics
+from workbench.run import peak_memory, profiling
+from workbench.run.checkpoint import newest_complete, read_train_state
+from workbench.run.metrics import MemberTally, NonFiniteGradNorm, trim_metrics
+from workbench.run.record import RunRecord
 from workbench.run.run_folder import RunLock, describe_holder
-
-
-class LazyTokenizer(BaseTokenizer):
-    """torchtitan's tokenizer slot, read on first use. The workbench's dataloader tokenizes with its own
-    `tokenizers.Tokenizer` (`data.PackedTextDataLoader` discards the one it is handed), so torchtitan's copy of the
-    151,669-token BPE (1-2.5 s to parse, at every launch) is built only if something else asks for it."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseTokenizer.Config):
-        pass
-
-    def __init__(self, config: Config | None = None, *, tokenizer_path: str):
-        super().__init__()
-        self.tokenizer_path = tokenizer_path
-        self._loaded: HuggingFaceTokenizer | None = None
-
-    def _hf(self) -> HuggingFaceTokenizer:
-        if self._loaded is None:
-            self._loaded = HuggingFaceTokenizer(tokenizer_path=self.tokenizer_path)
-            self.eos_id = self._loaded.eos_id
-        return self._loaded
-
-    def encode(self, *args, **kwargs) -> list[int]:
-        return self._hf().encode(*args, **kwargs)
-
-    def decode(self, *args, **kwargs) -> str:
-        return self._hf().decode(*args, **kwargs)
-
-    def get_vocab_size(self) -> int:
-        return self._hf().get_vocab_size()
-
-    def __getattr__(self, name: str):  # anything else torchtitan may read: from the real tokenizer
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._hf(), name)
 
 
 def _grad_norm(model_parts) -> float:
@@ -98,16 +58,12 @@ class WorkbenchTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        job: JobConfig = field(default_factory=JobConfig)
-        """The validated workbench config (its shape resolved: `job.shape`)."""
+        run: RunRecord = field(default_factory=RunRecord)
+        """What the workbench needs beyond torchtitan's config (`RunRecord.of` the validated config)."""
 
-    def __init__(self, config: Config, stop: StopRequest | None = None,
-                 launch_check: Callable[[WorkbenchTrainer], None] | None = None):
-        """`launch_check(trainer)`: runs once before the first step of this launch (the launcher hands in the memory
-        plan's `workbench.memory.measure.check_on_launch`); None: nothing."""
-        self.job = config.job
+    def __init__(self, config: Config, stop: StopRequest | None = None):
+        self.run = config.run
         self.stop = stop
-        self.launch_check = launch_check
         self.run_lock: RunLock | None = None
         self._tokens_base = self._tokens_start = 0  # see load_state_dict
         self._t0 = time.perf_counter()
@@ -155,9 +111,9 @@ class WorkbenchTrainer(Trainer):
                 self.run_lock = RunLock(run_dir)
                 outcome = self.run_lock.acquire()
                 batch = self._resume_batch(run_dir)
-                write_atomic(run_dir / "config.toml", self.job.to_toml())
+                write_atomic(run_dir / "config.toml", self.run.config_toml())
                 # The architecture itself, so the run folder stays self-describing even if hf_checkpoint moves.
-                write_atomic(run_dir / "shape.json", json.dumps(flavors.describe(self.job.shape), indent=2))
+                write_atomic(run_dir / "shape.json", json.dumps(flavors.describe(self.run.shape), indent=2))
             except (RunError, ConfigError) as e:
                 outcome = e
             except OSError as e:
@@ -176,13 +132,13 @@ class WorkbenchTrainer(Trainer):
     def _resume_batch(self, run_dir: Path) -> tuple[int, str] | None:
         """(global batch, the line saying so) when the checkpoint to resume from trained with another global batch than
         this launch's config gives; None otherwise (applied here on rank 0, before config.toml is written)."""
-        ckpt = self.job.checkpoint
+        ckpt = self.config.checkpoint
         if not ckpt.enable:
             return None
         folder = run_dir / ckpt.folder
         step = ckpt.load_step if ckpt.load_step != -1 else newest_complete(folder)
         record = read_train_state(folder / f"step-{step}") if step is not None else None
-        batch = resume_batch(record, self.job.training, self.dp_ranks, step)
+        batch = resume_batch(record, self.run.training, self.dp_ranks, step)
         if batch:
             self._set_global_batch(batch[0])
         return batch
@@ -191,8 +147,8 @@ class WorkbenchTrainer(Trainer):
         """torchtitan derives the gradient accumulation from it after `init_distributed`; config.toml records it (with
         accumulation 1: derived from the global batch, valid on any number of ranks that divides it)."""
         self.config.training.global_batch_size = global_batch
-        self.job.training.global_batch_size = global_batch
-        self.job.training.gradient_accumulation_steps = 1
+        self.run.training.global_batch_size = global_batch
+        self.run.training.gradient_accumulation_steps = 1
 
     # ---- Train state: a token count over all ranks, whatever the number of ranks it resumes on -----------------------
 
@@ -253,9 +209,9 @@ class WorkbenchTrainer(Trainer):
 
     def _setup_performance_accounting(self) -> None:
         # The same formula for every backend (torchtitan's count depends on the module tree a backend builds).
-        self.metrics_processor.num_flops_per_token = profiling.flops_per_token(self.job.shape,
+        self.metrics_processor.num_flops_per_token = profiling.flops_per_token(self.run.shape,
                                                                                self.config.training.seq_len)
-        self.step_profiler = profiling.StepProfiler(self.job.profiling, self.config.dump_folder, self.device.type,
+        self.step_profiler = profiling.StepProfiler(self.run.profiling, self.config.dump_folder, self.device.type,
                                                     last_step=self.config.training.steps, rank=_rank())
         profiling.label_calls(self.optimizers, "step", "optimizer")
 
@@ -280,19 +236,19 @@ class WorkbenchTrainer(Trainer):
     def _non_finite(self, loss: float, grad_norm: float) -> NonFiniteError:
         """The one-line report of a diverged run: where, what is kept, what to try."""
         kept = newest_complete(self.checkpointer.folder) if self.checkpointer.enable else None
+        lr = self.config.optimizer.param_groups[0].optimizer_kwargs["lr"]
         kept_s = (f"the last checkpoint kept is {self.checkpointer.folder}/step-{kept}" if kept is not None
                   else "no checkpoint was kept")
         return NonFiniteError(
             f"step {self.step}: loss {loss:.6g}, grad norm {grad_norm:.6g}; training stopped and nothing of this "
             f"state was saved; {kept_s}.",
-            f"lower --optimizer.lr (now {self.job.optimizer.lr:g}), lengthen --lr_scheduler.warmup_steps or "
+            f"lower --optimizer.lr (now {lr:g}), lengthen --lr_scheduler.warmup_steps or "
             "lower --training.max_norm, then relaunch (it resumes from the last checkpoint kept).",
         )
 
     def _on_first_step(self) -> None:
         """Runs once, after torchtitan's resume (if any) and before the first step of this launch."""
-        if self.launch_check is not None:  # measured peak per rank vs the memory plan after steps 1 and 2
-            self.launch_check(self)
+        peak_memory.check_on_launch(self)  # measured peak per rank vs the memory plan after steps 1 and 2
         self._start_step = self.step - 1  # the loop increments step before calling train_step; 0 = fresh run
         # torchtitan starts the first step's clock when it builds the metrics processor; restart it so step 1
         # measures the step (with warm-up/compile), not init and checkpoint loading.
@@ -365,24 +321,24 @@ class WorkbenchTrainer(Trainer):
     def train(self):
         run_dir = Path(self.config.dump_folder)
         t_start = time.perf_counter()
-        if self.job.model.hf_checkpoint:
+        if self.run.hf_checkpoint:
             # Published weights first; if the run folder holds a DCP checkpoint, torchtitan's resume (inside
             # super().train()) then overwrites them with the newer state, optimizer included.
-            from workbench.backends import hf
+            from workbench import hf_weights
 
-            hf.load_into_trainer(self, self.job.model.hf_checkpoint)
+            hf_weights.load_into_trainer(self, self.run.hf_checkpoint)
         super().train()
-        if self.job.checkpoint.export_hf:
-            from workbench.backends import hf
+        if self.run.export_hf:
+            from workbench import hf_weights
 
-            out = hf.export_trainer(self, run_dir / "hf")
+            out = hf_weights.export_trainer(self, run_dir / "hf")
             say(f"exported Hugging Face weights to {out}")
         hist = self.metrics_processor.history
         if hist and _rank() == 0:
             losses = [h["loss"] for h in hist]
             tps = sorted(h["tokens_per_second"] for h in hist[1:] or hist)
             summary = {
-                "backend": self.job.model.backend,
+                "backend": self.run.backend,
                 "flavor": self.config.model_spec.flavor,
                 "steps": self.step,
                 "resumed_from": self._start_step or 0,
@@ -444,87 +400,6 @@ def resume_batch(record: dict[str, int] | None, training, dp: int, step: int | N
                   f"({was}).")
 
 
-def build_titan_config(job: JobConfig, device_kind: str, world_size: int = 1) -> WorkbenchTrainer.Config:
-    """Translates the workbench config into torchtitan's Trainer.Config (with the backend's ModelSpec)."""
-    from workbench import backends
-
-    run_dir = job.run_dir
-    dtype = resolved_dtype(job, device_kind)
-    par = job.parallelism
-    dp = world_size // par.tp  # data-parallel ranks (tensor-parallel ranks share a batch)
-    spec = backends.model_spec(job)
-    opt = job.optimizer
-    ac = {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[job.training.activation_checkpoint]
-    init_timeout_s, step_timeout_s = neuron_adjustments.comm_timeouts(job.neuron, device_kind)
-    tcfg = WorkbenchTrainer.Config(
-        model_spec=spec,
-        hf_assets_path=str(data.tokenizer_dir(job.model.tokenizer_path)),
-        tokenizer=LazyTokenizer.Config(),
-        dump_folder=str(run_dir),
-        job=job,
-        metrics=WorkbenchMetrics.Config(
-            log_freq=job.metrics.log_freq, enable_tensorboard=job.metrics.enable_tensorboard,
-            disable_color_printing=True, jsonl_path=str(run_dir / "metrics.jsonl"), backend=job.model.backend,
-            total_steps=job.training.steps, peak_flops=profiling.peak_flops(device_kind, dtype),
-        ),
-        dataloader=PackedTextDataLoader.Config(
-            dataset=job.training.dataset, text_field=job.training.dataset_text_field,
-            tokenizer_path=job.model.tokenizer_path, seed=job.job.seed, holdout_docs=job.training.holdout_docs,
-            document_mask=job.training.document_mask,
-            chat=job.training.chat_options(),
-        ),
-        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
-            pattern=r".*", optimizer_name=opt.name,
-            optimizer_kwargs={"lr": opt.lr, "betas": (opt.beta1, opt.beta2), "eps": opt.eps,
-                              "weight_decay": opt.weight_decay},
-        )]),
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=job.lr_scheduler.warmup_steps,
-            decay_ratio=None if job.lr_scheduler.decay_ratio < 0 else job.lr_scheduler.decay_ratio,
-            decay_type=job.lr_scheduler.decay_type, min_lr_factor=job.lr_scheduler.min_lr_factor,
-            total_steps=job.lr_scheduler.total_steps if job.lr_scheduler.total_steps > 0 else None,
-        ),
-        training=TrainingConfig(
-            local_batch_size=job.training.local_batch_size,
-            global_batch_size=job.training.global_rows(dp),
-            seq_len=job.training.seq_len, max_norm=job.training.max_norm, steps=job.training.steps,
-            dtype="float32", mixed_precision_param=dtype,
-            disable_cuda_graphs=True,
-        ),
-        parallelism=ParallelismConfig(
-            data_parallel_shard_degree=par.dp_shard, data_parallel_replicate_degree=par.dp_replicate,
-            tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep,
-        ),
-        checkpoint=WorkbenchCheckpointManager.Config(
-            enable=job.checkpoint.enable, folder=job.checkpoint.folder, interval=job.checkpoint.interval,
-            keep_latest_k=job.checkpoint.keep_latest_k, load_step=job.checkpoint.load_step,
-            last_save_model_only=False, export_dtype=job.checkpoint.export_dtype,
-            on_corrupt=job.checkpoint.on_corrupt, refuse_low_disk=job.checkpoint.refuse_low_disk,
-            total_steps=job.training.steps,
-        ),
-        activation_checkpoint=ac,
-        compile=CompileConfig(enable=job.training.compile,
-                              backend="neuron" if device_kind == "neuron" else "inductor"),
-        profiler=Profiler.Config(enable_profiling=False),
-        comm=CommConfig(init_timeout_seconds=init_timeout_s, train_timeout_seconds=step_timeout_s),
-        debug=DebugConfig(seed=job.job.seed, enable_structured_logging=False),
-        # Tensor parallelism shards the vocabulary dimension of the logits: the loss needs the global size.
-        loss=loss_config(job.training.loss_chunks, job.shape.vocab_size if par.tp > 1 else None),
-    )
-    return tcfg
-
-
-def loss_config(chunks: int, global_vocab_size: int | None = None):
-    """Plain cross-entropy, or torchtitan's ChunkedLossWrapper around it when `chunks` > 0.
-
-    Chunked: the model returns hidden states (`_skip_lm_head`, set by torchtitan's Trainer; huggingface_v5's
-    HFQwen3 honours it too) and lm_head + CE run per sequence chunk with a backward per chunk, so only one
-    chunk's fp32 logits are alive at a time. The sum over chunks is the same loss, the same gradients.
-    """
-    ce = CrossEntropyLoss.Config(global_vocab_size=global_vocab_size)
-    return ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=ce) if chunks > 0 else ce
-
-
 # torchtitan warnings that are expected with the workbench's setup (we supply the peak FLOPs ourselves,
 # export without an index template, load HF weights ourselves): hidden unless job.verbose.
 _EXPECTED_TITAN_WARNINGS = ("lspci", "Peak flops undefined", "initial_load_model_only", "model.safetensors.index.json")
@@ -549,4 +424,4 @@ def quiet_titan_logs(verbose: bool) -> None:
             warnings.filterwarnings("ignore", message=f".*{msg}")
 
 
-__all__ = ["WorkbenchTrainer", "resume_batch", "build_titan_config", "loss_config", "quiet_titan_logs"]
+__all__ = ["WorkbenchTrainer", "resume_batch", "quiet_titan_logs"]

@@ -1,35 +1,22 @@
-"""The workbench's job config: one TOML file, typed sections, `--section.key value` overrides, validation.
+"""The config's sections: one dataclass per TOML `[section]`, each with its own `check`, and `JobConfig`, all of them.
 
-torchtitan 0.3.0 configures jobs with Python registries instead of TOML, so this module is our own layer:
-it reads the TOML the article shows (its field names accepted as written), lets every field be overridden on
-the command line, validates everything *before* any process group starts, and `workbench.run.trainer`
-translates the result into torchtitan's `Trainer.Config`.
-
-Layout::
-
-    [job] [model] [optimizer] [lr_scheduler] [training] [parallelism] [checkpoint] [profiling] [metrics]
-
-The article's spellings map onto canonical fields (see `ALIASES`): `job.model_parallel_size` is the FSDP
-shard degree (`parallelism.dp_shard`), `job.enable_checkpoint` -> `checkpoint.enable`,
-`job.checkpoint_folder` -> `checkpoint.folder`, `training.batch_size` -> `training.local_batch_size`.
+Each field's docstring is its one-line documentation (shown by `--help`). A section's `check(job, world_size)` holds
+the rules of its own fields, through the value checks at the top (a range, a count, one folder name); the rules that
+join sections are `rules.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from workbench.core.errors import ConfigError, FlavorError
-from workbench.core.moe_blocks import kernel_block_size
 
 if TYPE_CHECKING:
     from workbench.core.flavors import Qwen3Shape
@@ -38,10 +25,9 @@ BackendName = Literal["huggingface_v5", "native", "nki_moe"]
 BACKENDS: tuple[str, ...] = typing.get_args(BackendName)  # the one list of training paths (modules: workbench.backends)
 DEFAULT_BACKEND = "native"
 """torchtitan's own Qwen3: the default path, and the baseline the others are measured against."""
-FSDP_ONLY_BACKENDS = frozenset({"huggingface_v5"})
-"""Paths without tensor parallelism (transformers' modeling: FSDP only, `check_huggingface_v5`)."""
-NKI_KERNEL_BACKENDS = frozenset({"nki_moe"})
-"""Paths whose experts run the NKI kernels on the neuron device (the torch reference elsewhere)."""
+
+PATH_MAX, NAME_MAX = 4096, 255
+"""Linux's limits on a path and on one name in it."""
 
 
 def check_range(key: str, value: float, low: float | None = None, high: float | None = None, *,
@@ -96,11 +82,6 @@ def check_folder_name(key: str, name: str, where: str = "inside the run folder",
     if bad:
         raise ConfigError(f"{key}={name[:60]!r} {bad}: it must be one folder name, {where}; anything else would "
                           "write elsewhere.", f"give a plain name, e.g. --{key} {example}.")
-
-
-# ------------------------------------------------------------------------------------------------
-# Sections. Each field's docstring is its one-line documentation (shown by `--help`).
-# ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -163,7 +144,8 @@ class Model:
     batched_mm (each expert's tokens padded to the largest group, one bmm) or loop (one matmul per expert)."""
 
     def check(self, job: JobConfig, world_size: int) -> None:
-        """The model's own values, its shape (resolved here, once: `job.shape`), then its backend's rules."""
+        """The model's own values and its shape (resolved here, once: `job.shape`); its backend's rules follow
+        (`validate`: `rules.BACKEND_RULES`)."""
         from workbench.core import flavors
 
         if self.name.lower() != "qwen3":
@@ -179,7 +161,7 @@ class Model:
         if self.n_layers < 0 or (self.n_layers and self.hf_checkpoint):
             raise ConfigError(f"model.n_layers={self.n_layers}: give a positive number of decoder layers (0 = the "
                               "flavor's), and none with model.hf_checkpoint, whose config.json fixes the depth.")
-        # Before the shape is resolved: an absurd depth would make every estimate (the memory gate's) build it.
+        # Before the shape is resolved: an absurd depth would make every estimate (the memory plan's) build it.
         check_range("model.n_layers", self.n_layers, 0, flavors.MAX_LAYERS, special="(0 = the flavor's)")
         try:
             job.shape  # noqa: B018 - resolves and caches the shape
@@ -191,64 +173,6 @@ class Model:
             raise ConfigError(f"model.moe_block_size must be positive; got {self.moe_block_size}.")
         check_counts("model", self, {"moe_block_size": 1})
         check_range("model.moe_load_balance_coeff", self.moe_load_balance_coeff, 0, 1)
-        BACKEND_RULES[self.backend](job)
-
-
-# ------------------------------------------------------------------------------------------------
-# Each backend's config rules. Plain functions of config values, here rather than in the backend modules
-# (which import torch, torchtitan and the kernels): validating a TOML imports no torch.
-# ------------------------------------------------------------------------------------------------
-
-
-def check_huggingface_v5(job: JobConfig) -> None:
-    """transformers' modeling: FSDP only, its own MoE block and attention."""
-    m, par = job.model, job.parallelism
-    if par.tp > 1 or par.ep > 1:
-        raise ConfigError(f"huggingface_v5 supports FSDP (dp_shard / dp_replicate) only; got tp={par.tp}, ep={par.ep}: "
-                          "set tp = ep = 1, or use --model.backend native.")
-    if m.hf_moe_implementation != "hf":
-        raise ConfigError(
-            f"model.hf_moe_implementation={m.hf_moe_implementation!r} is not implemented: huggingface_v5 trains "
-            "transformers' own Qwen3MoeSparseMoeBlock. Set model.hf_moe_implementation = \"hf\", or use "
-            "--model.backend native for torchtitan's MoE."
-        )
-    if m.attn_backend != "sdpa":
-        raise ConfigError("model.attn_backend applies to native/nki_moe; huggingface_v5 uses transformers' sdpa.")
-
-
-def check_native(job: JobConfig) -> None:
-    """None beyond the sections' own: native takes every [model] and [parallelism] option (tp, ep, attention
-    backends, expert implementations)."""
-
-
-def check_nki_moe(job: JobConfig) -> None:
-    """A MoE model, a block size the NKI kernels take, blockwise experts, no expert parallelism."""
-    from workbench.core import flavors
-
-    m = job.model
-    if not job.shape.is_moe:
-        moe = [n for n, s in flavors.FLAVORS.items() if s.is_moe]
-        raise ConfigError(
-            f"model.backend=nki_moe replaces MoE expert layers, but flavor {m.flavor or m.hf_checkpoint!r} is dense. "
-            f"Use a MoE flavor ({', '.join(moe)}) or --model.backend native."
-        )
-    # Checked on every device (a config that trains here must launch on trn2): the blocks
-    # `kernel_block_size` splits into kernel blocks, the kernels' own rule.
-    try:
-        kernel_block_size(m.moe_block_size)
-    except ValueError:
-        raise ConfigError(f"model.moe_block_size={m.moe_block_size}: the NKI kernels take a block of at most 128 "
-                          "slots or a multiple of 128 (docs/nki_kernels.md); 256 suits Qwen3-30B-A3B.") from None
-    if m.moe_experts_impl != "grouped_mm":
-        raise ConfigError(f"model.moe_experts_impl={m.moe_experts_impl!r} applies to native/huggingface_v5; nki_moe "
-                          "computes its experts blockwise. Leave it at grouped_mm, or use --model.backend native.")
-    if job.parallelism.ep > 1:
-        raise ConfigError(f"parallelism.ep={job.parallelism.ep}: expert parallelism is only wired for the native "
-                          "backend; set ep = 1 for nki_moe.")
-
-
-BACKEND_RULES = {"huggingface_v5": check_huggingface_v5, "native": check_native, "nki_moe": check_nki_moe}
-"""Backend name -> its config rules (run by `Model.check`, so by `validate`); raise ConfigError naming the fix."""
 
 
 LR_MAX = 1e4
@@ -425,11 +349,6 @@ class Training:
 
 MIN_PACK_WINDOW = 10_000
 """Conversations per best-fit packing window, at the least (`training.pack_window`)."""
-
-PATH_MAX, NAME_MAX = 4096, 255
-"""Linux's limits on a path and on one name in it."""
-
-
 @dataclass
 class Parallelism:
     dp_shard: int = -1
@@ -630,206 +549,3 @@ SECTIONS: dict[str, type] = {
     "parallelism": Parallelism, "checkpoint": Checkpoint, "profiling": Profiling, "metrics": Metrics,
     "neuron": Neuron,
 }
-
-
-def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Every 'section.key' -> (section, Field)."""
-    return {f"{name}.{f.name}": (name, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-
-
-def valid_keys() -> list[str]:
-    return sorted(_fields()) + sorted(ALIASES)
-
-
-def _closest(key: str) -> str:
-    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _field_type(section: str, f: dataclasses.Field) -> Any:
-    return typing.get_type_hints(SECTIONS[section])[f.name]
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Converts a TOML or command-line value to the field's type, or raises a ConfigError."""
-    origin = typing.get_origin(typ)
-    if origin is Literal:
-        choices = typing.get_args(typ)
-        if value not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}.")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
-    try:
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if typ is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if typ is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError
-            return str(value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(f"{key} expects {getattr(typ, '__name__', typ)}; got {value!r} ({type(value).__name__}).")
-
-
-def _set(cfg: JobConfig, key: str, value: Any) -> None:
-    canonical = ALIASES.get(key, key)
-    fields = _fields()
-    if canonical not in fields:
-        section = key.split(".", 1)[0]
-        sections = [f.name for f in dataclasses.fields(JobConfig)]
-        if "." not in key or section not in sections:
-            raise ConfigError(
-                f"Unknown config key {key!r}.{_closest(key)} Sections are: {', '.join(sections)}."
-            )
-        raise ConfigError(f"Unknown config key {key!r}.{_closest(key)}")
-    sec_name, f = fields[canonical]
-    setattr(getattr(cfg, sec_name), f.name, _coerce(key, value, _field_type(sec_name, f)))
-
-
-def _flatten(table: dict[str, Any], source: str) -> list[tuple[str, Any]]:
-    items = []
-    for section, body in table.items():
-        if not isinstance(body, dict):
-            raise ConfigError(
-                f"{source}: top-level key {section!r} must be a [section] table.{_closest(section + '.x')}"
-            )
-        for key, value in body.items():
-            items.append((f"{section}.{key}", value))
-    return items
-
-
-def parse_cli(argv: list[str]) -> list[tuple[str, Any]]:
-    """`--section.key value`, `--section.key=value`, or a bare `--flag` (true) -> [(key, value)]."""
-    items, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(
-                f"Unexpected argument {arg!r}: options look like --section.key value (e.g. --training.steps 30)."
-            )
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            key, value = arg[2:], argv[i + 1]
-            i += 2
-        else:
-            key, value = arg[2:], "true"
-            i += 1
-        items.append((key, value))
-    return items
-
-
-def load_config(path: str | os.PathLike | None = None, argv: list[str] | None = None, *,
-                world_size: int = 1, **overrides: Any) -> JobConfig:
-    """Reads a TOML file, applies CLI-style `argv` and keyword overrides, and validates the result.
-
-    Args:
-        path: the TOML file (optional: defaults alone are the tiny CPU run).
-        argv: command-line overrides, e.g. ["--training.steps", "30"]; may include --job.config_file.
-        world_size: total ranks the job will run on, for the parallelism checks (default 1: one process).
-        **overrides: Python overrides; use `section__key=value` or a dict per section
-            (`training={"steps": 30}`).
-
-    Raises:
-        ConfigError: with a message naming the bad key/value and the fix.
-    """
-    cli = parse_cli(list(argv or []))
-    for key, value in cli:
-        if key == "job.config_file":
-            path = value
-    cfg = JobConfig()
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"Config file {str(p)!r} does not exist (see configs/ for examples).")
-        try:
-            table = tomllib.loads(p.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:  # binary, UTF-16, Latin-1 ...: TOML is UTF-8
-            raise ConfigError(f"{p}: not a UTF-8 text file (byte {e.start}: {e.reason}); TOML config files are "
-                              "UTF-8: save it as UTF-8 (or pass the right file).") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from e
-        for key, value in _flatten(table, str(p)):
-            _set(cfg, key, value)
-        cfg.job.config_file = str(p)
-    for key, value in cli:
-        _set(cfg, key, value)
-    for name, value in overrides.items():
-        if isinstance(value, dict):
-            for k, v in value.items():
-                _set(cfg, f"{name}.{k}", v)
-        else:
-            _set(cfg, name.replace("__", "."), value)
-    validate(cfg, world_size)
-    return cfg
-
-
-def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Checks everything that can be checked before training starts: each section's own `check` (the rules live
-    with their section; the model section resolves the shape and runs its backend's rules, `BACKEND_RULES`).
-
-    Args:
-        cfg: the config.
-        world_size: total ranks the job runs on (1 = one process); the launcher passes torchrun's WORLD_SIZE.
-    """
-    for name in SECTIONS:
-        check = getattr(getattr(cfg, name), "check", None)
-        if check is not None:
-            check(cfg, world_size)
-
-
-def check_device(cfg: JobConfig, device_kind: str) -> None:
-    """The settings the detected device cannot run, refused before any process group (train.py calls it right
-    after `device.detect`).
-
-    Raises:
-        ConfigError: naming the setting, the device and the fix.
-    """
-    if cfg.model.attn_backend != "sdpa" and device_kind not in ("cuda", "neuron"):
-        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r} runs on CUDA and Neuron only "
-                          f"(torchtitan's {cfg.model.attn_backend} attention); this device is {device_kind}: set "
-                          "--model.attn_backend sdpa (block-causal with training.document_mask too).")
-
-
-def resolved_dtype(cfg: JobConfig, device_kind: str) -> str:
-    """training.dtype with 'auto' resolved for the device."""
-    if cfg.training.dtype != "auto":
-        return cfg.training.dtype
-    return "float32" if device_kind == "cpu" else "bfloat16"
-
-
-def help_text() -> str:
-    """All keys with their types, defaults and one-line docs."""
-    import ast
-    import inspect
-
-    lines = ["Options (TOML [section] key = value, or --section.key value):"]
-    for name, cls in SECTIONS.items():
-        docs, src = {}, ast.parse(inspect.getsource(cls))
-        body = src.body[0].body
-        for a, b in zip(body, body[1:], strict=False):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = b.value.value
-        lines.append(f"  [{name}]")
-        for f in dataclasses.fields(cls):
-            lines.append(f"    --{name}.{f.name} (default {f.default!r}): {docs.get(f.name, '')}")
-    lines.append("  Aliases: " + ", ".join(f"{a} -> {c}" for a, c in ALIASES.items()))
-    return "\n".join(lines)

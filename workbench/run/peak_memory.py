@@ -1,17 +1,16 @@
-"""The in-run measurement: after steps 1 and 2 of a launch, every rank's measured peak against the plan
-(`check_on_launch`, handed to `workbench.run.trainer.WorkbenchTrainer` by `workbench.train`).
+"""The in-run memory measurement: after steps 1 and 2 of a launch, every rank's measured peak against the memory
+plan the launch's preflight made (`check_on_launch`, called by `WorkbenchTrainer` before its first step; the plan's
+numbers come as data in `RunRecord.memory_plan`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from workbench.core.config import JobConfig
 from workbench.core.files import write_atomic
-from workbench.memory import gate
-from workbench.memory.tables import GiB, MiB
+from workbench.core.units import GiB, MiB
 from workbench.platform.dist_utils import say
 
 CHECK_STEPS = 2
@@ -117,21 +116,21 @@ def measures_on_launch(job: JobConfig, device_kind: str) -> bool:
 
 def check_on_launch(trainer) -> None:
     """The first-launch check: after steps 1 and 2 of this launch, every rank's peak (`AllocatorPeak`) against the
-    plan, in `<run>/memory_check.json` and a progress line (`job.memory_measure`; `WorkbenchTrainer` calls this
-    before its first step).
+    plan, in `<run>/memory_check.json` and a progress line (`RunRecord.measure_memory`; `WorkbenchTrainer` calls
+    this before its first step).
 
     A step's window opens at the model's forward (after torchtitan's zero_grad and the data) and closes after the
     optimizer step (before the metrics log, which resets the peak statistics). The plan's tensors (its peak less
-    the device runtime, which no allocator sees) are compared with the largest rank's peak. Rank 0 plans
-    (`launch_plan`: `check_fits`'s cached plan on cuda/neuron).
+    the device runtime, which no allocator sees) are compared with the largest rank's peak. The plan is the one the
+    launch's preflight made on rank 0 (`RunRecord.memory_plan`; `workbench.memory.preflight.plan_for_run`).
     """
     import torch
     import torch.distributed as dist
 
-    job, kind = trainer.job, trainer.device.type
-    if not measures_on_launch(job, kind):
+    run, kind = trainer.run, trainer.device.type
+    if not run.measure_memory:
         return
-    if kind == "cpu" and job.profiling.enable:
+    if kind == "cpu" and run.profiling.enable:
         say("memory check: skipped on CPU while [profiling] is on (one torch.profiler at a time)")
         return
     meter = AllocatorPeak(kind, trainer.model_parts, trainer.optimizers)
@@ -140,13 +139,8 @@ def check_on_launch(trainer) -> None:
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    planned = None
-    if rank == 0:
-        try:
-            planned = gate.launch_plan(job, world, kind)
-        except RuntimeError as e:
-            print(f"workbench: memory check without a plan: {e}", file=sys.stderr)
-    steps = list(range(trainer.step, min(trainer.step + CHECK_STEPS, job.training.steps + 1)))
+    planned = run.memory_plan if rank == 0 else None
+    steps = list(range(trainer.step, min(trainer.step + CHECK_STEPS, trainer.config.training.steps + 1)))
     report = {"device": kind, "world_size": world, "source": meter.source, "steps": []}
     if planned is not None:
         runtime = planned["categories"].get("device runtime", 0)

@@ -1,20 +1,22 @@
-"""The launch gate: a launch plans its config first and is refused when the plan does not fit (`check_fits`, called
-by `workbench.train` on rank 0; on CPU only when a cheap lower bound comes near the RAM).
+"""The memory preflight of a launch (rank 0, before any process group): refuse a config whose plan does not fit
+(`check_fits`; on CPU only when a cheap lower bound comes near the RAM), and hand the run the plan its in-run
+measurement compares with (`plan_for_run`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import sys
 from pathlib import Path
 
+from workbench.core import flavors
 from workbench.core.config import JobConfig
 from workbench.core.errors import ConfigError
 from workbench.core.files import read_json, write_atomic
+from workbench.core.units import GiB
 from workbench.memory import report, tables, tracer
-from workbench.memory.tables import GiB
+from workbench.run.peak_memory import measures_on_launch
 
 DEVICE_OF_KIND = {"neuron": "trn2", "cuda": "h100", "cpu": "cpu"}
 
@@ -30,9 +32,9 @@ def launch_device(device_kind: str) -> str:
     return DEVICE_OF_KIND.get(device_kind, "cpu")
 
 
-def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict:
-    """The plan of a launch of `job` on `world_size` ranks of `device_kind` (with suggestions), from a subprocess,
-    cached by a hash of the resolved config, world size and device. On cuda the capacity is the GPU's
+def plan_launch(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict:
+    """The memory plan of a launch of `job` on `world_size` ranks of `device_kind` (with suggestions), from a
+    subprocess, cached by a hash of the resolved config, world size and device. On cuda the capacity is the GPU's
     (`launch_device`: an H200's or else an H100's), on neuron a trn2 rank's.
 
     Raises:
@@ -53,7 +55,8 @@ def launch_plan(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pa
 
 
 def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
-    """Plans `job` before launch (`launch_plan`) and refuses a plan over the rank's memory.
+    """Plans `job` before launch (`plan_launch`) and refuses a plan over the rank's memory; returns the plan, or None
+    where none was made.
 
     On CPU a launch is planned only when its lower bound (`cpu_floor_bytes`) is over 1/8 of the host RAM per rank
     (the tiny CPU runs are not slowed by a plan), and refused at once, unplanned, when that bound alone exceeds it.
@@ -75,7 +78,7 @@ def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pat
         if floor < ram / 8:
             return None
     try:
-        p = launch_plan(job, world_size, device_kind, cache_dir)
+        p = plan_launch(job, world_size, device_kind, cache_dir)
     except RuntimeError as e:
         print(f"workbench: {e}\nworkbench: launching anyway", file=sys.stderr)
         return None
@@ -84,17 +87,29 @@ def check_fits(job: JobConfig, world_size: int, device_kind: str, cache_dir: Pat
     return p
 
 
+def plan_for_run(job: JobConfig, world_size: int, device_kind: str, cache_dir: Path | None = None) -> dict | None:
+    """The launch's preflight (rank 0): `check_fits`, then the plan the run's in-run measurement compares with
+    (`RunRecord.memory_plan`): `check_fits`'s own, or planned now when the run measures (`job.memory_measure`)
+    and `check_fits` did not plan. None when the run measures nothing (or planning failed: the measurement then
+    reports the peaks alone).
+
+    Raises:
+        ConfigError: see `check_fits`.
+    """
+    planned = check_fits(job, world_size, device_kind, cache_dir)
+    if not measures_on_launch(job, device_kind):
+        return None
+    if planned is None:
+        try:
+            planned = plan_launch(job, world_size, device_kind, cache_dir)
+        except RuntimeError as e:
+            print(f"workbench: memory check without a plan: {e}", file=sys.stderr)
+    return planned
+
+
 def cpu_floor_bytes(job: JobConfig) -> int:
     """A lower bound of a CPU rank's peak: fp32 weights plus one fp32 logits tensor of a micro-batch (per loss
-    chunk). Cheap (no trace)."""
+    chunk). Cheap: the parameters are counted by formula (`flavors.param_counts`), no model is built."""
     t = job.training
     logits = t.local_batch_size * t.seq_len * job.shape.vocab_size * 4 // max(t.loss_chunks, 1)
-    return 4 * total_params(job.shape) + logits
-
-
-@functools.lru_cache(maxsize=16)
-def total_params(shape) -> int:
-    """`flavors.count_params(shape)["total"]`, once per shape (it builds the model on meta)."""
-    from workbench.core import flavors
-
-    return flavors.count_params(shape)["total"]
+    return 4 * flavors.param_counts(job.shape)["total"] + logits

@@ -1,0 +1,4 @@
+"""Byte units, defined once."""
+
+GiB = 1024**3
+MiB = 1024**2
