@@ -3,7 +3,7 @@ reads, a step purged by the running training while it is read is taken again at 
 export's partial folder is cleaned by the next export.
 
 All in this process, on a run folder made here as training writes it (config.toml and DCP step folders of the
-cpu_dense model through the checksumming writer). Loading and writing the weights: tests/backends/test_hf.py."""
+cpu_dense model through the checksumming writer). Loading and writing the weights: tests/hf_weights/."""
 
 from __future__ import annotations
 

@@ -19,6 +19,14 @@ def test_parameter_count_matches_official(name):
     assert abs(counts["total"] / shape.official_params - 1) < 0.005, counts
 
 
+def test_param_counts_formula_matches_flavors():
+    """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
+    from workbench.core.flavors import param_counts
+
+    for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
+        assert param_counts(flavors.get_shape(name)) == flavors.count_params(flavors.get_shape(name)), name
+
+
 def test_moe_active_parameters():
     # Published: 30B-A3B activates 3.3B, 235B-A22B activates 22B per token.
     assert abs(flavors.count_params(flavors.FLAVORS["30B-A3B"])["active"] / 3.35e9 - 1) < 0.01

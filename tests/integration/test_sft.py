@@ -1,6 +1,6 @@
 """Chat fine-tuning end to end (launches on the bundled chat set): conversations packed apart, the loss over the
 global batch's trained targets, an exact resume on fewer ranks, the fine-tuned export's reply ending at <|im_end|>,
-compare on held-out conversations. The export's stop tokens in process: tests/backends/test_hf.py."""
+compare on held-out conversations. The export's stop tokens in process: tests/hf_weights/test_export.py."""
 
 from __future__ import annotations
 

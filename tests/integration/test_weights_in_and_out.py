@@ -1,7 +1,7 @@
 """A run's weights in and out, through real launches (torchrun over gloo): training from a Hugging Face checkpoint and
 exporting it (1 rank; 2 ranks give back the checkpoint bit for bit), and a run on one's own data (a mixture made
-here) whose compare and export use its newest checkpoint and its own held-out data. In process: tests/backends/
-test_hf.py (loading and writing the weights), tests/commands/test_compare.py, tests/commands/test_hf_export.py."""
+here) whose compare and export use its newest checkpoint and its own held-out data. In process: tests/hf_weights/
+(loading and writing the weights), tests/commands/test_compare.py, tests/commands/test_hf_export.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from tests.run_helpers import ROOT, assert_plan_close
 from workbench.core.config import load_config
 from workbench.memory import tables, tracer
-from workbench.run import peak_memory as measure
+from workbench.run import peak_memory
 
 pytestmark = pytest.mark.machine_cpu_path  # quoted plans are fake-tensor traces: no CPU kernel runs (run_helpers.py)
 
@@ -51,7 +51,7 @@ def test_plan_against_the_c10_allocators_own_events_one_rank():
         optimizer_bytes = sum(v.numel() * v.element_size() for opt in b.optimizers.optimizers
                               for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
         tokens = torch.randint(0, job.shape.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
-        meter = measure.AllocatorPeak("cpu", [b.model], b.optimizers)
+        meter = peak_memory.AllocatorPeak("cpu", [b.model], b.optimizers)
         meter.start()
         tracer.training_step(b, tokens, tokens.roll(-1, 1))
         b.optimizers.step()

@@ -36,8 +36,9 @@ PLAN_TESTS = "c10_allocators_own_events_one_rank or kernel_buffers or math_score
 
 # target -> (files mutated, mutant-name patterns run (the functions under test), fast tests, pytest -k expression)
 TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
-    "config": (["workbench/core/config.py"],
-               _names("workbench.core.config", ("validate",), tuple((c, "check") for c in (
+    "config": (["workbench/core/config/load.py", "workbench/core/config/sections.py"],
+               _names("workbench.core.config.load", ("validate",))
+               + _names("workbench.core.config.sections", (), tuple((c, "check") for c in (
                    "Model", "Optimizer", "Training", "Parallelism", "Checkpoint", "Profiling", "Metrics"))),
                ["tests/core/test_config.py"], "not cli_exits"),
     "checkpoint": (["workbench/run/checkpoint.py"],
@@ -64,7 +65,8 @@ TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
     "hf": (["workbench/hf_weights/units.py"], _names("workbench.hf_weights.units",
                                                       ("unit_of", "group_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
-           ["tests/backends/test_hf.py"], "not expert_bias"),
+           ["tests/hf_weights/test_units.py", "tests/hf_weights/test_load.py", "tests/hf_weights/test_export.py",
+            "tests/hf_weights/test_folder.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),
                ["tests/commands/test_doctor.py"], ""),
     "autograd": (["workbench/kernels/autograd.py"],

@@ -1,18 +1,9 @@
-"""workbench.notebook.reports: the tables and figures the notebooks show: parameter counts, the benchmark table, the
-H200 measurements labelled or said to be missing."""
+"""workbench.notebook.comparisons: what notebooks 05 and 06 show: the benchmark table, the H200 measurements
+labelled or said to be missing."""
 
 from __future__ import annotations
 
 from tests.run_helpers import ROOT
-
-
-def test_param_counts_formula_matches_flavors():
-    """The notebooks' flavor table counts parameters by formula (no torchtitan import in the kernel)."""
-    from workbench.core import flavors
-    from workbench.core.flavors import param_counts
-
-    for name in ("tiny", "tiny-moe", "0.6B", "30B-A3B"):
-        assert param_counts(flavors.get_shape(name)) == flavors.count_params(flavors.get_shape(name)), name
 
 
 def test_bench_table_is_readable():

@@ -1,5 +1,5 @@
-"""workbench.memory.gate: the check before a launch: a CPU launch whose lower bound alone exceeds the RAM is refused
-with the numbers and the fix, unplanned; a device that cannot run the attention backend is refused."""
+"""workbench.memory.preflight: the check before a launch: a CPU launch whose lower bound alone exceeds the RAM is
+refused with the numbers and the fix, unplanned; a device that cannot run the attention backend is refused."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from workbench.core import errors
 
 def test_the_cpu_memory_gate_refuses_with_the_numbers_and_the_fix():
     from workbench.core.config import check_device, load_config
-    from workbench.memory import preflight as gate
+    from workbench.memory import preflight
 
     job = load_config(ROOT / "configs/cpu_dense.toml", training__local_batch_size=4096)
     floor = 4096 * 128 * 151936 * 4  # the fp32 logits alone (the tiny model's weights come on top)
-    assert gate.cpu_floor_bytes(job) > floor
-    with pytest.raises(errors.ConfigError, match=rf"needs at least {gate.cpu_floor_bytes(job) / 1024**3:.1f} GiB per "
-                                                 r"rank .* lower --training.local_batch_size"):
-        gate.check_fits(job, 1, "cpu")
+    assert preflight.cpu_floor_bytes(job) > floor
+    floor_gib = preflight.cpu_floor_bytes(job) / 1024**3
+    with pytest.raises(errors.ConfigError, match=rf"needs at least {floor_gib:.1f} GiB per rank .* lower "
+                                                 r"--training.local_batch_size"):
+        preflight.check_fits(job, 1, "cpu")
     job = load_config(ROOT / "configs/cpu_dense.toml", model__attn_backend="flex")
     with pytest.raises(errors.ConfigError,
                        match="model.attn_backend='flex' runs on CUDA and Neuron only .* this device is cpu"):

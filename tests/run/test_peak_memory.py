@@ -1,4 +1,4 @@
-"""workbench.memory.measure: the first-launch check's measurement: the c10 CPU allocator's events on the CPU, the
+"""workbench.run.peak_memory: the first-launch check's measurement: the c10 CPU allocator's events on the CPU, the
 device allocator's statistics through torch.accelerator or torch.<device>, and a device without them skipped."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workbench.core.config import load_config
-from workbench.run import peak_memory as measure
+from workbench.run import peak_memory
 
 pytestmark = pytest.mark.machine_cpu_path  # quoted plans are fake-tensor traces: no CPU kernel runs (run_helpers.py)
 
@@ -23,7 +23,7 @@ def test_allocator_peak_on_cpu_counts_the_c10_allocators_own_events():
     model(torch.ones(1, 256)).sum().backward()
     opt.step()  # AdamW state: exp_avg + exp_avg_sq (+ a 4-byte step per parameter)
     live = 4 * 65_792 * 4 + 2 * 4  # params, grads, two moments; two fp32 step scalars
-    meter = measure.AllocatorPeak("cpu", [model], opt)
+    meter = peak_memory.AllocatorPeak("cpu", [model], opt)
     meter.start()
     a = torch.ones(1000, 1000)  # 4 MB
     b = torch.ones(500, 1000)  # + 2 MB: 6 MB live
@@ -45,7 +45,7 @@ def test_first_launch_check_skips_a_device_without_allocator_statistics(capsys):
     run = RunRecord.of(load_config(argv=[*TINY, "--job.memory_measure", "always"]), "neuron")
     trainer = SimpleNamespace(run=run, model_parts=[model],
                               device=SimpleNamespace(type="neuron"), optimizers=torch.optim.SGD(model.parameters()))
-    measure.check_on_launch(trainer)
+    peak_memory.check_on_launch(trainer)
     assert "memory check: skipped, torch.neuron lacks one of synchronize" in capsys.readouterr().out
     assert not model._forward_pre_hooks and not trainer.optimizers._optimizer_step_post_hooks
 
@@ -82,14 +82,15 @@ def test_allocator_statistics_come_from_torch_accelerator_when_it_serves_the_dev
     neuron_module = SimpleNamespace()  # SDK 2.33's torch.neuron without allocator statistics
     for current, module, name in (("neuron", "accelerator", "torch.accelerator"), ("cuda", "neuron", "torch.neuron")):
         fake = SimpleNamespace(accelerator=Accelerator(current), neuron=neuron_module)
-        meter = measure.AllocatorPeak("neuron", [], None, torch_module=fake)
+        meter = peak_memory.AllocatorPeak("neuron", [], None, torch_module=fake)
         assert meter.module is getattr(fake, module) and meter.name == name
         assert meter.source == f"{name}.max_memory_allocated() after {name}.synchronize()"
-    meter = measure.AllocatorPeak("neuron", [], None, torch_module=SimpleNamespace(accelerator=Accelerator("neuron")))
+    meter = peak_memory.AllocatorPeak("neuron", [], None,
+                                      torch_module=SimpleNamespace(accelerator=Accelerator("neuron")))
     meter.start()
     meter.module.peak = 3 * GiB  # what the device allocator saw during the window
     assert meter.stop() == 3 * GiB and meter.module.calls == ["synchronize", "reset", "synchronize"]
     assert meter.resident == GiB
     # this host: torch.accelerator has no device, so cpu keeps its own path and neuron finds no torch.neuron
-    assert measure.allocator_module("cpu") == (None, "")
-    assert measure.allocator_module("neuron") == (None, "torch.neuron")
+    assert peak_memory.allocator_module("cpu") == (None, "")
+    assert peak_memory.allocator_module("neuron") == (None, "torch.neuron")
