@@ -140,7 +140,7 @@ def test_nki_moe_row_carries_the_modeled_trn2_layer_time(tmp_path, monkeypatch):
 
 def test_the_command_line_runs_the_matrix_and_says_where_it_wrote(tmp_path, monkeypatch, capsys):
     """`python -m workbench.bench` end to end with the launcher stubbed (the real three-path launches are
-    tests/test_accelerator_check.py's: the same `run_backend`)."""
+    tests/integration/test_accelerator_check.py's: the same `run_backend`)."""
     import workbench.train
 
     def fake_train(job, nproc, stream, timeout_s=None):

@@ -30,7 +30,7 @@ COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_sche
 def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
     """12 uninterrupted steps on 2 ranks, checkpoints at 4, 8, 12: the reference curve and checkpoints to damage."""
     run_dir, _ = cached_run(tmp_path_factory, DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
-                            nproc=2)  # the same launch as tests/test_run_safety.py's reference
+                            nproc=2)  # the same launch as test_run_safety.py's reference
     return run_dir, losses_by_step(run_dir)
 
 

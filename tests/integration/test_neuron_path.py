@@ -36,7 +36,7 @@ def _standin_run(out, *args: str, log=None) -> subprocess.CompletedProcess:
 def test_neuron_adjustments_on_gloo_equal_plain_cpu(tmp_path, tmp_path_factory):
     """Also the first-launch memory check through the stand-in (the same launch: measuring steps 1 and 2 changes no
     number): every rank's peak is gathered; the ranks are symmetric, so they agree within 1%, and step 2 is within
-    0.5% of the plan, as on plain CPU (tests/test_plan.py)."""
+    0.5% of the plan, as on plain CPU (tests/integration/test_memory_plan.py)."""
     plain_dir, _ = cached_run(tmp_path_factory, DENSE, "--model.backend", "native", *FIRST_12_OF_30, nproc=2)
     log = tmp_path / "standin"
     proc = _standin_run(tmp_path, "--training.steps", "4", "--lr_scheduler.total_steps", "30",
