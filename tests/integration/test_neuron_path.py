@@ -26,7 +26,7 @@ def _standin_run(out, *args: str, log=None) -> subprocess.CompletedProcess:
     import os
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "neuron_standin.py"), "--job.config_file", str(ROOT / DENSE),
+           "-m", "tests.neuron_standin", "--job.config_file", str(ROOT / DENSE),
            "--neuron.apply", "always", "--job.dump_folder", str(out), *args]
     env = {**os.environ, "WORKBENCH_STANDIN_LOG": str(log)} if log else None
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
