@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (ATEN_CPU_CAPABILITY default / avx2 / avx512), MKL's GEMM branch (MKL_CBWR), oneDNN's ISA (ONEDNN_MAX_CPU_ISA)
 # and the intra-op thread count (reduction order). The 2-rank MoE golden curves amplify a last-bit difference
 # through the router's top-k: forcing another path on one AVX-512 machine moved them by up to ~1e-3 by step 8
-# (`python tests/integration/test_golden_losses.py spread`). The pin is the baseline every x86-64 CPU has: ATen's
+# (`python -m tests.integration.test_golden_losses spread`). The pin is the baseline every x86-64 CPU has: ATen's
 # default kernels, MKL's conditional-numerical-reproducibility branch COMPATIBLE (the same results on Intel and AMD
 # CPUs, per MKL's CNR documentation), oneDNN capped at SSE4.1, one intra-op thread. It overrides the caller's
 # environment on purpose (`ATEN_CPU_CAPABILITY=avx2 make test` passes too). Not pinned, because it cannot be
