@@ -6,11 +6,8 @@ file). Every xdist worker and torchrun rank a test starts inherits both, but for
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tests"))
-from run_helpers import PINNED_ACTIVE, PINNED_CPU_PATH, SESSION_MALLOC, active_cpu_path  # noqa: E402
+from tests.run_helpers import PINNED_ACTIVE, PINNED_CPU_PATH, SESSION_MALLOC, active_cpu_path
 
 os.environ.update(PINNED_CPU_PATH)
 os.environ.update(SESSION_MALLOC)  # read by glibc when a process starts: children only

@@ -31,7 +31,7 @@ def pytest_runtest_setup(item):
     if item.path.suffix != ".ipynb":
         yield
         return
-    from run_helpers import use_machine_cpu_path  # tests/ is on sys.path (the repository's conftest.py)
+    from tests.run_helpers import use_machine_cpu_path
 
     with pytest.MonkeyPatch.context() as mp:
         use_machine_cpu_path(mp)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import FIRST_12_OF_30, cached_run, use_machine_cpu_path
+from tests.run_helpers import FIRST_12_OF_30, cached_run, use_machine_cpu_path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,3 +33,26 @@ def native_moe_2rank(tmp_path_factory) -> Path:
     """configs/cpu_moe.toml, native, 12 of 30 steps, 2 ranks: also the reference for the other MoE paths."""
     return cached_run(tmp_path_factory, "configs/cpu_moe.toml", "--model.backend", "native", *FIRST_12_OF_30,
                       nproc=2)[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny checkpoints written by transformers itself (save_pretrained, default published format; vocab 512):
+    "dense" tied, "moe" untied, so both tie paths are crossed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workbench.core import flavors
+
+    shapes = {
+        "dense": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, ffn_dim=128, vocab_size=512, tied=True,
+                                    max_seq_len=512),
+        "moe": flavors.Qwen3Shape(64, 2, 4, 2, head_dim=16, vocab_size=512, max_seq_len=512, num_experts=8, top_k=2,
+                                  moe_ffn_dim=32),
+    }
+    out = {}
+    for name, shape in shapes.items():
+        torch.manual_seed(0)
+        out[name] = tmp_path_factory.mktemp(f"ckpt_{name}")
+        AutoModelForCausalLM.from_config(flavors.hf_config(shape)).save_pretrained(out[name])
+    return out

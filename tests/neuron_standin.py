@@ -1,6 +1,9 @@
 """Launch `train.py` with a stand-in for TorchNeuron's process group: gloo, registered under the name "neuron".
 
-    torchrun --nproc_per_node=2 tests/neuron_standin.py --job.config_file configs/cpu_dense.toml --neuron.apply always
+    torchrun --nproc_per_node=2 -m tests.neuron_standin --job.config_file configs/cpu_dense.toml --neuron.apply always
+
+Run as a module of the `tests` package from the repository root (as a script, its folder would come first on
+`sys.path`, and `tests/platform/` would hide the standard library's `platform`).
 
 `import torch_neuronx` registers the real "neuron" backend on a trn2 host (AWS's torch.distributed guide); here the
 same name is registered for a plain gloo backend, which, like any backend that does not implement it, rejects
@@ -33,6 +36,5 @@ dist.Backend.register_backend("neuron", _create_gloo, devices=["cpu"])
 
 if __name__ == "__main__":
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
     sys.argv[0] = str(root / "train.py")
     runpy.run_path(str(root / "train.py"), run_name="__main__")

@@ -1,4 +1,5 @@
-"""Helpers for tests that launch real training runs (torchrun over gloo) and read their run folders.
+"""Helpers shared by the tests: launching real training runs (torchrun over gloo) and reading their run folders, the
+CPU code path every test process runs on, child processes, crafted pickles, transformers' reference models.
 
 A module of its own (not conftest.py): notebooks/ has a conftest.py too, and `from conftest import` would be
 ambiguous.
@@ -25,8 +26,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (ATEN_CPU_CAPABILITY default / avx2 / avx512), MKL's GEMM branch (MKL_CBWR), oneDNN's ISA (ONEDNN_MAX_CPU_ISA)
 # and the intra-op thread count (reduction order). The 2-rank MoE golden curves amplify a last-bit difference
 # through the router's top-k: forcing another path on one AVX-512 machine moved them by up to ~1e-3 by step 8
-# (`python tests/test_golden_losses.py spread`). The pin is the baseline every x86-64 CPU has: ATen's default
-# kernels, MKL's conditional-numerical-reproducibility branch COMPATIBLE (the same results on Intel and AMD
+# (`python -m tests.integration.test_golden_losses spread`). The pin is the baseline every x86-64 CPU has: ATen's
+# default kernels, MKL's conditional-numerical-reproducibility branch COMPATIBLE (the same results on Intel and AMD
 # CPUs, per MKL's CNR documentation), oneDNN capped at SSE4.1, one intra-op thread. It overrides the caller's
 # environment on purpose (`ATEN_CPU_CAPABILITY=avx2 make test` passes too). Not pinned, because it cannot be
 # from here: the C library's math functions (glibc's expf/logf: one implementation on every x86-64 CPU with FMA).
@@ -124,6 +125,12 @@ def kill_run_when(config: str, *args: str, ready, nproc: int = 1, timeout: float
     return victims
 
 
+def python_child(code: str) -> subprocess.Popen:
+    """A Python child running `code` from the repository (the workbench importable); stdout and stderr are pipes."""
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """step -> loss; a resumed run appends to the same file, the latest record of a step wins."""
     return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
@@ -204,6 +211,26 @@ def unblocking(fifo: Path, every_s: float = 5.0):
         helper.wait()
 
 
+class PicklePayload:
+    """Unpickling it runs `exec`, which writes "ran" into `marker`: the proof that a loader unpickled what it was
+    given (a refusal names the class `builtins.exec`)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def assert_plan_close(planned: dict, measured: dict, tol: float = 0.15) -> None:
+    """A memory plan against a real step's tracked peak: the peak, and every category that is over 2% of it, within
+    `tol` (relative)."""
+    assert abs(planned["peak_bytes"] / measured["peak_bytes"] - 1) <= tol, (planned, measured)
+    for cat, real in measured["categories"].items():
+        if real > 0.02 * measured["peak_bytes"]:  # categories that matter to the peak
+            assert abs(planned["categories"][cat] / real - 1) <= tol, (cat, planned["categories"], measured)
+
+
 def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
     """Draws every norm weight of a transformers model as 1 + N(0, 0.3) and every bias as N(0, 0.1), in place.
 
@@ -225,6 +252,45 @@ def randomize_norms_and_biases(model, seed: int = 0) -> list[str]:
                 continue
             drawn.append(name)
     return drawn
+
+
+def hf_model(shape, seed: int = 0):
+    """transformers' own model of a `flavors.Qwen3Shape` (seeded init, random norms), fp32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workbench.core import flavors
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(flavors.hf_config(shape)).eval()
+    randomize_norms_and_biases(model, seed)  # from_config's norm weights are all 1.0: a swap would not show
+    return model
+
+
+def hf_logits(model_or_dir, ids):
+    """transformers' fp32 logits of `ids`, from a model or a checkpoint folder it loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = model_or_dir
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+def assert_identical(cmp) -> None:
+    """A `workbench.compare.Comparison` of a checkpoint with an identical one: equal in every tensor, logit,
+    perplexity and generation."""
+    assert (cmp.tensors.status == "same keys").all()
+    assert (cmp.tensors.max_abs == 0).all() and (cmp.tensors.rel_norm == 0).all()
+    assert cmp.heldout["logits_max_abs_diff"] == 0 and cmp.heldout["top1_agreement"] == 1
+    assert cmp.heldout["ppl_a"] == cmp.heldout["ppl_b"]
+    assert cmp.generations.same.all()
 
 
 def check_memory_report(run_dir: Path, stdout: str, ranks: int) -> dict:

@@ -56,7 +56,9 @@ UPSTREAM: dict[tuple[str, str], tuple[str, str]] = {
     ("torchtitan.trainer", "Trainer.train_step"): (
         "ab44cd6384aa6071", "wrapped by WorkbenchTrainer.train_step (step counter before the call, profiler window)"),
     ("torchtitan.trainer", "Trainer.train"): (
-        "64fec79828ddfaf7", "wrapped by WorkbenchTrainer.train (HF load before, export and summary after)"),
+        "64fec79828ddfaf7", "wrapped by WorkbenchTrainer.train (HF load before, export and summary after); on CPU "
+        "its closing time.sleep(2) on rank 0 is a no-op and a barrier follows it "
+        "(cpu_adjustments.end_of_training_without_sleep; the only sleep in torchtitan/trainer.py)"),
     ("torchtitan.trainer", "Trainer.__init__"): (
         "2d0b1a810a03eabe",
         "WorkbenchTrainer reads self.metrics_processor, self.model_parts, self.optimizers, self.step after it"),

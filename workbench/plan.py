@@ -35,7 +35,7 @@ the changed config, never estimated.
 The target device changes more than the dtypes (`training.dtype = auto`: bf16 compute on cuda/neuron, fp32 on
 CPU) and the capacity; the trace itself runs on this host's CPU, so what would run differently there is put in:
 * trn2 (neuron): the nki_moe experts run the NKI kernels (`kernels.autograd.BlockwiseMoEFunction` with kernels
-  that allocate exactly the HBM tensors `kernels.buffers.hbm_allocations` lists; tests/test_plan.py checks that
+  that allocate exactly the HBM tensors `kernels.buffers.hbm_allocations` lists; tests/memory/test_tracer.py checks that
   list against the real kernels in the emulator) instead of the torch reference that runs on CPU/CUDA;
 * attention: where no fused SDPA kernel is known to exist on the device (`FUSED_SDPA`; neuron), SDPA is traced on
   its math path, whose S x S scores then show in "attention scores". The plan records the SDPA kernel it traced.

@@ -32,38 +32,43 @@ def _names(module: str, functions: tuple[str, ...], methods: tuple[tuple[str, st
             + [f"{module}.x\u01c1{c}\u01c1{m}__mutmut_*" for c, m in methods])
 
 
+PLAN_TESTS = "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"  # the plan's fast tests
+
 # target -> (files mutated, mutant-name patterns run (the functions under test), fast tests, pytest -k expression)
 TARGETS: dict[str, tuple[list[str], list[str], list[str], str]] = {
-    "config": (["workbench/core/config.py"],
-               _names("workbench.core.config", ("validate",), tuple((c, "check") for c in (
+    "config": (["workbench/core/config/load.py", "workbench/core/config/sections.py"],
+               _names("workbench.core.config.load", ("validate",))
+               + _names("workbench.core.config.sections", (), tuple((c, "check") for c in (
                    "Model", "Optimizer", "Training", "Parallelism", "Checkpoint", "Profiling", "Metrics"))),
-               ["tests/test_config.py"], "not cli_exits"),
+               ["tests/core/test_config.py"], "not cli_exits"),
     "checkpoint": (["workbench/run/checkpoint.py"],
                    _names("workbench.run.checkpoint", ("newest_complete", "check_checkpoint", "verify_files",
                                                    "verify_checkpoint", "stale_checkpoints", "shape_mismatches"),
                           (("WorkbenchCheckpointManager", "_find_load_step"),)),
-                   ["tests/test_checkpoint_checks.py", "tests/test_checkpoint_recovery.py"], ""),
+                   ["tests/run/test_checkpoint.py"], ""),
     "run_folder": (["workbench/run/run_folder.py", "workbench/run/metrics.py"],
                    _names("workbench.run.metrics", ("_parse", "read_metrics", "trim_metrics"))
                    + _names("workbench.run.run_folder", ("is_complete", "step_dirs", "step_dir")),
-                   ["tests/test_checkpoint_checks.py", "tests/test_run_safety.py", "tests/test_bench.py"], ""),
+                   ["tests/run/test_run_folder.py", "tests/run/test_metrics.py", "tests/run/test_checkpoint.py",
+                    "tests/commands/test_bench.py"], ""),
     "metrics": (["workbench/notebook/dashboard.py", "workbench/bench.py"],
                 _names("workbench.bench", ("summarize_run", "_percentile"))
                 + _names("workbench.notebook.dashboard", (), (("Dashboard", "poll"), ("Dashboard", "_status_html"),
                                                               ("Dashboard", "summary_text"), ("Dashboard", "frame"))),
-                ["tests/test_dashboard.py", "tests/test_bench.py"], ""),
+                ["tests/notebook/test_dashboard.py", "tests/commands/test_bench.py"], ""),
     # The memory plan's categorising part: the tracker's reference types -> categories, and the tracker that files
     # tensors under them (its nested methods are mutants of `tracker_class`).
     "plan": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("categories_at_peak",)),
-             ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
+             ["tests/memory/test_tracer.py"], PLAN_TESTS),
     "plan_tracker": (["workbench/memory/tracer.py"], _names("workbench.memory.tracer", ("tracker_class",)),
-                     ["tests/test_plan.py"], "c10_allocators_own_events_one_rank or kernel_buffers or math_scores"),
+                     ["tests/memory/test_tracer.py"], PLAN_TESTS),
     "hf": (["workbench/hf_weights/units.py"], _names("workbench.hf_weights.units",
                                                       ("unit_of", "group_units", "_ignorable", "check_against")),
            # the expert-bias warning test fails in mutmut's copy of the tree (it passes in the repository)
-           ["tests/test_hf_io.py"], "not expert_bias"),
+           ["tests/hf_weights/test_units.py", "tests/hf_weights/test_load.py", "tests/hf_weights/test_export.py",
+            "tests/hf_weights/test_folder.py"], "not expert_bias"),
     "doctor": (["workbench/doctor.py"], _names("workbench.doctor", ("_base", "software_checks", "nki_check")),
-               ["tests/test_doctor.py"], ""),
+               ["tests/commands/test_doctor.py"], ""),
     "autograd": (["workbench/kernels/autograd.py"],
                  _names("workbench.kernels.autograd", ("_transposed", "neuron_moe_op", "blockwise_moe_nki",
                                                        "blockwise_moe_auto"),

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class BackendModule(Protocol):
-    """What a backend module provides (tests/test_config.py checks each one)."""
+    """What a backend module provides (tests/core/test_config.py checks each one)."""
 
     def model_config(self, job: JobConfig, shape: Qwen3Shape) -> Any:
         """The torchtitan-protocol model config (`build()`, `init_weights`) of the job's model."""

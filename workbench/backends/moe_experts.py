@@ -13,7 +13,7 @@ Trn2) "now use upstream torch._grouped_mm and the models' own attention, not Neu
 
 For native, `FallbackGroupedExperts` swaps only torchtitan's `_grouped_mm` seam (a documented override point), so
 parameters, sharding, checkpoints and the HF mapping stay torchtitan's. For huggingface_v5 the same choice maps onto
-transformers' own registered implementations (`HF_EXPERTS`). tests/test_moe_experts.py checks outputs and
+transformers' own registered implementations (`HF_EXPERTS`). tests/backends/test_moe_experts.py checks outputs and
 gradients of every choice against grouped_mm (1e-5, fp32).
 
 Both fallbacks read the group sizes on the host (`.tolist()` / `.item()`): fine for a fallback, but on a compiling

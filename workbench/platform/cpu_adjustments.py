@@ -1,6 +1,7 @@
 """Every adjustment torchtitan needs to train on CPU, in one place, applied only when the device is CPU.
 
-`workbench.platform.titan_device.pin("cpu")` calls `apply()`; nothing else in the workbench patches a dependency.
+`workbench.platform.titan_device.pin("cpu")` calls `apply()` (1-4) and `WorkbenchTrainer.train` calls
+`end_of_training_without_sleep` (5); nothing else in the workbench patches a dependency.
 Each adjustment is small, idempotent and says which behaviour of torchtitan 0.3.0 it works around:
 
 1. Device selection. `torchtitan.tools.utils` decides `device_type` at import and falls back to "cuda"
@@ -15,12 +16,16 @@ Each adjustment is small, idempotent and says which behaviour of torchtitan 0.3.
    run in the activation dtype instead, through the same `torch._grouped_mm` seam.
 4. The MoE router's `torch.autocast(dtype=float32)` is a no-op on CPU that warns on every call (CPU autocast only
    knows bf16/fp16); the warning is silenced.
+5. The end of training. `Trainer.train` ends with a fixed `time.sleep(2)` on rank 0 "for other ranks to complete".
+   `WorkbenchTrainer.train` calls `end_of_training_without_sleep` on CPU, which makes that sleep a no-op and then
+   has every rank meet at a barrier: rank 0 waits for the slowest rank, not 2 s more (a CPU launch is seconds long).
 """
 
 from __future__ import annotations
 
 import resource
 import sys
+import time
 import types
 import warnings
 
@@ -126,6 +131,23 @@ def _grouped_experts_in_activation_dtype() -> None:
 
     forward._workbench_cpu = True  # type: ignore[attr-defined]
     GroupedExperts.forward = forward
+
+
+def end_of_training_without_sleep(train) -> None:
+    """Runs `train()` (torchtitan's `Trainer.train`) with its closing 2 s sleep made a no-op, then a barrier over
+    the default process group (adjustment 5). `torchtitan.trainer` is loaded by then: the trainer subclasses it."""
+    import torch.distributed as dist
+    import torchtitan.trainer as titan_trainer
+
+    if not getattr(titan_trainer.time, "_workbench_cpu", False):
+        no_sleep = types.ModuleType("time")
+        no_sleep.__getattr__ = lambda name: getattr(time, name)  # type: ignore[attr-defined]  # perf_counter etc.
+        no_sleep.sleep = lambda _seconds: None  # type: ignore[attr-defined]
+        no_sleep._workbench_cpu = True  # type: ignore[attr-defined]
+        titan_trainer.time = no_sleep
+    train()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def apply(force_sum: bool = True) -> None:

@@ -3,7 +3,8 @@
 The counterpart of `workbench/platform/cpu_adjustments.py`. `workbench.platform.titan_device.pin` applies it when
 `[neuron] apply` says so: `auto` (default) on the neuron device only; `always` also on cpu/cuda, which is how the
 test suite runs this exact code path offline (a 2-rank gloo job whose process group is registered under the name the
-config asks for; see tests/test_neuron_path.py). Nothing here has run on a Trainium; each item says what it rests on.
+config asks for; see tests/integration/test_neuron_path.py). Nothing here has run on a Trainium; each item says what
+it rests on.
 
 1. Process group (`neuron.process_group`, default "neuron"). torchtitan picks its backend from
    `torch.distributed.Backend.default_device_backend_map[device_type]`; we map the device to the configured

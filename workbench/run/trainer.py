@@ -327,7 +327,12 @@ class WorkbenchTrainer(Trainer):
             from workbench import hf_weights
 
             hf_weights.load_into_trainer(self, self.run.hf_checkpoint)
-        super().train()
+        if self.device.type == "cpu":
+            from workbench.platform import cpu_adjustments
+
+            cpu_adjustments.end_of_training_without_sleep(super().train)
+        else:
+            super().train()
         if self.run.export_hf:
             from workbench import hf_weights
 
