@@ -246,7 +246,9 @@ def forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     FC = layout.f_chunk(D, F, x_pad.dtype.itemsize, 3)
     sets, per_class = layout.forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
     ws = fwd_workspace(widths, D, FC, x_pad.dtype, hbm.rows.dtype, FC < F, per_class)
-    ps = PsumPool(x_pad.dtype)
+    # the Vector Engine evicts every transpose: the Scalar Engine evicts the projections' accumulators (`project`),
+    # and a transpose eviction queued between two of those holds up the next projection
+    ps = PsumPool(x_pad.dtype, evict=(nisa.engine.vector,))
     double = None
     # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
     # (loaded at its own start, behind the previous position's weight loads, it would hold up its first piece)

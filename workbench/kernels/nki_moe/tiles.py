@@ -340,14 +340,16 @@ class PsumPool:
     1 KiB per partition (4 bf16 [128, 128] transposes side by side, `transposes_into`: the Tensor Engine fills one
     region while the other is evicted), and ACC_BANKS accumulators (a whole 2 KiB bank each). Rotation happens at
     trace time: a compiled loop body's k-th use is the same bank every iteration, and consecutive uses inside a
-    body take turns. `dw`: the backward's weight-gradient banks (its pieces' dx accumulates there too)."""
+    body take turns. `dw`: the backward's weight-gradient banks (its pieces' dx accumulates there too). `evict`:
+    the engines that evict the transpose regions, in turn."""
 
-    def __init__(self, io_dtype):
+    def __init__(self, io_dtype, evict=(nisa.engine.vector, nisa.engine.scalar)):
         self.t_cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
         self.regions = []
         self.accs = []
         self.turns = [0, 0]  # transpose regions, accumulators handed out so far
         self.dw = None
+        self.evict = evict
         for _ in range(TRANSPOSE_BANKS):
             bank = nl.ndarray((P, 2 * self.t_cols), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
             for k in range(2):
@@ -397,10 +399,10 @@ def matmul_sum(dst, terms):
 def transposes_into(dst, srcs, ps):
     """dst <- the transposes of `srcs` (SBUF [p_i, f] each) side by side, [f, sum p_i] (dst: any SBUF view with f
     partitions and that many elements each, in that order): staged in one PSUM transpose region (`PsumPool`) and
-    evicted by one copy, so the eviction's fixed cost is paid once per region, not per transpose; the Vector Engine
-    evicts the even regions of the rotation, the Scalar Engine the odd ones."""
+    evicted by one copy, so the eviction's fixed cost is paid once per region, not per transpose; the pool's
+    `evict` engines take the regions in turn."""
     f = srcs[0].shape[1]
-    engine = nisa.engine.vector if ps.turns[0] % 2 == 0 else nisa.engine.scalar
+    engine = ps.evict[ps.turns[0] % len(ps.evict)]
     region = ps.region()
     c = 0
     for src in srcs:
