@@ -142,6 +142,10 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self._storage.name or '?'}, shape={self.shape}, dtype={self.dtype}, {self.buffer})"
 
+    def first_partition(self) -> int:
+        """The partition of an on-chip view's first row (dim 0 of its allocation is the partition dim)."""
+        return self._data.storage_offset() // self._storage.data.stride(0)
+
     def __getitem__(self, index) -> Tensor:
         index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), self.ndim)
         if len(index) > self.ndim:
