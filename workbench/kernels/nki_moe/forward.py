@@ -247,8 +247,9 @@ def forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     sets, per_class = layout.forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
     ws = fwd_workspace(widths, D, FC, x_pad.dtype, hbm.rows.dtype, FC < F, per_class)
     # the Vector Engine evicts every transpose: the Scalar Engine evicts the projections' accumulators (`project`),
-    # and a transpose eviction queued between two of those holds up the next projection
-    ps = PsumPool(x_pad.dtype, evict=(nisa.engine.vector,))
+    # and a transpose eviction queued between two of those holds up the next projection. The forward has no
+    # weight-gradient banks, so their PSUM holds more accumulators: a projection waits less for an eviction
+    ps = PsumPool(x_pad.dtype, evict=(nisa.engine.vector,), acc_banks=layout.ACC_BANKS + layout.DW_BANKS)
     double = None
     # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
     # (loaded at its own start, behind the previous position's weight loads, it would hold up its first piece)

@@ -338,12 +338,12 @@ def zero_row_share(t, zeros, pid, lnc, first=0, last=None):
 class PsumPool:
     """The pieces' PSUM tiles, handed out in rotation: TRANSPOSE_BANKS transpose-staging banks, each two regions of
     1 KiB per partition (4 bf16 [128, 128] transposes side by side, `transposes_into`: the Tensor Engine fills one
-    region while the other is evicted), and ACC_BANKS accumulators (a whole 2 KiB bank each). Rotation happens at
+    region while the other is evicted), and `acc_banks` accumulators (a whole 2 KiB bank each). Rotation happens at
     trace time: a compiled loop body's k-th use is the same bank every iteration, and consecutive uses inside a
     body take turns. `dw`: the backward's weight-gradient banks (its pieces' dx accumulates there too). `evict`:
     the engines that evict the transpose regions, in turn."""
 
-    def __init__(self, io_dtype, evict=(nisa.engine.vector, nisa.engine.scalar)):
+    def __init__(self, io_dtype, evict=(nisa.engine.vector, nisa.engine.scalar), acc_banks=ACC_BANKS):
         self.t_cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
         self.regions = []
         self.accs = []
@@ -354,7 +354,7 @@ class PsumPool:
             bank = nl.ndarray((P, 2 * self.t_cols), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
             for k in range(2):
                 self.regions.append(bank[0:P, k * self.t_cols:(k + 1) * self.t_cols])
-        for _ in range(ACC_BANKS):
+        for _ in range(acc_banks):
             self.accs.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"))
 
     def region(self):
