@@ -267,13 +267,22 @@ def tok(tiles, tile, s, parts, c0, cols):
     return tiles.ap(pattern=[[NT * w, parts], [1, cols]], offset=s * w + c0, scalar_offset=tile, indirect_dim=1)
 
 
-def load_block(dsts, tile, srcs, token_index, grp, B):
+def block_columns(table, grp, B, dtype):
+    """`block_column` of each 128-slot sub-tile of a B-slot piece starting at slot group grp."""
+    out = []
+    for _s, s0, sl in slot_tiles(B):
+        out.append(block_column(table, grp, s0, sl, dtype))
+    return out
+
+
+def load_block(dsts, tile, srcs, token_index, grp, B, index=None):
     """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` into its token-major tiles in `dsts` (see
-    `tok`; padding slots read the zero row T)."""
+    `tok`; padding slots read the zero row T). `index`: the sub-tiles' token index columns (`block_columns`),
+    when the caller loaded them already."""
     for s, s0, sl in slot_tiles(B):
-        index = block_column(token_index, grp, s0, sl, I32)
+        rows = block_column(token_index, grp, s0, sl, I32) if index is None else index[s]
         for i in range(len(srcs)):
-            gather_into(tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], index)
+            gather_into(tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], rows)
 
 
 def affinities(slot_weight, grp, B, into=None):
