@@ -64,6 +64,29 @@ def test_row_tiles_contract_their_rows_and_accumulate():
     np.testing.assert_allclose(kernel(x, w), x.T @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows,start_row", [(32, 32), (64, 64)])
+def test_row_tiles_read_the_partitions_of_their_pe_rows(rows, start_row):
+    """Partition p feeds PE row p (Trainium2 guide), so a row tile at start_row r contracts partitions [r, r +
+    row_size): operands there compute, the same operands on partitions [0, row_size) are refused."""
+    x, w = rand(128, 48), rand(128, 80, seed=1)
+
+    def kernel(a, b, first):
+        xs, ws = load(a), load(b)
+        psum = nl.ndarray((48, 80), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=psum, stationary=xs[first:first + rows, 0:48], moving=ws[first:first + rows, 0:80],
+                       tile_position=(start_row, 0), tile_size=(rows, 128))
+        out = nl.ndarray((48, 80), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=psum)
+        return store(out)
+
+    band = slice(start_row, start_row + rows)
+    got = nki.jit(lambda a, b: kernel(a, b, start_row))(x, w)
+    np.testing.assert_allclose(got, x[band].T @ w[band], rtol=1e-5, atol=1e-4)
+    with pytest.raises(NkiRuleError, match=rf"\[matmul-tiling\] stationary .* partitions \[0, {rows}\); the row "
+                       rf"tile at start_row {start_row} is fed by partitions \[{start_row}, {start_row + rows}\)"):
+        nki.jit(lambda a, b: kernel(a, b, 0))(x, w)
+
+
 @pytest.mark.parametrize("position,size,match", [
     ((0, 32), (), "both must be set"),
     ((0, 0), (96, 128), "2 x 64 or 4 x 32"),

@@ -307,6 +307,44 @@ def test_one_cores_accesses_never_order_the_others(monkeypatch):
     assert spans[2] == pytest.approx(spans[1], rel=1e-9)
 
 
+def _offset_then_vector_work(x, where):
+    """Load 2 MiB from x at a runtime row offset read from an SBUF tile, rewrite that tile (Vector), then fill a
+    [128, 8192] fp32 tile on the Vector Engine (longer than the load)."""
+    idx = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx, src=where)
+    big = nl.ndarray((128, 8192), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=big, src=x.ap(pattern=[[8192, 128], [1, 8192]], offset=0, scalar_offset=idx, indirect_dim=0))
+    nisa.memset(dst=idx, value=0, engine=nisa.engine.vector)  # the next offset: WAR on idx
+    other = nl.ndarray((128, 8192), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=other, value=1.0, engine=nisa.engine.vector)
+    out = nl.ndarray((128, 8), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=big[0:128, 0:8])
+    return out
+
+
+def test_a_dma_frees_its_offset_once_its_descriptors_exist(monkeypatch):
+    """A DMA's descriptors hold the addresses its offsets gave (DGE reference: a descriptor "tells the hardware
+    the source address, destination address, transfer shape, and stride pattern"), so rewriting the offset tile
+    waits for the descriptors (one DGE), not for the 2 MiB transfer: the Vector fill overlaps the load."""
+    import torch
+
+    from workbench.kernels.nki_emulator.timing import schedule
+
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    r = TRN2
+    x = torch.arange(3 * 128, dtype=torch.bfloat16)[:, None].expand(-1, 8192).contiguous()
+    with counters(trace=True) as c:
+        out = nki.jit(_offset_then_vector_work)(x, torch.tensor([[128]], dtype=torch.int32))
+    assert torch.equal(out, x[128:256, :8])
+    s = schedule(c)
+    idx_loaded = r.dge_hw_s + r.dma_fixed_s + 4 / r.dma_engine_bytes_per_s
+    described = idx_loaded + r.dma_semaphore_s + r.dge_hw_s  # the load waits for idx's DMA, then one DGE
+    transfer = 128 * 8192 * 2 / r.hbm_bytes_per_s
+    vector = s.busy["vector"]  # the two memsets, back to back
+    assert vector > transfer  # so the fill ends last: when it starts tells when idx was free
+    assert s.seconds == pytest.approx(described + vector, rel=0.02)
+
+
 def _calibration():
     import importlib.util
     from pathlib import Path

@@ -35,6 +35,7 @@ from .memory import (
     SBUF,
     SHARED_HBM,
     URL_NKI_TENSOR,
+    URL_TRN2,
 )
 from .tensors import AccessPattern, Tensor, View, note_uses
 from .timing import dma_work, elementwise_work, matmul_work, transpose_work
@@ -233,6 +234,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         raise violation("matmul-output-shape", f"dst shape {dst.shape} != (stationary free, moving free) = "
                         f"{(m, n)}", url)
     tile = _pe_tile(tile_position, tile_size, k_s, m)
+    _row_tile_partitions(tile, (("stationary", stationary), ("moving", moving)))
 
     def run():
         if is_transpose:  # a data movement: unwritten stationary elements arrive unwritten
@@ -295,6 +297,24 @@ def _pe_tile(position, size, rows: int, cols: int) -> tuple:
         raise violation("matmul-tiling", f"the stationary tile [{rows}, {cols}] (contraction partitions, free) "
                         f"exceeds tile_size {tuple(size)}: it must fit the PE tile", URL_MATMUL)
     return (row0, row_size, col0, col_size)
+
+
+def _row_tile_partitions(tile: tuple, operands) -> None:
+    """A row tile's operands lie on the SBUF partitions that feed its PE rows: partition p feeds PE row p (the
+    Trainium2 guide, "Double FP8 Matmul Performance": "each partition feeding data into each row of processing
+    elements inside the TensorE"), so a tile of row_size rows at start_row r contracts partitions [r, r + row_size)
+    (the nc_matmul page: tile_position (64, 0), tile_size (64, 128) is "the bottom half of the systolic array")."""
+    if not tile or tile[1] == PMAX:
+        return
+    row0, rows = tile[0], tile[1]
+    for what, t in operands:
+        if isinstance(t, AccessPattern):
+            raise NotImplementedError("nc_matmul: row-tiled access-pattern operands are outside the emulated subset")
+        first = t.first_partition()
+        if first < row0 or first + t.shape[0] > row0 + rows:
+            raise violation("matmul-tiling", f"{what} {t} is on partitions [{first}, {first + t.shape[0]}); the row "
+                            f"tile at start_row {row0} is fed by partitions [{row0}, {row0 + rows}) (partition p "
+                            "feeds PE row p)", URL_TRN2)
 
 
 def _matmul_poison(s, s_poison, mv, m_poison) -> torch.Tensor:

@@ -55,7 +55,7 @@ class VirtualRegister:
         _touch_register(self, "w")
 
     def runtime_value(self) -> int:
-        _touch_register(self, "r")
+        _touch_register(self, "o")
         if self.value is None:
             raise _violation("register-uninitialized", f"{self.name} is read before any register_alloc(x)/"
                              "register_move/register_load gave it a value", URL_REGISTER)
@@ -98,7 +98,8 @@ class NkiScalar(VirtualRegister):
 
 
 def _touch_register(reg: VirtualRegister, kind: str) -> None:
-    """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset)."""
+    """While tracing, a register read or write is an access like a tile's (register_load -> scalar_offset); a read
+    is kind "o", a value read as an offset or loop bound (`timing`: a DMA reads it when its descriptors are made)."""
     launch = current()
     if launch is not None and launch.accesses is not None:
         launch.accesses.append((launch.key(reg), kind, 0, 0, 0, 0))

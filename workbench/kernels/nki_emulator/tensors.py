@@ -142,6 +142,10 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self._storage.name or '?'}, shape={self.shape}, dtype={self.dtype}, {self.buffer})"
 
+    def first_partition(self) -> int:
+        """The partition of an on-chip view's first row (dim 0 of its allocation is the partition dim)."""
+        return self._data.storage_offset() // self._storage.data.stride(0)
+
     def __getitem__(self, index) -> Tensor:
         index = _expand_ellipsis(index if isinstance(index, tuple) else (index,), self.ndim)
         if len(index) > self.ndim:
@@ -206,19 +210,22 @@ class Tensor:
         return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim, view)
 
     # -- element access used by the instructions -------------------------------------------------------------
-    def _access(self, kind: str) -> None:
+    def _access(self, kind: str, traced: str | None = None) -> None:
+        """Note a read ("r") or write ("w") of the view: in the time model's trace as `traced` (default: kind), and
+        for the race check."""
         _check_owner(self._storage)
         launch = current()
         if launch is not None and (launch.accesses is not None or (launch.lnc > 1 and self._storage.shared)):
             pattern = list(zip(self._data.stride(), self._data.shape, strict=True)) or [(1, 1)]
-            launch.touch(self._storage, kind, self._data.storage_offset(), pattern, None)  # the time model's trace
+            launch.touch(self._storage, traced or kind, self._data.storage_offset(), pattern, None)
             if launch.lnc > 1 and self._storage.shared:
                 launch.record(self._storage, kind, self._data.storage_offset(), pattern, None)
 
     def read(self) -> torch.Tensor:
         """The values, for a use that cannot carry poison (an index, offset, register or loop bound): an unwritten
-        element raises `uninitialized-read`."""
-        self._access("r")
+        element raises `uninitialized-read`. Traced as kind "o" (`timing`: a DMA reads its offsets when its
+        descriptors are made)."""
+        self._access("r", "o")
         if not bool(self._init.all()):
             _uninitialized(self._storage, f"{self} is used as an index, offset or loop bound before every element "
                            "was written (NKI allocations are not initialised)", ~self._init, self._derived)
@@ -419,7 +426,7 @@ class AccessPattern:
         cast = "" if self.view_dtype is None else f", dtype={self.view_dtype}"
         return f"AccessPattern({self.root!r}, pattern={self.pattern}, offset={self.offset}{cast})"
 
-    def _flat_index(self, kind: str, skip: bool = False):
+    def _flat_index(self, kind: str, skip: bool = False, traced: str | None = None):
         """Flat element indices of the view (in elements of its dtype), and (oob_mode.skip) which of them take part
         in the transfer.
 
@@ -468,7 +475,7 @@ class AccessPattern:
             box = race = (int(start), self.pattern, outer)
             if self.view_dtype is not None:
                 box, race = self._tensor_patterns(flat)
-            launch.touch(self.root._storage, kind, *box)  # the time model's trace
+            launch.touch(self.root._storage, traced or kind, *box)  # the time model's trace
             if launch.lnc > 1 and self.root._storage.shared:
                 launch.record(self.root._storage, kind, *race)
         return flat, keep
@@ -519,8 +526,9 @@ class AccessPattern:
         return lambda d: d.reshape(-1)[covered].any(-1)
 
     def read(self):
-        """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read`."""
-        flat, _ = self._flat_index("r")
+        """The viewed values for an index/offset use: an unwritten element raises `uninitialized-read` (traced as
+        kind "o", as Tensor.read)."""
+        flat, _ = self._flat_index("r", traced="o")
         init = self._init_at(flat)
         if not bool(init.all()):
             _uninitialized(self.root._storage, f"{self} is used as an index or offset before every element was "

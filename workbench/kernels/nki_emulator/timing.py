@@ -588,11 +588,12 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
         return
     ready, cause = 0.0, None
     for key, kind, *box in accesses:
-        ready, cause = _overlaps(c.writes.get(key, ()), box, ready, cause, "RAW" if kind == "r" else "WAW")
+        ready, cause = _overlaps(c.writes.get(key, ()), box, ready, cause, "WAW" if kind == "w" else "RAW")
         if kind == "w":
             ready, cause = _overlaps(c.reads.get(key, ()), box, ready, cause, "WAR")
+    consumed = None  # when the offsets ("o" reads) are consumed: the instruction's end, a DMA's descriptors
     if engine == "dma":
-        end = _dma(c, work, r, ready, cause, site, out)
+        end, consumed = _dma(c, work, r, ready, cause, site, out)
     elif engine == "tensor" and work is not None:
         end = _tensor(c, work, r, ready, cause, site, out)
     else:
@@ -606,7 +607,8 @@ def _issue(c: _Core, ins, r: Rates, out: Schedule) -> None:
             out.busy[q] += seconds
     c.end = max(c.end, end)
     for key, kind, *box in accesses:
-        _note(c, c.writes if kind == "w" else c.reads, key, box, end, engine, site)
+        done = consumed if kind == "o" and consumed is not None else end
+        _note(c, c.writes if kind == "w" else c.reads, key, box, done, engine, site)
 
 
 def _cells(tile: tuple) -> list:
@@ -638,9 +640,10 @@ def _tensor(c: _Core, work, r: Rates, ready: float, cause, site: str, out: Sched
     return end
 
 
-def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> float:
+def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedule) -> tuple[float, float]:
     """Descriptor generation (hardware DGE instance, or software DGE on GpSimd for indirect transfers), then the
-    transfer on the core's DMA engines and its HBM share. Returns the completion time."""
+    transfer on the core's DMA engines and its HBM share. Returns (completion time, descriptors made): the
+    descriptors hold the addresses its offsets gave, so the offsets are free to change from then on."""
     if cause is not None and cause[1] == "dma":  # a DMA started by another DMA's completion semaphore
         ready += r.dma_semaphore_s
     if w.rows:  # software DGE: an instruction in GpSimd's in-order queue
@@ -675,4 +678,4 @@ def _dma(c: _Core, w: Dma, r: Rates, ready: float, cause, site: str, out: Schedu
         for b in (*c.dma, c.hbm):
             b.forget_before(horizon)
     out.busy["dma"] += k * seconds / r.dma_engines
-    return end
+    return end, described

@@ -26,13 +26,15 @@ class Scratch(NamedTuple):
     grp: object
 
 
-def write_rows(dest, ws, s0, sl, first):
+def write_rows(dest, ws, s0, sl, first, where=None):
     """The scratch rows of the piece's slots [s0, s0 + sl) <- ws.out_rows[0:sl, :], scattered token-major in one DMA
     (`dest` a Scratch: each slot's row t * K + k, so the combine reads a token tile's rows contiguously) for the first
     F chunk; later chunks add to the partial sums (read-modify-write of the fp32 scratch; the rows belong to this
-    core's piece)."""
+    core's piece). `where`: the slots' scratch rows (an int32 SBUF [sl, 1] column of `row_of_slot`), when the
+    caller loaded them already."""
     D = dest.rows.shape[1]
-    where = block_column(dest.row_of_slot, dest.grp, s0, sl, I32)
+    if where is None:
+        where = block_column(dest.row_of_slot, dest.grp, s0, sl, I32)
     window = dest.rows.ap(pattern=[[D, sl], [1, D]], offset=0, vector_offset=where, indirect_dim=0)
     rows = ws.out_rows[0:sl, 0:D]
     if not first:

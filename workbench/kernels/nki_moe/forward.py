@@ -11,7 +11,7 @@ from . import layout
 from .checks import expect, expect_plan
 from .columns import PieceCol, SegCol, entry, piece_classes
 from .combine import Scratch, combine, write_rows, zero_padded_tokens
-from .layout import F32, MOVING_FMAX, P, ntiles, token_tiles, width
+from .layout import F32, I32, MOVING_FMAX, P, ntiles, token_tiles, width
 from .mlp import evict_rows, narrow_batches, project
 from .tiles import (
     DmaTimes,
@@ -20,6 +20,7 @@ from .tiles import (
     KernelHbm,
     PsumPool,
     affinities,
+    block_columns,
     column_chunks,
     copy_times,
     count,
@@ -157,12 +158,17 @@ def forward_block(loop, grp, row0, nxt):
     """
     hbm, w, ws, ps, B = loop.hbm, loop.w, loop.ws, loop.ps, loop.B
     D, FC = hbm.x.shape[1], matrix_columns(w.gate)
+    # the index columns of the next piece's gather and of this piece's scatter, loaded first: issued next to the
+    # gather or the scatter they would queue behind the piece's weight loads, and the software-DGE queue (GpSimd,
+    # in order) with them
+    gather_index = block_columns(hbm.index, nxt, B, I32)
+    scatter_index = block_columns(hbm.row_of_slot, grp, B, I32)
     affinity = []  # its slot weights, gathered with its x rows: copied out before the next piece's overwrite them
     for s, _s0, sl in slot_tiles(B):
         affinity.append(nl.ndarray((sl, 1), dtype=F32, buffer=nl.sbuf))
         nisa.tensor_copy(dst=affinity[s], src=ws.aff[s], engine=nisa.engine.vector)
     feature_major(ws.xT, ws.x, None, B, D, ps)
-    load_block([ws.x], None, [hbm.x], hbm.index, nxt, B)  # the next piece's rows (software pipeline)
+    load_block([ws.x], None, [hbm.x], hbm.index, nxt, B, gather_index)  # the next piece's rows (software pipeline)
     affinities(hbm.weight, nxt, B, ws.aff)
     project(ws.g, w.gate, ws.xT, B, D, FC, ps)
     project(ws.u, w.up, ws.xT, B, D, FC, ps, ws)  # with the SwiGLU of each f-tile
@@ -171,7 +177,7 @@ def forward_block(loop, grp, row0, nxt):
     dest = Scratch(hbm.rows, hbm.row_of_slot, grp)
     if B < P:  # a narrow piece: the weights stationary, B moving columns
         down_narrow(ws, w.down, affinity[0], B, D, FC, ps)
-        write_rows(dest, ws, 0, B, loop.first)
+        write_rows(dest, ws, 0, B, loop.first, scatter_index[0])
         return
     for s, s0, sl in slot_tiles(B):
         for _c, c0, cl in column_chunks(D):
@@ -182,7 +188,7 @@ def forward_block(loop, grp, row0, nxt):
                 terms.append((ws.h[0:fl, i, s0:s0 + sl], matrix(w.down, fl, i, c0, cl)))
             matmul_sum(acc, terms)
             evict_rows(ws, acc, affinity[s], sl, c0, cl)
-        write_rows(dest, ws, s0, sl, loop.first)
+        write_rows(dest, ws, s0, sl, loop.first, scatter_index[s])
 
 
 def down_narrow(ws, w_down, affinity, B, D, FC, ps):
@@ -246,7 +252,10 @@ def forward_segments(pid, S, hbm, piece, seg_table, seg_count, hbm_w):
     FC = layout.f_chunk(D, F, x_pad.dtype.itemsize, 3)
     sets, per_class = layout.forward_layout(widths, D, F, FC, x_pad.dtype.itemsize)
     ws = fwd_workspace(widths, D, FC, x_pad.dtype, hbm.rows.dtype, FC < F, per_class)
-    ps = PsumPool(x_pad.dtype)
+    # the Vector Engine evicts every transpose: the Scalar Engine evicts the projections' accumulators (`project`),
+    # and a transpose eviction queued between two of those holds up the next projection. The forward has no
+    # weight-gradient banks, so their PSUM holds more accumulators: a projection waits less for an eviction
+    ps = PsumPool(x_pad.dtype, evict=(nisa.engine.vector,), acc_banks=layout.ACC_BANKS + layout.DW_BANKS)
     double = None
     # the seg_table rows run ahead: position 0's here, each later one's loaded when the position before it starts
     # (loaded at its own start, behind the previous position's weight loads, it would hold up its first piece)

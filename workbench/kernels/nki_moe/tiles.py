@@ -267,13 +267,22 @@ def tok(tiles, tile, s, parts, c0, cols):
     return tiles.ap(pattern=[[NT * w, parts], [1, cols]], offset=s * w + c0, scalar_offset=tile, indirect_dim=1)
 
 
-def load_block(dsts, tile, srcs, token_index, grp, B):
+def block_columns(table, grp, B, dtype):
+    """`block_column` of each 128-slot sub-tile of a B-slot piece starting at slot group grp."""
+    out = []
+    for _s, s0, sl in slot_tiles(B):
+        out.append(block_column(table, grp, s0, sl, dtype))
+    return out
+
+
+def load_block(dsts, tile, srcs, token_index, grp, B, index=None):
     """Gather the block's rows of each [T+1, D] HBM tensor in `srcs` into its token-major tiles in `dsts` (see
-    `tok`; padding slots read the zero row T)."""
+    `tok`; padding slots read the zero row T). `index`: the sub-tiles' token index columns (`block_columns`),
+    when the caller loaded them already."""
     for s, s0, sl in slot_tiles(B):
-        index = block_column(token_index, grp, s0, sl, I32)
+        rows = block_column(token_index, grp, s0, sl, I32) if index is None else index[s]
         for i in range(len(srcs)):
-            gather_into(tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], index)
+            gather_into(tok(dsts[i], tile, s, sl, 0, srcs[i].shape[1]), srcs[i], rows)
 
 
 def affinities(slot_weight, grp, B, into=None):
@@ -338,21 +347,23 @@ def zero_row_share(t, zeros, pid, lnc, first=0, last=None):
 class PsumPool:
     """The pieces' PSUM tiles, handed out in rotation: TRANSPOSE_BANKS transpose-staging banks, each two regions of
     1 KiB per partition (4 bf16 [128, 128] transposes side by side, `transposes_into`: the Tensor Engine fills one
-    region while the other is evicted), and ACC_BANKS accumulators (a whole 2 KiB bank each). Rotation happens at
+    region while the other is evicted), and `acc_banks` accumulators (a whole 2 KiB bank each). Rotation happens at
     trace time: a compiled loop body's k-th use is the same bank every iteration, and consecutive uses inside a
-    body take turns. `dw`: the backward's weight-gradient banks (its pieces' dx accumulates there too)."""
+    body take turns. `dw`: the backward's weight-gradient banks (its pieces' dx accumulates there too). `evict`:
+    the engines that evict the transpose regions, in turn."""
 
-    def __init__(self, io_dtype):
+    def __init__(self, io_dtype, evict=(nisa.engine.vector, nisa.engine.scalar), acc_banks=ACC_BANKS):
         self.t_cols = MOVING_FMAX * F32.itemsize // (2 * io_dtype.itemsize)  # io-dtype columns of half a bank
         self.regions = []
         self.accs = []
         self.turns = [0, 0]  # transpose regions, accumulators handed out so far
         self.dw = None
+        self.evict = evict
         for _ in range(TRANSPOSE_BANKS):
             bank = nl.ndarray((P, 2 * self.t_cols), dtype=io_dtype, buffer=nl.psum, name="psum_transpose")
             for k in range(2):
                 self.regions.append(bank[0:P, k * self.t_cols:(k + 1) * self.t_cols])
-        for _ in range(ACC_BANKS):
+        for _ in range(acc_banks):
             self.accs.append(nl.ndarray((P, MOVING_FMAX), dtype=F32, buffer=nl.psum, name="psum_acc"))
 
     def region(self):
@@ -397,10 +408,10 @@ def matmul_sum(dst, terms):
 def transposes_into(dst, srcs, ps):
     """dst <- the transposes of `srcs` (SBUF [p_i, f] each) side by side, [f, sum p_i] (dst: any SBUF view with f
     partitions and that many elements each, in that order): staged in one PSUM transpose region (`PsumPool`) and
-    evicted by one copy, so the eviction's fixed cost is paid once per region, not per transpose; the Vector Engine
-    evicts the even regions of the rotation, the Scalar Engine the odd ones."""
+    evicted by one copy, so the eviction's fixed cost is paid once per region, not per transpose; the pool's
+    `evict` engines take the regions in turn."""
     f = srcs[0].shape[1]
-    engine = nisa.engine.vector if ps.turns[0] % 2 == 0 else nisa.engine.scalar
+    engine = ps.evict[ps.turns[0] % len(ps.evict)]
     region = ps.region()
     c = 0
     for src in srcs:
