@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tests.run_helpers import cached_run, kill_run_when, losses_by_step, run_train
+from tests.run_helpers import kill_run_when, losses_by_step, run_train
 from workbench.run.checkpoint import check_checkpoint, newest_complete, verify_checkpoint
 
 pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored number (run_helpers.py)
@@ -24,14 +24,6 @@ pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored 
 DENSE = "configs/cpu_dense.toml"
 # The lr schedule is fixed to 12 steps, so that runs of any length (and any checkpoint interval) follow one curve.
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """12 uninterrupted steps on 2 ranks, checkpoints at 4, 8, 12: the reference curve and checkpoints to damage."""
-    run_dir, _ = cached_run(tmp_path_factory, DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
-                            nproc=2)  # the same launch as test_run_safety.py's reference
-    return run_dir, losses_by_step(run_dir)
 
 
 def copy_checkpoints(src_run: Path, dst_run: Path, steps: list[int]) -> Path:
@@ -48,8 +40,8 @@ def last_lines(proc: subprocess.CompletedProcess, n: int) -> str:
 # ---- cheap checks (no training) -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_check_checkpoint_reads_the_dcp_metadata(reference, tmp_path):
-    ckpt = copy_checkpoints(reference[0], tmp_path / "run", [4])
+def test_check_checkpoint_reads_the_dcp_metadata(reference_12, tmp_path):
+    ckpt = copy_checkpoints(reference_12[0], tmp_path / "run", [4])
     step = ckpt / "step-4"
     assert verify_checkpoint(step) is None
     metadata = step / ".metadata"
@@ -77,8 +69,8 @@ def test_check_checkpoint_reads_the_dcp_metadata(reference, tmp_path):
 # ---- acceptance: flipped bytes in the newest shard -> named, resume from step 4, the same losses -------------------
 
 @pytest.mark.slow
-def test_flipped_bytes_resume_from_the_previous_step(reference, tmp_path):
-    ref_dir, ref = reference
+def test_flipped_bytes_resume_from_the_previous_step(reference_12, tmp_path):
+    ref_dir, ref = reference_12
     ckpt = copy_checkpoints(ref_dir, tmp_path / "cpu_dense", [4, 8])  # a run stopped after its step-8 save ...
     shard = ckpt / "step-8" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())  # ... whose step-8 shard then got 100 random bytes in the middle
@@ -98,8 +90,8 @@ def test_flipped_bytes_resume_from_the_previous_step(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_folder_of_unusable_checkpoints_is_refused(reference, tmp_path):
-    ckpt = copy_checkpoints(reference[0], tmp_path / "cpu_dense", [4, 8])
+def test_a_folder_of_unusable_checkpoints_is_refused(reference_12, tmp_path):
+    ckpt = copy_checkpoints(reference_12[0], tmp_path / "cpu_dense", [4, 8])
     for step in (4, 8):  # every step's commit point gone (the issue removed every .metadata)
         (ckpt / f"step-{step}" / "checksums.json").unlink()
     proc = run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
@@ -112,8 +104,8 @@ def test_a_folder_of_unusable_checkpoints_is_refused(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_model_is_a_config_error(reference, tmp_path):
-    copy_checkpoints(reference[0], tmp_path / "cpu_dense", [4])
+def test_checkpoint_of_another_model_is_a_config_error(reference_12, tmp_path):
+    copy_checkpoints(reference_12[0], tmp_path / "cpu_dense", [4])
     proc = run_train(DENSE, *COMMON, "--model.flavor", "tiny-moe", "--training.steps", "12",
                      "--job.dump_folder", str(tmp_path), nproc=1, check=False)
     assert proc.returncode != 0
@@ -177,7 +169,7 @@ def test_full_disk_keeps_older_checkpoints(small_fs):
 
 
 @pytest.mark.slow
-def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
+def test_kill_during_save_keeps_older_checkpoints(reference_12, tmp_path):
     run_dir = tmp_path / "cpu_dense"
     ckpt = run_dir / "checkpoint"
     args = (*COMMON, "--checkpoint.interval", "2", "--training.steps", "6", "--job.dump_folder", str(tmp_path))
@@ -193,5 +185,5 @@ def test_kill_during_save_keeps_older_checkpoints(reference, tmp_path):
     assert "steps 3-4" in proc.stdout
     after = losses_by_step(run_dir)
     for step in (3, 4):
-        assert abs(after[step] - reference[1][step]) <= 1e-6, (step, after[step], reference[1][step])
+        assert abs(after[step] - reference_12[1][step]) <= 1e-6, (step, after[step], reference_12[1][step])
     assert check_checkpoint(ckpt / "step-2") is None and check_checkpoint(ckpt / "step-4") is None

@@ -10,12 +10,11 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.run_helpers import ROOT, cached_run, free_port, losses_by_step, read_metrics, run_train, train_cmd
+from tests.run_helpers import ROOT, free_port, losses_by_step, read_metrics, run_train, train_cmd
 from workbench.run.checkpoint import verify_checkpoint
 from workbench.run.run_folder import LOCK_FILE, step_dirs
 
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored 
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
-
-
-@pytest.fixture(scope="module")
-def reference_12(tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """12 uninterrupted steps on 2 ranks, checkpoints at 4, 8, 12 (shared with test_checkpoint_recovery.py)."""
-    run_dir, _ = cached_run(tmp_path_factory, DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
-                            nproc=2)
-    return run_dir, losses_by_step(run_dir)
 
 
 def tail(proc, n: int = 3) -> str:

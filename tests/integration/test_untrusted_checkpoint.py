@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tests.run_helpers import PicklePayload, cached_run, run_train
+from tests.run_helpers import PicklePayload, run_train
 from workbench import compare, hf_export
 from workbench.core import errors
 from workbench.model import load_model
@@ -28,13 +28,6 @@ pytestmark = pytest.mark.machine_cpu_path  # no launch here is held to a stored 
 
 DENSE = "configs/cpu_dense.toml"
 COMMON = ("--model.backend", "native", "--checkpoint.enable", "true", "--lr_scheduler.total_steps", "12")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The shared 12-step, 2-rank run with checkpoints at 4, 8, 12 (the same launch as test_run_safety.py's)."""
-    return cached_run(tmp_path_factory, DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
-                      nproc=2)[0]
 
 
 def crafted_run(reference: Path, tmp_path: Path, *, update_checksum: bool = True) -> tuple[Path, Path]:
@@ -63,8 +56,8 @@ def assert_refused(line: str, run: Path) -> None:
 # ---- every entry point ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_resume_refuses_a_crafted_metadata_before_training(reference, tmp_path):
-    run, marker = crafted_run(reference, tmp_path)
+def test_resume_refuses_a_crafted_metadata_before_training(reference_12, tmp_path):
+    run, marker = crafted_run(reference_12[0], tmp_path)
     proc = run_train(DENSE, *COMMON, "--checkpoint.interval", "4", "--training.steps", "12",
                      "--job.dump_folder", str(tmp_path), check=False)
     assert proc.returncode != 0 and not marker.exists()
@@ -74,8 +67,8 @@ def test_resume_refuses_a_crafted_metadata_before_training(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_export_compare_and_load_model_refuse_a_crafted_metadata(reference, tmp_path, capsys):
-    run, marker = crafted_run(reference, tmp_path)
+def test_hf_export_compare_and_load_model_refuse_a_crafted_metadata(reference_12, tmp_path, capsys):
+    run, marker = crafted_run(reference_12[0], tmp_path)
     assert hf_export.main(["--run", str(run), "--out", str(tmp_path / "hf")]) == errors.EXIT_CHECKPOINT
     assert_refused(capsys.readouterr().err, run)
     assert not (tmp_path / "hf").exists()
@@ -92,8 +85,8 @@ def test_hf_export_compare_and_load_model_refuse_a_crafted_metadata(reference, t
 
 
 @pytest.mark.slow
-def test_a_metadata_that_does_not_match_its_checksum_is_never_parsed(reference, tmp_path):
-    run, marker = crafted_run(reference, tmp_path, update_checksum=False)
+def test_a_metadata_that_does_not_match_its_checksum_is_never_parsed(reference_12, tmp_path):
+    run, marker = crafted_run(reference_12[0], tmp_path, update_checksum=False)
     step = run / "checkpoint" / "step-4"
     assert check_checkpoint(step) == (f"{step / '.metadata'} does not match its checksum (bytes changed after the "
                                       "save); it was not read")
@@ -103,9 +96,9 @@ def test_a_metadata_that_does_not_match_its_checksum_is_never_parsed(reference, 
 
 
 @pytest.mark.slow
-def test_a_real_checkpoint_loads_through_the_allowlist(reference):
+def test_a_real_checkpoint_loads_through_the_allowlist(reference_12):
     """The run folder's own checkpoint: every class of its metadata is allowlisted and load_model reads it."""
-    md = read_metadata(reference / "checkpoint" / "step-12")
+    md = read_metadata(reference_12[0] / "checkpoint" / "step-12")
     assert len(md.state_dict_metadata) > 10
-    model = load_model(reference, step=12)
+    model = load_model(reference_12[0], step=12)
     assert model.workbench_info.backend == "native"
